@@ -1,0 +1,224 @@
+"""Model configuration: one dataclass for the Llama family, read from and written to HF `config.json`."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+@dataclass
+class Config:
+    """Shape and numerics of a Llama-family decoder (Llama 2/3.x, Mistral, Qwen2/2.5, SmolLM2, TinyLlama)."""
+
+    name: str = "custom"
+    model_type: str = "llama"
+    """Hugging Face `model_type` written back on export: llama, mistral or qwen2."""
+    vocab_size: int = 32000
+    n_layer: int = 2
+    n_embd: int = 256
+    n_head: int = 4
+    n_query_groups: int = 4
+    """Number of key/value heads (grouped-query attention); equal to n_head for multi-head attention."""
+    head_dim: int | None = None
+    """Defaults to n_embd // n_head."""
+    intermediate_size: int = 688
+    norm_eps: float = 1e-5
+    rope_base: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    """HF rope scaling dict: {"rope_type": "llama3", factor, low_freq_factor, high_freq_factor,
+    original_max_position_embeddings} or {"rope_type": "linear", factor}."""
+    max_seq_length: int = 4096
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    tie_embeddings: bool = False
+    sliding_window: int | None = None
+    """Mistral-style local attention: a token sees itself and the sliding_window - 1 tokens before it."""
+    bos_token_id: int | None = 1
+    eos_token_id: int | list[int] | None = 2
+
+    def __post_init__(self) -> None:
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"model_type {self.model_type!r} is not supported; lit-qlora covers {', '.join(SUPPORTED_MODEL_TYPES)}."
+            )
+        if self.head_dim is None:
+            self.head_dim = self.n_embd // self.n_head
+        if self.n_head % self.n_query_groups:
+            raise ValueError(f"n_head ({self.n_head}) must be a multiple of n_query_groups ({self.n_query_groups}).")
+        if self.rope_scaling is not None:
+            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
+            if kind not in ("default", "llama3", "linear"):
+                raise ValueError(f"rope scaling type {kind!r} is not supported (default, linear, llama3 are).")
+            if kind == "default":
+                self.rope_scaling = None
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        if self.eos_token_id is None:
+            return []
+        return list(self.eos_token_id) if isinstance(self.eos_token_id, (list, tuple)) else [self.eos_token_id]
+
+    # -- Hugging Face config.json ------------------------------------------------------------------------------
+    @classmethod
+    def from_hf_config(cls, hf: dict[str, Any], name: str = "custom") -> "Config":
+        """Build from a Hugging Face `config.json` dict (transformers 4.x `rope_theta`/`rope_scaling` or 5.x
+        `rope_parameters` layout)."""
+        model_type = hf.get("model_type", "llama")
+        rope = dict(hf.get("rope_parameters") or {})
+        rope_base = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
+        scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        window = hf.get("sliding_window")
+        if model_type == "qwen2" and not hf.get("use_sliding_window", False):
+            window = None
+        return cls(
+            name=name,
+            model_type=model_type,
+            vocab_size=hf["vocab_size"],
+            n_layer=hf["num_hidden_layers"],
+            n_embd=hf["hidden_size"],
+            n_head=hf["num_attention_heads"],
+            n_query_groups=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+            head_dim=hf.get("head_dim"),
+            intermediate_size=hf["intermediate_size"],
+            norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_base=float(rope_base),
+            rope_scaling=dict(scaling) if scaling else None,
+            max_seq_length=hf.get("max_position_embeddings", 4096),
+            # Qwen2 always has q/k/v biases; Llama's `attention_bias` covers q, k, v and o.
+            qkv_bias=model_type == "qwen2" or bool(hf.get("attention_bias", False)),
+            o_bias=model_type != "qwen2" and bool(hf.get("attention_bias", False)),
+            mlp_bias=bool(hf.get("mlp_bias", False)),
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            sliding_window=window,
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_id=hf.get("eos_token_id"),
+        )
+
+    @classmethod
+    def from_checkpoint(cls, checkpoint_dir: str | Path) -> "Config":
+        path = Path(checkpoint_dir) / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"{path} does not exist: a checkpoint directory needs a Hugging Face config.json. "
+                "Use `litqlora download` or `litqlora convert_gguf` to create one."
+            )
+        return cls.from_hf_config(json.loads(path.read_text()), name=Path(checkpoint_dir).name)
+
+    def to_hf_config(self, torch_dtype: str = "bfloat16") -> dict[str, Any]:
+        """The `config.json` dict `transformers` reads (4.x key names, which 5.x also accepts)."""
+        arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+        hf: dict[str, Any] = {
+            "architectures": [arch[self.model_type]],
+            "model_type": self.model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.n_embd,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.n_layer,
+            "num_attention_heads": self.n_head,
+            "num_key_value_heads": self.n_query_groups,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "max_position_embeddings": self.max_seq_length,
+            "rms_norm_eps": self.norm_eps,
+            "rope_theta": self.rope_base,
+            "rope_scaling": self.rope_scaling,
+            "tie_word_embeddings": self.tie_embeddings,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+            "torch_dtype": torch_dtype,
+            "use_cache": True,
+        }
+        if self.model_type == "llama":
+            hf["attention_bias"] = self.qkv_bias
+            hf["mlp_bias"] = self.mlp_bias
+        if self.model_type in ("mistral", "qwen2"):
+            hf["sliding_window"] = self.sliding_window
+        if self.model_type == "qwen2":
+            hf["use_sliding_window"] = self.sliding_window is not None
+        return hf
+
+    def replace(self, **changes: Any) -> "Config":
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_name(cls, name: str, **overrides: Any) -> "Config":
+        if name not in PRESETS:
+            raise ValueError(f"Unknown model preset {name!r}. Known presets: {', '.join(sorted(PRESETS))}.")
+        return replace(PRESETS[name], **overrides)
+
+
+def _llama3_scaling(factor: float, original: int) -> dict[str, Any]:
+    return {
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": original,
+    }
+
+
+# Shapes of the common checkpoints (from their published config.json files).
+PRESETS: dict[str, Config] = {
+    c.name: c
+    for c in [
+        Config("SmolLM2-135M", "llama", 49152, 30, 576, 9, 3, 64, 1536, 1e-5, 100000.0, None, 8192,
+               tie_embeddings=True, bos_token_id=1, eos_token_id=2),
+        Config("SmolLM2-360M", "llama", 49152, 32, 960, 15, 5, 64, 2560, 1e-5, 100000.0, None, 8192,
+               tie_embeddings=True, bos_token_id=1, eos_token_id=2),
+        Config("SmolLM2-1.7B", "llama", 49152, 24, 2048, 32, 32, 64, 8192, 1e-5, 130000.0, None, 8192,
+               tie_embeddings=True, bos_token_id=1, eos_token_id=2),
+        Config("TinyLlama-1.1B", "llama", 32000, 22, 2048, 32, 4, 64, 5632, 1e-5, 10000.0, None, 2048),
+        Config("Llama-2-7b", "llama", 32000, 32, 4096, 32, 32, 128, 11008, 1e-5, 10000.0, None, 4096),
+        Config("Llama-2-13b", "llama", 32000, 40, 5120, 40, 40, 128, 13824, 1e-5, 10000.0, None, 4096),
+        Config("Llama-3-8B", "llama", 128256, 32, 4096, 32, 8, 128, 14336, 1e-5, 500000.0, None, 8192,
+               bos_token_id=128000, eos_token_id=128001),
+        Config("Llama-3.1-8B", "llama", 128256, 32, 4096, 32, 8, 128, 14336, 1e-5, 500000.0,
+               _llama3_scaling(8.0, 8192), 131072, bos_token_id=128000, eos_token_id=128001),
+        Config("Llama-3.2-1B", "llama", 128256, 16, 2048, 32, 8, 64, 8192, 1e-5, 500000.0,
+               _llama3_scaling(32.0, 8192), 131072, tie_embeddings=True, bos_token_id=128000, eos_token_id=128001),
+        Config("Llama-3.2-3B", "llama", 128256, 28, 3072, 24, 8, 128, 8192, 1e-5, 500000.0,
+               _llama3_scaling(32.0, 8192), 131072, tie_embeddings=True, bos_token_id=128000, eos_token_id=128001),
+        Config("Mistral-7B-v0.1", "mistral", 32000, 32, 4096, 32, 8, 128, 14336, 1e-5, 10000.0, None, 32768,
+               sliding_window=4096),
+        Config("Qwen2.5-0.5B", "qwen2", 151936, 24, 896, 14, 2, 64, 4864, 1e-6, 1000000.0, None, 32768,
+               qkv_bias=True, tie_embeddings=True, bos_token_id=151643, eos_token_id=151643),
+        Config("Qwen2.5-1.5B", "qwen2", 151936, 28, 1536, 12, 2, 128, 8960, 1e-6, 1000000.0, None, 32768,
+               qkv_bias=True, tie_embeddings=True, bos_token_id=151643, eos_token_id=151643),
+        Config("Qwen2.5-7B", "qwen2", 152064, 28, 3584, 28, 4, 128, 18944, 1e-6, 1000000.0, None, 32768,
+               qkv_bias=True, bos_token_id=151643, eos_token_id=151643),
+    ]
+}
+
+
+def rope_inv_freq(config: Config, device=None):
+    """RoPE inverse frequencies, with Llama-3 or linear scaling applied (matches transformers)."""
+    import torch
+
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_base ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim))
+    scaling = config.rope_scaling
+    if not scaling:
+        return inv_freq
+    kind = scaling.get("rope_type", scaling.get("type"))
+    factor = float(scaling["factor"])
+    if kind == "linear":
+        return inv_freq / factor
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    old_len = float(scaling["original_max_position_embeddings"])
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated smoothly.
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)

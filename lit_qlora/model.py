@@ -1,0 +1,186 @@
+"""The Llama-family decoder, in one file.
+
+Module names follow Hugging Face's (`model.layers.3.self_attn.q_proj`, `lm_head`) so checkpoints map 1:1 and
+PEFT adapters need no renaming. Every projection is its own `nn.Linear`: LoRA and NF4 see each one separately.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from lit_qlora.config import Config, rope_inv_freq
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalize in fp32 (bf16 variance underflows), scale in the input dtype: as transformers does.
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + rotate_half(x) * sin
+
+
+class KVCache(nn.Module):
+    def __init__(self, batch_size: int, n_kv: int, max_len: int, head_dim: int, device=None, dtype=None) -> None:
+        super().__init__()
+        shape = (batch_size, n_kv, max_len, head_dim)
+        self.register_buffer("k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+
+    def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        self.k[: k.size(0)].index_copy_(2, input_pos, k.to(self.k.dtype))
+        self.v[: v.size(0)].index_copy_(2, input_pos, v.to(self.v.dtype))
+        return self.k[: k.size(0)], self.v[: v.size(0)]
+
+
+class Attention(nn.Module):
+    def __init__(self, config: Config) -> None:
+        super().__init__()
+        self.config = config
+        hd, nh, nkv = config.head_dim, config.n_head, config.n_query_groups
+        self.q_proj = nn.Linear(config.n_embd, nh * hd, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(config.n_embd, nkv * hd, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(config.n_embd, nkv * hd, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(nh * hd, config.n_embd, bias=config.o_bias)
+        self.kv_cache: Optional[KVCache] = None
+
+    def forward(self, x, cos, sin, mask: Optional[torch.Tensor], input_pos: Optional[torch.Tensor]) -> torch.Tensor:
+        B, T, _ = x.shape
+        hd = self.config.head_dim
+        q = self.q_proj(x).view(B, T, -1, hd).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, -1, hd).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, -1, hd).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.kv_cache is not None:
+            if input_pos is None:
+                raise ValueError("input_pos is required when the KV cache is in use.")
+            k, v = self.kv_cache.update(input_pos, k, v)
+            k, v = k.to(q.dtype), v.to(q.dtype)
+        gqa = self.config.n_head != self.config.n_query_groups
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: Config) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.n_embd, config.intermediate_size, bias=config.mlp_bias)
+        self.up_proj = nn.Linear(config.n_embd, config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.n_embd, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, config: Config) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.n_embd, config.norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.n_embd, config.norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, mask=None, input_pos=None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, input_pos)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Transformer(nn.Module):
+    """Decoder-only LM. `forward(idx)` -> logits; `forward(idx, input_pos=...)` after `set_kv_cache` decodes."""
+
+    def __init__(self, config: Config) -> None:
+        super().__init__()
+        self.config = config
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(config.vocab_size, config.n_embd)
+        self.model.layers = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.model.norm = RMSNorm(config.n_embd, config.norm_eps)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.max_cache_len = 0
+
+    @property
+    def blocks(self) -> nn.ModuleList:
+        return self.model.layers
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        inv_freq = rope_inv_freq(self.config, positions.device)
+        freqs = positions.float()[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def attention_mask(self, q_pos: torch.Tensor, kv_len: int) -> Optional[torch.Tensor]:
+        """Boolean (T, kv_len) mask, or None when plain causal attention (`is_causal`) is exact."""
+        window = self.config.sliding_window
+        decoding = self.max_cache_len > 0
+        if not decoding and (window is None or q_pos.numel() <= window):
+            return None
+        kv_pos = torch.arange(kv_len, device=q_pos.device)
+        mask = kv_pos[None, :] <= q_pos[:, None]
+        if window is not None:
+            mask &= (q_pos[:, None] - kv_pos[None, :]) < window
+        return mask
+
+    def forward_hidden(self, idx: torch.Tensor, input_pos: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Final-norm hidden states (B, T, n_embd): what the head (or a chunked loss) consumes."""
+        T = idx.size(1)
+        if input_pos is None and self.max_cache_len:
+            raise ValueError("input_pos is required after set_kv_cache().")
+        positions = input_pos if input_pos is not None else torch.arange(T, device=idx.device)
+        x = self.model.embed_tokens(idx)
+        cos, sin = self.rope(positions, x.dtype)
+        kv_len = self.max_cache_len if self.max_cache_len else T
+        mask = self.attention_mask(positions, kv_len)
+        for block in self.model.layers:
+            x = block(x, cos, sin, mask, input_pos)
+        return self.model.norm(x)
+
+    def forward(self, idx: torch.Tensor, input_pos: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return self.lm_head(self.forward_hidden(idx, input_pos))
+
+    def set_kv_cache(self, batch_size: int, max_len: Optional[int] = None, device=None, dtype=None) -> None:
+        max_len = max_len or self.config.max_seq_length
+        ref = self.model.embed_tokens.weight
+        device = device or ref.device
+        dtype = dtype or (ref.dtype if ref.dtype.is_floating_point else torch.bfloat16)
+        c = self.config
+        for block in self.model.layers:
+            block.self_attn.kv_cache = KVCache(batch_size, c.n_query_groups, max_len, c.head_dim, device, dtype)
+        self.max_cache_len = max_len
+
+    def clear_kv_cache(self) -> None:
+        for block in self.model.layers:
+            block.self_attn.kv_cache = None
+        self.max_cache_len = 0
+
+    def init_weights(self, std: float = 0.02) -> None:
+        """Random initialization for tests and benchmarks (real runs load a checkpoint)."""
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=std)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, RMSNorm):
+                module.reset_parameters()

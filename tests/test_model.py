@@ -1,0 +1,106 @@
+"""Our decoder against transformers' reference implementations, on tiny random configs."""
+
+import pytest
+import torch
+
+from lit_qlora.config import PRESETS, Config
+from lit_qlora.model import Transformer
+
+transformers = pytest.importorskip("transformers")
+
+LLAMA3_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
+
+BASE = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=5000.0)
+
+CASES = {
+    "llama-untied": ("LlamaConfig", dict(tie_word_embeddings=False)),
+    "llama-tied-llama3-rope": ("LlamaConfig", dict(tie_word_embeddings=True, rope_scaling=LLAMA3_SCALING)),
+    "llama-linear-rope-bias": ("LlamaConfig", dict(rope_scaling={"rope_type": "linear", "factor": 2.0},
+                                                   attention_bias=True, mlp_bias=True)),
+    "llama-head-dim": ("LlamaConfig", dict(head_dim=32)),
+    "mistral-sliding-window": ("MistralConfig", dict(sliding_window=5)),
+    "qwen2-qkv-bias-tied": ("Qwen2Config", dict(tie_word_embeddings=True)),
+    "qwen2-untied-llama3": ("Qwen2Config", dict(tie_word_embeddings=False, rope_scaling=LLAMA3_SCALING)),
+}
+
+
+def reference_and_ours(kind, extra, seed=0):
+    torch.manual_seed(seed)
+    hf_config = getattr(transformers, kind)(**BASE, **extra)
+    hf_config._attn_implementation = "eager"
+    hf_model = transformers.AutoModelForCausalLM.from_config(hf_config).float().eval()
+    # Non-trivial norms and biases so a wrong mapping cannot hide behind ones and zeros.
+    with torch.no_grad():
+        for name, p in hf_model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    config = Config.from_hf_config(hf_config.to_dict())
+    ours = Transformer(config).eval()
+    missing, unexpected = ours.load_state_dict(hf_model.state_dict(), strict=False)
+    assert not unexpected
+    assert set(missing) <= {"lm_head.weight"}
+    return hf_model, ours, config
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_logits_match_transformers(case):
+    kind, extra = CASES[case]
+    hf_model, ours, _ = reference_and_ours(kind, extra)
+    idx = torch.randint(0, 97, (2, 40))
+    with torch.no_grad():
+        expected = hf_model(idx).logits
+        actual = ours(idx)
+    assert actual.shape == expected.shape
+    assert (actual - expected).abs().max().item() <= 1e-4
+
+
+def test_sliding_window_changes_the_result():
+    # Guards the Mistral case above: a window shorter than the sequence must matter.
+    _, ours, config = reference_and_ours("MistralConfig", dict(sliding_window=5))
+    idx = torch.randint(0, 97, (1, 30))
+    full = Transformer(config.replace(sliding_window=None)).eval()
+    full.load_state_dict(ours.state_dict())
+    with torch.no_grad():
+        assert torch.allclose(ours(idx)[:, :5], full(idx)[:, :5], atol=1e-5)
+        assert (ours(idx)[:, 10:] - full(idx)[:, 10:]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("case", ["llama-untied", "mistral-sliding-window", "qwen2-qkv-bias-tied"])
+def test_kv_cache_decoding_matches_full_forward(case):
+    kind, extra = CASES[case]
+    _, ours, _ = reference_and_ours(kind, extra)
+    idx = torch.randint(0, 97, (2, 24))
+    with torch.no_grad():
+        full = ours(idx)
+        ours.set_kv_cache(batch_size=2, max_len=32, dtype=torch.float32)
+        prefill = ours(idx[:, :16], input_pos=torch.arange(16))
+        steps = [ours(idx[:, t : t + 1], input_pos=torch.tensor([t])) for t in range(16, 24)]
+        ours.clear_kv_cache()
+    assert torch.allclose(prefill, full[:, :16], atol=1e-5)
+    assert torch.allclose(torch.cat(steps, dim=1), full[:, 16:], atol=1e-5)
+
+
+def test_hf_config_round_trip():
+    for name, config in PRESETS.items():
+        again = Config.from_hf_config(config.to_hf_config(), name=name)
+        assert again == config, name
+
+
+def test_tied_embeddings_share_storage():
+    model = Transformer(PRESETS["SmolLM2-135M"].replace(n_layer=1))
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    model = Transformer(PRESETS["TinyLlama-1.1B"].replace(n_layer=1, vocab_size=128, n_embd=64, n_head=4,
+                                                        n_query_groups=2, head_dim=16, intermediate_size=32))
+    assert model.lm_head.weight is not model.model.embed_tokens.weight
+
+
+def test_unsupported_model_type_is_rejected():
+    with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):
+        Config(model_type="gpt2")
