@@ -1,0 +1,257 @@
+"""Hugging Face checkpoints in and out: streaming load onto a `meta` model, streaming safetensors export.
+
+Loading never materializes the whole state dict: tensors are read one at a time (safetensors are memory-mapped)
+and put in place, optionally transformed on the way (the NF4 loader quantizes each linear weight as it arrives).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+from pathlib import Path
+from typing import Callable, Iterable, Iterator, Optional
+
+import torch
+import torch.nn as nn
+
+from lit_qlora.config import Config
+from lit_qlora.model import Transformer
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "tokenizer.model",
+)
+
+# Keys some checkpoints carry that are derived, not learned.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory or file that cannot be used, with what to do about it."""
+
+
+def weight_files(checkpoint_dir: Path) -> list[Path]:
+    """The weight files of a HF directory: sharded or single safetensors first, then pytorch_model.bin."""
+    checkpoint_dir = Path(checkpoint_dir)
+    if not checkpoint_dir.is_dir():
+        raise CheckpointError(
+            f"Checkpoint directory {checkpoint_dir} does not exist. Download one with `litqlora download REPO_ID` "
+            "or convert a GGUF file with `litqlora convert_gguf FILE --out_dir DIR`."
+        )
+    for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        index = checkpoint_dir / index_name
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as e:
+                raise CheckpointError(f"{index} is not a valid shard index (needs a 'weight_map'): {e}") from None
+            files = [checkpoint_dir / name for name in dict.fromkeys(weight_map.values())]
+            missing = [f.name for f in files if not f.is_file()]
+            if missing:
+                raise CheckpointError(f"{index} lists shards that are not in {checkpoint_dir}: {', '.join(missing)}.")
+            return files
+    for name in ("model.safetensors", "pytorch_model.bin"):
+        if (checkpoint_dir / name).is_file():
+            return [checkpoint_dir / name]
+    raise CheckpointError(
+        f"{checkpoint_dir} has no weights: expected model.safetensors, model.safetensors.index.json with its "
+        "shards, or pytorch_model.bin. Point --checkpoint_dir at a Hugging Face model directory."
+    )
+
+
+def iter_tensors(checkpoint_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) one at a time from every weight file of the checkpoint."""
+    from safetensors import safe_open
+
+    for path in weight_files(checkpoint_dir):
+        if path.suffix == ".safetensors":
+            try:
+                handle = safe_open(str(path), framework="pt", device="cpu")
+            except Exception as e:  # safetensors has its own error types for bad headers and sizes
+                raise CheckpointError(f"{path} is not a readable safetensors file ({e}). Re-download it.") from None
+            with handle as f:
+                for key in f.keys():
+                    yield key, f.get_tensor(key)
+        else:
+            # Never unpickle arbitrary objects: weights_only restricts the loader to tensors and containers.
+            try:
+                state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError:  # legacy (non-zip) files cannot be memory-mapped
+                state = torch.load(path, map_location="cpu", weights_only=True)
+            for key in list(state):
+                yield key, state.pop(key)
+
+
+def set_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """Replace the parameter or buffer `name` of `model` with `tensor` (no copy, works on meta models)."""
+    module_name, _, leaf = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    if leaf in module._parameters:
+        module._parameters[leaf] = nn.Parameter(tensor, requires_grad=tensor.is_floating_point())
+    elif leaf in module._buffers:
+        module._buffers[leaf] = tensor
+    else:
+        raise KeyError(name)
+
+
+Transform = Callable[[str, torch.Tensor], torch.Tensor]
+
+
+def load_checkpoint(
+    checkpoint_dir: Path | str,
+    dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str = "cpu",
+    transform: Optional[Transform] = None,
+    config: Optional[Config] = None,
+) -> Transformer:
+    """Build the model on `meta` and stream the checkpoint into it, one tensor at a time.
+
+    `transform(name, tensor)` sees each floating tensor after the dtype cast and before placement (quantization
+    hooks in here). Peak memory is the final model plus one tensor.
+    """
+    checkpoint_dir = Path(checkpoint_dir)
+    config = config or Config.from_checkpoint(checkpoint_dir)
+    with torch.device("meta"):
+        model = Transformer(config)
+    expected = dict(model.state_dict(keep_vars=True))
+    tied = config.tie_embeddings
+    loaded: set[str] = set()
+    for name, tensor in iter_tensors(checkpoint_dir):
+        if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
+            continue
+        if name not in expected:
+            raise CheckpointError(
+                f"{checkpoint_dir}: tensor {name!r} has no place in a {config.model_type} model with this "
+                "config.json. Check that the weights and config.json belong to the same model."
+            )
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise CheckpointError(
+                f"{checkpoint_dir}: tensor {name!r} has shape {tuple(tensor.shape)}, config.json implies "
+                f"{tuple(expected[name].shape)}. The weights and config.json do not match."
+            )
+        if tensor.is_floating_point():
+            tensor = tensor.to(device=device, dtype=dtype)
+            if transform is not None:
+                tensor = transform(name, tensor)
+        else:
+            tensor = tensor.to(device)
+        set_tensor(model, name, tensor)
+        loaded.add(name)
+    missing = sorted(set(expected) - loaded - ({"lm_head.weight"} if tied else set()))
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise CheckpointError(f"{checkpoint_dir} is missing tensors the model needs: {shown}.")
+    if tied:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model
+
+
+# -- writing -----------------------------------------------------------------------------------------------------
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL",
+}  # fmt: skip
+
+
+class TensorSpec:
+    """A tensor to be written: its name, shape and dtype up front, its data produced only when written."""
+
+    def __init__(self, name: str, shape: Iterable[int], dtype: torch.dtype, produce: Callable[[], torch.Tensor]):
+        self.name, self.shape, self.dtype, self.produce = name, tuple(shape), dtype, produce
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n * self.dtype.itemsize
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_safetensors(path: Path, specs: list[TensorSpec], metadata: Optional[dict[str, str]] = None) -> None:
+    """Write a safetensors file tensor by tensor, so only one tensor's data is ever produced at a time.
+
+    The header (names, shapes, offsets) is known from the specs; data follows in the same order. Written to a
+    temporary name, fsynced, then renamed: a kill leaves either the old file or the new one.
+    """
+    header: dict = {}
+    offset = 0
+    for spec in specs:
+        header[spec.name] = {
+            "dtype": _SAFETENSORS_DTYPES[spec.dtype],
+            "shape": list(spec.shape),
+            "data_offsets": [offset, offset + spec.nbytes],
+        }
+        offset += spec.nbytes
+    if metadata:
+        header["__metadata__"] = metadata
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for spec in specs:
+            tensor = spec.produce()
+            if tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype:
+                raise RuntimeError(f"{spec.name}: produced {tuple(tensor.shape)} {tensor.dtype}, declared "
+                                   f"{spec.shape} {spec.dtype}")
+            data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+            f.write(memoryview(data.numpy()))
+            del tensor, data
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def export_specs(model: Transformer, dtype: torch.dtype) -> list[TensorSpec]:
+    """Specs for the HF `model.safetensors` of `model`, each tensor cast to `dtype` only when written."""
+    specs = []
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if model.config.tie_embeddings and name == "lm_head.weight":
+            continue
+        out_dtype = dtype if tensor.is_floating_point() else tensor.dtype
+        specs.append(TensorSpec(name, tensor.shape, out_dtype, lambda t=tensor, d=out_dtype: t.detach().to(d)))
+    return specs
+
+
+def copy_tokenizer_files(src_dir: Path, out_dir: Path) -> list[str]:
+    copied = []
+    for name in TOKENIZER_FILES:
+        if (Path(src_dir) / name).is_file():
+            shutil.copyfile(Path(src_dir) / name, Path(out_dir) / (name + ".tmp"))
+            os.replace(Path(out_dir) / (name + ".tmp"), Path(out_dir) / name)
+            copied.append(name)
+    return copied
+
+
+def save_hf_checkpoint(
+    out_dir: Path | str,
+    config: Config,
+    specs: list[TensorSpec],
+    tokenizer_dir: Optional[Path] = None,
+    dtype: torch.dtype = torch.bfloat16,
+) -> Path:
+    """Write a Hugging Face directory (`config.json`, `model.safetensors`, tokenizer files) that transformers loads."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_safetensors(out_dir / "model.safetensors", specs, metadata={"format": "pt"})
+    if tokenizer_dir is not None:
+        copy_tokenizer_files(Path(tokenizer_dir), out_dir)
+    hf = config.to_hf_config(torch_dtype=str(dtype).removeprefix("torch."))
+    atomic_write_text(out_dir / "config.json", json.dumps(hf, indent=2) + "\n")
+    return out_dir

@@ -1,0 +1,45 @@
+"""`litqlora` entry point: jsonargparse subcommands over plain functions; help text comes from their docstrings."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def commands() -> dict:
+    from lit_qlora.download import download
+    from lit_qlora.generate import generate_command
+    from lit_qlora.gguf_import import convert_gguf_command
+
+    return {
+        "download": download,
+        "convert_gguf": convert_gguf_command,
+        "generate": generate_command,
+    }
+
+
+# Errors whose message is the whole story for a user: print it, exit 1, no traceback (unless --debug).
+def user_errors() -> tuple[type[BaseException], ...]:
+    return (ValueError, FileNotFoundError, NotADirectoryError, PermissionError, RuntimeError)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv or os.environ.get("LITQLORA_DEBUG") == "1"
+    argv = [a for a in argv if a != "--debug"]
+    from jsonargparse import auto_cli
+
+    try:
+        auto_cli(commands(), args=argv, as_positional=True)
+    except user_errors() as e:
+        if debug:
+            raise
+        print(f"litqlora: error: {e}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        print("litqlora: interrupted", file=sys.stderr)
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""Sampling with the KV cache, and the `litqlora generate` command (a sanity check of a checkpoint)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Iterator, Literal, Optional, Sequence
+
+import torch
+
+from lit_qlora.model import Transformer
+
+
+def sample(logits: torch.Tensor, temperature: float, top_k: Optional[int], generator: torch.Generator) -> int:
+    if temperature <= 0:
+        return int(torch.argmax(logits).item())
+    logits = logits.float() / temperature
+    if top_k is not None and top_k < logits.size(-1):
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+@torch.inference_mode()
+def generate(
+    model: Transformer,
+    prompt: Sequence[int],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: Optional[int] = None,
+    stop_ids: Sequence[int] = (),
+    seed: int = 1234,
+) -> Iterator[int]:
+    """Yield new token ids one by one; stops after `max_new_tokens` or at a stop id (which is not yielded)."""
+    device = next(model.parameters()).device
+    max_len = min(len(prompt) + max_new_tokens, model.config.max_seq_length)
+    if len(prompt) >= max_len:
+        raise ValueError(f"The prompt has {len(prompt)} tokens; the model's context is {model.config.max_seq_length}.")
+    generator = torch.Generator(device=device).manual_seed(seed)
+    model.set_kv_cache(batch_size=1, max_len=max_len, device=device)
+    try:
+        idx = torch.tensor([list(prompt)], device=device)
+        input_pos = torch.arange(len(prompt), device=device)
+        for _ in range(max_len - len(prompt)):
+            logits = model(idx, input_pos=input_pos)[0, -1]
+            token = sample(logits, temperature, top_k, generator)
+            if token in stop_ids:
+                return
+            yield token
+            idx = torch.tensor([[token]], device=device)
+            input_pos = input_pos[-1:] + 1
+    finally:
+        model.clear_kv_cache()
+
+
+DEFAULT_CHECKPOINT = Path("checkpoints/SmolLM2-135M-Instruct")
+
+
+def generate_command(
+    prompt: Optional[str] = None,
+    checkpoint_dir: Path = DEFAULT_CHECKPOINT,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    top_k: Optional[int] = None,
+    seed: int = 1234,
+    precision: Literal["bf16-true", "16-true", "32-true"] = "bf16-true",
+    chat_template: bool = True,
+) -> str:
+    """Generate a reply to PROMPT with a checkpoint and print only the generated text.
+
+    Args:
+        prompt: The user's message (required).
+        checkpoint_dir: Hugging Face model directory (config.json, safetensors, tokenizer.json).
+        max_new_tokens: Upper bound on generated tokens.
+        temperature: 0 is greedy decoding; above 0 samples.
+        top_k: Sample among the k most likely tokens only.
+        seed: Seed of the sampler (repeatable sampling).
+        precision: Weights and compute dtype: bf16-true, 16-true (fp16) or 32-true (fp32).
+        chat_template: Wrap the prompt in the checkpoint's chat template when it has one.
+    """
+    from lit_qlora.checkpoint import load_checkpoint
+    from lit_qlora.tokenizer import Tokenizer
+
+    if prompt is None:
+        raise ValueError("--prompt is required: the text to answer, e.g. --prompt 'What is the capital of France?'.")
+    dtype = {"bf16-true": torch.bfloat16, "16-true": torch.float16, "32-true": torch.float32}[precision]
+    tokenizer = Tokenizer(checkpoint_dir)
+    model = load_checkpoint(checkpoint_dir, dtype=dtype).eval()
+    if chat_template and tokenizer.has_chat_template:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+        ids = tokenizer.encode(text, bos=False)
+    else:
+        ids = tokenizer.encode(prompt)
+    out: list[int] = []
+    printed = ""
+    for token in generate(model, ids, max_new_tokens, temperature, top_k, tokenizer.eos_ids, seed):
+        out.append(token)
+        # Decode the whole reply each time: multi-byte characters span tokens.
+        text = tokenizer.decode(out)
+        if not text.endswith("\ufffd"):
+            sys.stdout.write(text[len(printed):])
+            sys.stdout.flush()
+            printed = text
+    reply = tokenizer.decode(out)
+    sys.stdout.write(reply[len(printed):] + "\n")
+    sys.stdout.flush()
+    return reply
