@@ -64,19 +64,58 @@ def weight_files(checkpoint_dir: Path) -> list[Path]:
     )
 
 
+_DTYPES_BY_NAME = {
+    "F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}  # fmt: skip
+
+
+def read_safetensors_header(path: Path) -> tuple[int, dict]:
+    """(data start offset, header dict) of a safetensors file, validated against the file size."""
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > size - 8:
+                raise ValueError(f"header length {n} exceeds the file size {size}")
+            header = json.loads(f.read(n))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        if 8 + n + end > size:
+            raise ValueError(f"tensor data ends at byte {8 + n + end}, the file has {size} (truncated?)")
+    except (struct.error, ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path} is not a readable safetensors file ({e}). Re-download or re-export it.") from None
+    return 8 + n, header
+
+
+def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Read tensors one at a time into fresh memory with plain file reads.
+
+    Not memory-mapped on purpose: mapped pages of the whole file would count in RSS next to the converted or
+    quantized copies, doubling the peak.
+    """
+    start, header = read_safetensors_header(path)
+    with open(path, "rb") as f:
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            if info["dtype"] not in _DTYPES_BY_NAME:
+                raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {info['dtype']}.")
+            tensor = torch.empty(info["shape"], dtype=_DTYPES_BY_NAME[info["dtype"]])
+            begin, end = info["data_offsets"]
+            if end - begin != tensor.nbytes:
+                raise CheckpointError(f"{path}: tensor {name!r} has {end - begin} bytes for shape {info['shape']}.")
+            f.seek(start + begin)
+            if tensor.nbytes:
+                f.readinto(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
+            yield name, tensor
+
+
 def iter_tensors(checkpoint_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) one at a time from every weight file of the checkpoint."""
-    from safetensors import safe_open
-
     for path in weight_files(checkpoint_dir):
         if path.suffix == ".safetensors":
-            try:
-                handle = safe_open(str(path), framework="pt", device="cpu")
-            except Exception as e:  # safetensors has its own error types for bad headers and sizes
-                raise CheckpointError(f"{path} is not a readable safetensors file ({e}). Re-download it.") from None
-            with handle as f:
-                for key in f.keys():
-                    yield key, f.get_tensor(key)
+            yield from iter_safetensors(path)
         else:
             # Never unpickle arbitrary objects: weights_only restricts the loader to tensors and containers.
             try:
@@ -152,11 +191,7 @@ def load_checkpoint(
 
 
 # -- writing -----------------------------------------------------------------------------------------------------
-_SAFETENSORS_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL",
-}  # fmt: skip
+_SAFETENSORS_DTYPES = {dtype: name for name, dtype in _DTYPES_BY_NAME.items()}
 
 
 class TensorSpec:

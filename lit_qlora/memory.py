@@ -1,0 +1,48 @@
+"""Memory accounting: resident bytes of a module (NF4 tensors counted by their packed storage) and peak RSS."""
+
+from __future__ import annotations
+
+import resource
+import sys
+
+import torch
+import torch.nn as nn
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    """Bytes a tensor keeps resident; tensor subclasses (torchao NF4Tensor) by their inner tensors."""
+    if type(t) not in (torch.Tensor, nn.Parameter) and hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        return sum(tensor_bytes(getattr(t, n)) for n in names)
+    if t.is_meta:
+        return 0
+    return t.untyped_storage().nbytes()
+
+
+def module_bytes(module: nn.Module) -> int:
+    """Resident bytes of all parameters and buffers, each storage counted once (tied weights share one)."""
+    seen: set[int] = set()
+    total = 0
+    for t in list(module.parameters()) + list(module.buffers()):
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        total += tensor_bytes(t)
+    return total
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size so far, from the OS.
+
+    On Linux this is VmHWM: getrusage's ru_maxrss survives exec, so a child started from a big parent would
+    report the parent's peak.
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB, macOS bytes
