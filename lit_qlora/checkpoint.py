@@ -253,17 +253,6 @@ def write_safetensors(path: Path, specs: list[TensorSpec], metadata: Optional[di
     os.replace(tmp, path)
 
 
-def export_specs(model: Transformer, dtype: torch.dtype) -> list[TensorSpec]:
-    """Specs for the HF `model.safetensors` of `model`, each tensor cast to `dtype` only when written."""
-    specs = []
-    for name, tensor in model.state_dict(keep_vars=True).items():
-        if model.config.tie_embeddings and name == "lm_head.weight":
-            continue
-        out_dtype = dtype if tensor.is_floating_point() else tensor.dtype
-        specs.append(TensorSpec(name, tensor.shape, out_dtype, lambda t=tensor, d=out_dtype: t.detach().to(d)))
-    return specs
-
-
 def copy_tokenizer_files(src_dir: Path, out_dir: Path) -> list[str]:
     copied = []
     for name in TOKENIZER_FILES:

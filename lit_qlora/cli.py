@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 
@@ -23,10 +24,19 @@ def user_errors() -> tuple[type[BaseException], ...]:
     return (ValueError, FileNotFoundError, NotADirectoryError, PermissionError, RuntimeError)
 
 
+def quiet_library_logs() -> None:
+    # torchao warns at import about CUDA-only kernels it cannot load on CPU, torch about a pytree
+    # deprecation inside torchao: neither concerns NF4, and both would bury our output.
+    for name in ("torchao", "torch.utils._pytree"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv or os.environ.get("LITQLORA_DEBUG") == "1"
     argv = [a for a in argv if a != "--debug"]
+    if not debug:
+        quiet_library_logs()
     from jsonargparse import auto_cli
 
     try:

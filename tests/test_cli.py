@@ -1,0 +1,49 @@
+"""The `litqlora` command line as a user runs it: subprocesses, exit codes, stdout/stderr."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def litqlora(*args, env=None, timeout=600):
+    return subprocess.run([sys.executable, "-m", "lit_qlora.cli", *map(str, args)], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=timeout)
+
+
+def test_help_comes_from_docstrings():
+    out = litqlora("generate", "--help")
+    assert out.returncode == 0
+    assert "Greedy" in out.stdout or "greedy" in out.stdout
+    assert "--checkpoint_dir" in out.stdout and "--max_new_tokens" in out.stdout
+
+
+def test_download_offline_is_one_clear_line(tmp_path):
+    out = litqlora("download", "HuggingFaceTB/SmolLM2-135M-Instruct", "--out_dir", tmp_path / "d",
+                   env={"HF_HUB_OFFLINE": "1"})
+    assert out.returncode == 1
+    assert "Traceback" not in out.stderr
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "offline" in lines[0] and "convert_gguf" in lines[0]
+
+
+def test_missing_checkpoint_is_a_clear_error(tmp_path):
+    out = litqlora("generate", "--checkpoint_dir", tmp_path / "nope", "--prompt", "hi")
+    assert out.returncode == 1
+    assert "Traceback" not in out.stderr
+    assert "nope" in out.stderr
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    out = litqlora("generate", "--checkpoint_dir", tmp_path / "nope", "--prompt", "hi", "--debug")
+    assert out.returncode != 0 and "Traceback" in out.stderr
+
+
+@pytest.mark.slow
+def test_generate_answers_paris(smollm2_dir):
+    out = litqlora("generate", "--checkpoint_dir", smollm2_dir, "--prompt", "What is the capital of France?")
+    assert out.returncode == 0, out.stderr
+    assert "Paris" in out.stdout
+    # Only the reply: no prompt echo, no template tokens.
+    assert "<|im_start|>" not in out.stdout and "What is the capital" not in out.stdout
