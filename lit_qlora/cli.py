@@ -9,6 +9,7 @@ import sys
 
 def commands() -> dict:
     from lit_qlora.download import download
+    from lit_qlora.export import export_peft, merge
     from lit_qlora.generate import generate_command
     from lit_qlora.gguf_import import convert_gguf_command
 
@@ -16,6 +17,8 @@ def commands() -> dict:
         "download": download,
         "convert_gguf": convert_gguf_command,
         "generate": generate_command,
+        "merge": merge,
+        "export_peft": export_peft,
     }
 
 
@@ -31,6 +34,16 @@ def quiet_library_logs() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
+# Commands whose first argument may be given bare (`litqlora download REPO_ID`); every other argument is a flag.
+POSITIONAL = {"download": "repo_id", "convert_gguf": "file"}
+
+
+def expand_positional(argv: list[str]) -> list[str]:
+    if len(argv) > 1 and argv[0] in POSITIONAL and not argv[1].startswith("-"):
+        return [argv[0], f"--{POSITIONAL[argv[0]]}", *argv[1:]]
+    return argv
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv or os.environ.get("LITQLORA_DEBUG") == "1"
@@ -40,7 +53,7 @@ def main(argv: list[str] | None = None) -> None:
     from jsonargparse import auto_cli
 
     try:
-        auto_cli(commands(), args=argv, as_positional=True)
+        auto_cli(commands(), args=expand_positional(argv), as_positional=False)
     except user_errors() as e:
         if debug:
             raise

@@ -58,7 +58,7 @@ DEFAULT_CHECKPOINT = Path("checkpoints/SmolLM2-135M-Instruct")
 
 
 def generate_command(
-    prompt: Optional[str] = None,
+    prompt: str,
     checkpoint_dir: Path = DEFAULT_CHECKPOINT,
     max_new_tokens: int = 128,
     temperature: float = 0.0,
@@ -72,7 +72,7 @@ def generate_command(
     """Generate a reply to PROMPT with a checkpoint and print only the generated text.
 
     Args:
-        prompt: The user's message (required).
+        prompt: The user's message.
         checkpoint_dir: Hugging Face model directory (config.json, safetensors, tokenizer.json).
         max_new_tokens: Upper bound on generated tokens.
         temperature: 0 is greedy decoding; above 0 samples.
@@ -87,8 +87,6 @@ def generate_command(
     from lit_qlora.export import load_adapted_model, load_base
     from lit_qlora.tokenizer import Tokenizer
 
-    if prompt is None:
-        raise ValueError("--prompt is required: the text to answer, e.g. --prompt 'What is the capital of France?'.")
     dtype = {"bf16-true": torch.bfloat16, "16-true": torch.float16, "32-true": torch.float32}[precision]
     tokenizer = Tokenizer(checkpoint_dir)
     if adapter_dir is not None:

@@ -47,3 +47,12 @@ def test_generate_answers_paris(smollm2_dir):
     assert "Paris" in out.stdout
     # Only the reply: no prompt echo, no template tokens.
     assert "<|im_start|>" not in out.stdout and "What is the capital" not in out.stdout
+
+
+@pytest.mark.slow
+def test_generate_with_nf4_base_answers_paris(smollm2_dir):
+    out = litqlora("generate", "--checkpoint_dir", smollm2_dir, "--prompt", "What is the capital of France?",
+                   "--quantize", "nf4", "--max_new_tokens", "24")
+    assert out.returncode == 0, out.stderr
+    assert "Paris" in out.stdout
+    assert "Failed to load" not in out.stderr  # torchao's CUDA-kernel noise is silenced

@@ -191,3 +191,36 @@ def test_peft_export_matches_merged_on_dequantized_base(tmp_path):
     cfg = json.loads((out / "adapter_config.json").read_text())
     assert cfg["r"] == 4 and cfg["lora_alpha"] == 8 and set(cfg["target_modules"]) == {
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+
+
+def test_merge_and_export_peft_through_the_cli(tmp_path):
+    from lit_qlora.cli import main
+
+    base_dir = write_base(tmp_path, tiny_model())
+    _, adapter_dir = trained_adapter(tmp_path, base_dir, "nf4", targets=["q", "down"])
+    main(["merge", "--checkpoint_dir", str(base_dir), "--adapter_dir", str(adapter_dir),
+          "--out_dir", str(tmp_path / "merged")])
+    main(["export_peft", "--checkpoint_dir", str(base_dir), "--adapter_dir", str(adapter_dir),
+          "--out_dir", str(tmp_path / "peft")])
+    assert (tmp_path / "merged" / "model.safetensors").is_file()
+    assert (tmp_path / "peft" / "adapter_model.safetensors").is_file()
+    assert not (tmp_path / "peft" / "base").exists()
+    with pytest.raises(SystemExit) as e:
+        main(["merge", "--checkpoint_dir", str(base_dir), "--adapter_dir", str(tmp_path / "none"),
+              "--out_dir", str(tmp_path / "m")])
+    assert e.value.code == 1
+
+
+def test_loading_a_state_dict_requantizes_in_place():
+    model = tiny_model()
+    NF4Precision("bf16-true").convert_module(model)
+    saved = model.state_dict()  # the save hook exposes NF4 weights as plain bf16 tensors
+    key = "model.layers.0.mlp.up_proj.weight"
+    assert not is_nf4(saved[key]) and saved[key].dtype == torch.bfloat16
+    new = tiny_model(seed=5).to(torch.bfloat16).state_dict()
+    model.load_state_dict(new)
+    weight = model.get_parameter(key)
+    assert is_nf4(weight)
+    from lit_qlora.nf4 import quantize_nf4
+
+    assert torch.equal(dequantize_nf4(weight), dequantize_nf4(quantize_nf4(new[key])))
