@@ -10,10 +10,12 @@ import sys
 def commands() -> dict:
     from lit_qlora.download import download
     from lit_qlora.export import export_peft, merge
+    from lit_qlora.finetune import finetune
     from lit_qlora.generate import generate_command
     from lit_qlora.gguf_import import convert_gguf_command
 
     return {
+        "finetune": finetune,
         "download": download,
         "convert_gguf": convert_gguf_command,
         "generate": generate_command,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Iterable, Literal, Optional
 
 import torch
 import torch.nn as nn
@@ -51,12 +51,14 @@ def export_config(model: nn.Module, merged: bool):
     return config
 
 
-def load_base(checkpoint_dir: Path, quantize: str, dtype: torch.dtype = torch.bfloat16):
-    """The base model an adapter trained on: NF4-quantized from `dtype` weights, or plain `dtype` weights."""
+def load_base(checkpoint_dir: Path, quantize: str, dtype: torch.dtype = torch.bfloat16,
+              ignore_modules: Iterable[str] = (), world_size: int = 1):
+    """The base model an adapter trained on: NF4-quantized from `dtype` weights (with the same layout), or plain
+    `dtype` weights."""
     if quantize == "nf4":
         from lit_qlora.quantize import load_nf4_checkpoint
 
-        return load_nf4_checkpoint(checkpoint_dir, dtype=dtype)
+        return load_nf4_checkpoint(checkpoint_dir, dtype=dtype, ignore_modules=ignore_modules, world_size=world_size)
     from lit_qlora.checkpoint import load_checkpoint
 
     return load_checkpoint(checkpoint_dir, dtype=dtype)
@@ -68,7 +70,8 @@ def load_adapted_model(checkpoint_dir: Path, adapter_dir: Path, quantize: Option
     acfg = read_adapter_config(adapter_dir)
     quantize = quantize or acfg.get("quantize", "none")
     base_dtype = dtype or DTYPES[acfg.get("base_dtype", "bfloat16")]
-    model = load_base(Path(checkpoint_dir), quantize, base_dtype)
+    model = load_base(Path(checkpoint_dir), quantize, base_dtype, acfg.get("ignore_modules", ()),
+                      acfg.get("nf4_world_size", 1))
     lora_dtype = dtype or DTYPES[acfg.get("lora_dtype", "bfloat16")]
     apply_lora(model, acfg["r"], acfg["alpha"], 0.0, acfg["targets"], acfg.get("rslora", False), lora_dtype)
     load_adapter(model, adapter_dir)
@@ -121,6 +124,16 @@ def export_peft(checkpoint_dir: Path, adapter_dir: Path, out_dir: Path, with_deq
             the adapter applies exactly in other runtimes.
     """
     model, acfg = load_adapted_model(checkpoint_dir, adapter_dir)
+    base_dir = Path(out_dir) / "base" if with_dequantized_base else Path(checkpoint_dir)
+    write_peft_adapter(model, acfg, out_dir, str(base_dir.resolve()))
+    if with_dequantized_base:
+        save_hf_checkpoint(base_dir, export_config(model, False), hf_tensor_specs(model, torch.bfloat16, merge=False),
+                           tokenizer_dir=Path(checkpoint_dir), dtype=torch.bfloat16)
+    return Path(out_dir)
+
+
+def write_peft_adapter(model: nn.Module, acfg: dict, out_dir: Path, base_name: str) -> Path:
+    """adapter_model.safetensors (PEFT key names) + adapter_config.json for the LoRA layers of `model`."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     modules = lora_modules(model)
@@ -131,10 +144,6 @@ def export_peft(checkpoint_dir: Path, adapter_dir: Path, out_dir: Path, with_deq
             specs.append(TensorSpec(f"base_model.model.{name}.{leaf}.weight", tensor.shape, tensor.dtype,
                                     lambda t=tensor: t))
     write_safetensors(out_dir / "adapter_model.safetensors", specs, metadata={"format": "pt"})
-    base_dir = out_dir / "base" if with_dequantized_base else Path(checkpoint_dir)
-    config = peft_config({**acfg, "module_names": list(modules)}, str(Path(base_dir).resolve()))
+    config = peft_config({**acfg, "module_names": list(modules)}, base_name)
     atomic_write_text(out_dir / "adapter_config.json", json.dumps(config, indent=2) + "\n")
-    if with_dequantized_base:
-        save_hf_checkpoint(base_dir, export_config(model, False), hf_tensor_specs(model, torch.bfloat16, merge=False),
-                           tokenizer_dir=Path(checkpoint_dir), dtype=torch.bfloat16)
     return out_dir

@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from lit_qlora.config import Config, rope_inv_freq
 
@@ -120,6 +121,8 @@ class Transformer(nn.Module):
         if config.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.max_cache_len = 0
+        self.checkpoint_blocks = 0
+        """The first N blocks recompute their activations in backward instead of storing them."""
 
     @property
     def blocks(self) -> nn.ModuleList:
@@ -153,8 +156,11 @@ class Transformer(nn.Module):
         cos, sin = self.rope(positions, x.dtype)
         kv_len = self.max_cache_len if self.max_cache_len else T
         mask = self.attention_mask(positions, kv_len)
-        for block in self.model.layers:
-            x = block(x, cos, sin, mask, input_pos)
+        for i, block in enumerate(self.model.layers):
+            if i < self.checkpoint_blocks and torch.is_grad_enabled():
+                x = checkpoint(block, x, cos, sin, mask, input_pos, use_reentrant=False)
+            else:
+                x = block(x, cos, sin, mask, input_pos)
         return self.model.norm(x)
 
     def forward(self, idx: torch.Tensor, input_pos: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -1,0 +1,268 @@
+"""Supervised fine-tuning samples: read JSON / JSONL rows, validate them, tokenize them with a prompt style into
+`input_ids` and `labels`, optionally pack them, and collate batches.
+
+Labels are aligned with `input_ids` (not shifted): the trainer takes loss = CE(logits[:, :-1], labels[:, 1:]),
+ignoring -100, i.e. the logits at position t predict token t+1. Labels are -100 on masked (prompt) tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from dataclasses import dataclass
+from importlib.resources import files
+from pathlib import Path
+from typing import Any, Iterable, Optional, Sequence
+
+import torch
+
+from lit_qlora.data.errors import DataError
+from lit_qlora.data.prompts import PromptStyle, Segment
+
+IGNORE_INDEX = -100
+ROLES = ("system", "user", "assistant")
+# The instruction dataset shipped with the package (see make_demo.py), found from any working directory.
+DEMO_DATASET = Path(str(files("lit_qlora.data").joinpath("demo.jsonl")))
+
+FORMAT_HELP = (
+    "Each row must hold `instruction` and `output` strings (optional `input`), or `messages`: a list of "
+    '{"role": "system" | "user" | "assistant", "content": string} with at least one assistant turn.'
+)
+
+
+# ---------------------------------------------------------------------------------------------- reading
+
+def read_rows(path: Path) -> tuple[list[Any], Optional[list[int]]]:
+    """Rows of a JSON file (a list of rows) or a JSONL file (one row per line; blank lines skipped), and for JSONL
+    the 1-based line of each row. `.jsonl` files are read as JSONL, `.json` as JSON, anything else by its first
+    character (`[` means JSON)."""
+    path = Path(path)
+    if not path.is_file():
+        what = "is a directory, not a file" if path.is_dir() else "does not exist"
+        raise DataError(f"The dataset {path} {what}. Pass --data.json_path pointing to a .json or .jsonl file.")
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise DataError(
+            f"{path} is not UTF-8 text (undecodable byte at line {line}, byte offset {e.start}). Re-save it as "
+            "UTF-8, e.g. `iconv -f LATIN1 -t UTF-8 in.jsonl > out.jsonl`."
+        ) from None
+    if path.suffix == ".jsonl" or (path.suffix != ".json" and not text.lstrip().startswith("[")):
+        return _read_jsonl(path, text)
+    try:
+        rows = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DataError(
+            f"{path} is not valid JSON: {e.msg} at line {e.lineno}, column {e.colno} (truncated or malformed file?). "
+            "A .json dataset must be one list of rows; use .jsonl for one row per line."
+        ) from None
+    if not isinstance(rows, list):
+        raise DataError(f"{path} holds a JSON {type(rows).__name__}, not a list of rows. {FORMAT_HELP}")
+    return rows, None
+
+
+def _read_jsonl(path: Path, text: str) -> tuple[list[Any], list[int]]:
+    rows, lines = [], []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            raise DataError(
+                f"{path}, line {number}: invalid JSON ({e.msg}, column {e.colno}). A .jsonl dataset needs one "
+                "complete JSON object per line; fix or delete that line (a truncated last line usually means an "
+                "interrupted download or write)."
+            ) from None
+        lines.append(number)
+    return rows, lines
+
+
+# ---------------------------------------------------------------------------------------------- validation
+
+def _row_problems(row: Any) -> list[str]:
+    if not isinstance(row, dict):
+        return [f"not a JSON object (a {type(row).__name__})"]
+    if "messages" in row:
+        messages = row["messages"]
+        if not isinstance(messages, list) or not messages:
+            return ["`messages` is not a non-empty list"]
+        problems = []
+        for m in messages:
+            if not isinstance(m, dict) or not isinstance(m.get("content"), str):
+                problems.append("a message without a string `content`")
+            elif m.get("role") not in ROLES:
+                problems.append(f"a message with role {m.get('role')!r} (use system, user or assistant)")
+        if not any(isinstance(m, dict) and m.get("role") == "assistant" for m in messages):
+            problems.append("no assistant message (nothing to train on)")
+        return problems
+    if "instruction" not in row and "output" not in row:
+        return ["neither `instruction`/`output` nor `messages`"]
+    problems = []
+    for key in ("instruction", "output"):
+        if key not in row:
+            problems.append(f"missing `{key}`")
+        elif not isinstance(row[key], str):
+            problems.append(f"`{key}` is not a string")
+        elif not row[key].strip():
+            problems.append(f"empty `{key}`")
+    if row.get("input") is not None and not isinstance(row["input"], str):
+        problems.append("`input` is not a string")
+    return problems
+
+
+def _normalize(row: dict) -> dict:
+    if "messages" in row:
+        return {"messages": [{"role": m["role"], "content": m["content"]} for m in row["messages"]]}
+    return {"instruction": row["instruction"], "input": row.get("input") or "", "output": row["output"]}
+
+
+def validate_rows(rows: Sequence[Any], source: str, lines: Optional[Sequence[int]] = None) -> list[dict]:
+    """Normalized rows (`{"instruction", "input", "output"}` or `{"messages"}`), or a DataError listing every
+    problem with its 1-based row numbers (and JSONL line where it differs)."""
+    if not rows:
+        raise DataError(
+            f"{source} holds no rows. Point --data.json_path to a JSON file holding a list of rows or a JSONL file "
+            f"with one row per line. {FORMAT_HELP}"
+        )
+    bad: dict[str, list[str]] = {}
+    for index, row in enumerate(rows):
+        where = f"{index + 1}" if lines is None or lines[index] == index + 1 else f"{index + 1} (line {lines[index]})"
+        for problem in dict.fromkeys(_row_problems(row)):
+            bad.setdefault(problem, []).append(where)
+    if bad:
+        def some(numbers: list[str]) -> str:
+            more = f" and {len(numbers) - 5} more" if len(numbers) > 5 else ""
+            return ("row " if len(numbers) == 1 else "rows ") + ", ".join(numbers[:5]) + more
+
+        details = "; ".join(f"{some(numbers)}: {problem}" for problem, numbers in bad.items())
+        raise DataError(f"{source} has rows that cannot be used: {details}. {FORMAT_HELP} Fix or remove those rows.")
+    return [_normalize(row) for row in rows]
+
+
+def load_json_rows(path: Path) -> list[dict]:
+    rows, lines = read_rows(path)
+    return validate_rows(rows, str(path), lines)
+
+
+def load_hf_rows(name: str, split: str = "train") -> list[dict]:
+    """Rows of a Hugging Face Hub dataset (downloaded and cached by `datasets`)."""
+    try:
+        import datasets
+    except ImportError:
+        raise DataError("--data.hf_dataset needs the `datasets` package: pip install datasets") from None
+    try:
+        rows = datasets.load_dataset(name, split=split).to_list()
+    except Exception as e:  # offline, unknown name, no such split, ...
+        if isinstance(e, ConnectionError) or "offline" in f"{type(e).__name__} {e}".lower():
+            raise DataError(
+                f"Cannot load the Hugging Face dataset {name!r}: the Hub cannot be reached (offline?) and it is not "
+                "in the local cache; pass a local file with --data.json_path instead."
+            ) from e
+        raise DataError(f"Cannot load the Hugging Face dataset {name!r} (split {split!r}): {e}") from e
+    return validate_rows(rows, f"Hugging Face dataset {name!r}")
+
+
+# ---------------------------------------------------------------------------------------------- tokenization
+
+@dataclass
+class Sample:
+    input_ids: torch.Tensor  # int64 [T]
+    labels: torch.Tensor  # int64 [T]; IGNORE_INDEX where no loss is taken
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+
+def tokenize_segments(segments: Iterable[Segment], tokenizer: Any) -> Sample:
+    """Concatenate the segments' tokens (BOS once at the start when the tokenizer's family expects it), labels
+    IGNORE_INDEX on masked segments."""
+    ids: list[int] = []
+    labels: list[int] = []
+    for segment in segments:
+        piece = tokenizer.encode(segment.text, bos=None if not ids else False)
+        ids += piece
+        labels += piece if segment.train else [IGNORE_INDEX] * len(piece)
+    return Sample(torch.tensor(ids, dtype=torch.long), torch.tensor(labels, dtype=torch.long))
+
+
+def tokenize_rows(rows: Sequence[dict], style: PromptStyle, tokenizer: Any, max_seq_length: int) -> list[Sample]:
+    """One sample per row, truncated to `max_seq_length` tokens keeping the start; warns once (with counts) when
+    rows were truncated. A row whose reply is cut away entirely still gives a sample, with every label
+    IGNORE_INDEX (a batch of only such samples has no label to average over)."""
+    samples, truncated, untrained = [], 0, 0
+    for row in rows:
+        sample = tokenize_segments(style.render(row), tokenizer)
+        if len(sample) > max_seq_length:
+            truncated += 1
+            sample = Sample(sample.input_ids[:max_seq_length], sample.labels[:max_seq_length])
+            untrained += bool((sample.labels == IGNORE_INDEX).all())
+        samples.append(sample)
+    if truncated:
+        warnings.warn(
+            f"{truncated} of {len(rows)} samples are longer than max_seq_length={max_seq_length} tokens and were "
+            f"truncated (keeping the start); {untrained} of them lost their whole reply and train nothing. Raise "
+            "--max_seq_length or shorten those rows.",
+            UserWarning,
+            stacklevel=2,
+        )
+    return samples
+
+
+def pack(samples: Sequence[Sample], max_seq_length: int) -> list[Sample]:
+    """Pack samples, in order, into sequences of at most `max_seq_length` tokens. A sample never straddles two
+    sequences (next-fit: a sample that does not fit in the current sequence starts a new one), so every trained
+    token sees its whole prompt. The first label of every packed sample is set to IGNORE_INDEX: it would be
+    predicted from the previous sample's last token. Attention is still causal over the whole packed sequence
+    (tokens see the earlier samples of their sequence) and positions run on across samples."""
+    packed: list[Sample] = []
+    ids: list[torch.Tensor] = []
+    labels: list[torch.Tensor] = []
+    length = 0
+
+    def flush() -> None:
+        if ids:
+            packed.append(Sample(torch.cat(ids), torch.cat(labels)))
+        ids.clear(), labels.clear()
+
+    for sample in samples:
+        if length + len(sample) > max_seq_length:
+            flush()
+            length = 0
+        sample_labels = sample.labels.clone()
+        sample_labels[:1] = IGNORE_INDEX
+        ids.append(sample.input_ids)
+        labels.append(sample_labels)
+        length += len(sample)
+    flush()
+    return packed
+
+
+class SFTDataset(torch.utils.data.Dataset):
+    def __init__(self, samples: Sequence[Sample]) -> None:
+        self.samples = list(samples)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> Sample:
+        return self.samples[index]
+
+
+class Collate:
+    """Right-pad a list of samples to the longest one: `{"input_ids": [B, T], "labels": [B, T]}` (int64), inputs
+    padded with `pad_id`, labels with IGNORE_INDEX."""
+
+    def __init__(self, pad_id: int) -> None:
+        self.pad_id = pad_id
+
+    def __call__(self, samples: Sequence[Sample]) -> dict[str, torch.Tensor]:
+        longest = max(len(s) for s in samples)
+        input_ids = torch.full((len(samples), longest), self.pad_id, dtype=torch.long)
+        labels = torch.full((len(samples), longest), IGNORE_INDEX, dtype=torch.long)
+        for row, s in enumerate(samples):
+            input_ids[row, : len(s)] = s.input_ids
+            labels[row, : len(s)] = s.labels
+        return {"input_ids": input_ids, "labels": labels}

@@ -1,0 +1,256 @@
+"""`litqlora finetune`: load (NF4) base + LoRA, train with the Lightning Trainer, write the run's artifacts."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import lightning as L
+import torch
+
+from lit_qlora.data.module import DataArgs, SFTDataModule
+from lit_qlora.lora import apply_lora, save_adapter
+from lit_qlora.memory import peak_rss_bytes
+from lit_qlora.quantize import PRECISION_DTYPES, NF4Precision, count_linears
+from lit_qlora.train_state import latest_checkpoint, load_training_state, read_state, save_training_state
+from lit_qlora.training import FinetuneModule, LoRAArgs, TrainArgs, total_steps_for, train_loader
+
+DEFAULT_CHECKPOINT = Path("checkpoints/SmolLM2-135M-Instruct")
+DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
+def ensure_default_checkpoint(checkpoint_dir: Path) -> None:
+    """The built-in default runs anywhere: convert the bundled SmolLM2 GGUF on first use."""
+    if Path(checkpoint_dir) == DEFAULT_CHECKPOINT and not (DEFAULT_CHECKPOINT / "config.json").is_file():
+        from lit_qlora.gguf_import import convert_gguf
+
+        print(f"Converting the bundled SmolLM2-135M-Instruct into {DEFAULT_CHECKPOINT} (first run only)")
+        convert_gguf("smollm2", DEFAULT_CHECKPOINT)
+
+
+def resolve_resume(resume: Union[bool, str, Path], out_dir: Path) -> Optional[Path]:
+    if resume is False or str(resume).lower() == "false":
+        return None
+    if str(resume) == "auto":
+        found = latest_checkpoint(out_dir)
+        print(f"Resuming from {found}" if found else f"--resume auto: no checkpoint in {out_dir}, starting fresh")
+        return found
+    read_state(Path(resume))  # a clear error now rather than after the model has loaded
+    return Path(resume)
+
+
+def memory_stats(device: torch.device) -> dict[str, int]:
+    stats = {"peak_rss_bytes": peak_rss_bytes()}
+    if device.type == "cuda":
+        stats["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
+        stats["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
+        stats["peak_active_bytes"] = torch.cuda.memory_stats(device).get("active_bytes.all.peak", 0)
+    return stats
+
+
+class RunLog:
+    """metrics.jsonl + TensorBoard, written on rank 0; on resume, rows after the checkpoint are dropped."""
+
+    def __init__(self, out_dir: Path, start_step: int, log_interval: int, logger) -> None:
+        self.path = Path(out_dir) / "metrics.jsonl"
+        self.log_interval, self.logger = log_interval, logger
+        kept = []
+        if start_step and self.path.is_file():
+            kept = [line for line in self.path.read_text().splitlines()
+                    if line.strip() and json.loads(line)["step"] <= start_step]
+        self.path.write_text("".join(line + "\n" for line in kept))
+
+    def write(self, row: dict[str, Any]) -> None:
+        if row["step"] % self.log_interval:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        self.logger.log_metrics({k: v for k, v in row.items() if k != "step"}, step=row["step"])
+
+
+def build_model(checkpoint_dir: Path, quantize: str, dtype: torch.dtype, ignore_modules: list[str], world_size: int):
+    if quantize == "nf4":
+        from lit_qlora.quantize import load_nf4_checkpoint
+
+        return load_nf4_checkpoint(checkpoint_dir, dtype=dtype, ignore_modules=ignore_modules, world_size=world_size)
+    from lit_qlora.checkpoint import load_checkpoint
+
+    return load_checkpoint(checkpoint_dir, dtype=dtype)
+
+
+def finetune(
+    checkpoint_dir: Path = DEFAULT_CHECKPOINT,
+    out_dir: Path = Path("out/finetune"),
+    quantize: Literal["nf4", "none"] = "nf4",
+    precision: Literal["bf16-true", "16-true", "32-true"] = "bf16-true",
+    seed: int = 1337,
+    accelerator: str = "auto",
+    devices: int = 1,
+    num_nodes: int = 1,
+    strategy: str = "auto",
+    resume: Union[bool, Literal["auto"], Path] = False,
+    lora: LoRAArgs = LoRAArgs(),
+    train: TrainArgs = TrainArgs(),
+    data: DataArgs = DataArgs(),
+    ignore_modules: Optional[list[str]] = None,
+    debug: bool = False,
+) -> dict[str, Any]:
+    """Fine-tune a LoRA adapter on a frozen base: NF4 (QLoRA, the default) or plain (LoRA, the baseline).
+
+    Args:
+        checkpoint_dir: Base model (Hugging Face directory). The default is the bundled SmolLM2-135M-Instruct,
+            converted on first use.
+        out_dir: Where adapters, merged model, logs, metrics and resumable checkpoints go.
+        quantize: nf4 = every base linear stored as NF4 (QLoRA); none = base in the precision's dtype (LoRA).
+        precision: Compute dtype (Lightning's names): bf16-true, 16-true or 32-true.
+        seed: Seeds adapter init, data order and dropout: CPU runs repeat exactly.
+        accelerator: cpu, cuda, auto...
+        devices: Devices per node.
+        num_nodes: Nodes.
+        strategy: Lightning strategy: auto, ddp, fsdp.
+        resume: auto = continue from the newest checkpoint in out_dir (fresh start if none); a checkpoint
+            directory; or false.
+        lora: Adapter settings.
+        train: Optimization settings.
+        data: Dataset settings; with nothing given, the dataset shipped with lit-qlora.
+        ignore_modules: Module names (prefixes) whose linears stay in high precision with nf4, e.g. lm_head.
+        debug: Show full tracebacks on errors.
+    """
+    started = time.perf_counter()
+    out_dir = Path(out_dir)
+    ignore_modules = list(ignore_modules or [])
+    dtype = PRECISION_DTYPES[precision]
+    world_size = devices * num_nodes
+    accumulation = train.accumulation(world_size)
+    L.seed_everything(seed, verbose=False)
+    ensure_default_checkpoint(checkpoint_dir)
+    from lit_qlora.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(checkpoint_dir)
+    dm = SFTDataModule(data, tokenizer, train.max_seq_length, train.micro_batch_size, seed)
+    dm.setup("fit")
+    total_steps = total_steps_for(train, len(dm.train_set))
+    resume_path = resolve_resume(resume, out_dir)
+    start_step = read_state(resume_path)["step"] if resume_path else 0
+
+    model = build_model(Path(checkpoint_dir), quantize, dtype, ignore_modules, world_size)
+    apply_lora(model, lora.r, lora.alpha, lora.dropout, lora.targets, lora.rslora, dtype=dtype)
+    n_ckpt = train.activation_checkpointing
+    model.checkpoint_blocks = model.config.n_layer if n_ckpt is True else int(n_ckpt or 0)
+    module = FinetuneModule(model, train, total_steps, start_step)
+
+    plugin = NF4Precision(precision, ignore_modules, world_size) if quantize == "nf4" else None
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    logger = TensorBoardLogger(save_dir=str(out_dir), name="", version="logs", default_hp_metric=False)
+    trainer = L.Trainer(
+        accelerator=accelerator, devices=devices, num_nodes=num_nodes, strategy=strategy,
+        precision=None if plugin else precision, plugins=[plugin] if plugin else None,
+        max_epochs=1, logger=logger, enable_checkpointing=False, num_sanity_val_steps=0,
+        use_distributed_sampler=False, enable_model_summary=False, log_every_n_steps=1,
+    )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    run_log = RunLog(out_dir, start_step, train.log_interval, logger) if trainer.is_global_zero else None
+    run_config = {"checkpoint_dir": str(checkpoint_dir), "quantize": quantize, "precision": precision,
+                  "seed": seed, "lora": asdict(lora), "train": asdict(train), "data": json.loads(json.dumps(
+                      asdict(data), default=str)), "ignore_modules": ignore_modules, "world_size": world_size}
+
+    def on_train_start() -> None:
+        if resume_path:
+            load_training_state(resume_path, module.model, module.optimizers().optimizer)
+
+    def on_step(row: dict[str, Any]) -> None:
+        row = {"step": row["step"], "loss": row["loss"], "lr": row["lr"],
+               "tokens_per_sec": row["tokens"] / max(row["seconds"], 1e-9),
+               "peak_memory_bytes": max(memory_stats(module.device).values()), "tokens": row["tokens"]}
+        if run_log is not None:
+            run_log.write(row)
+        if (train.save_interval and row["step"] % train.save_interval == 0) or row["step"] == total_steps:
+            save_checkpoint(row["step"])
+
+    def save_checkpoint(step: int) -> None:
+        if trainer.is_global_zero:
+            save_training_state(out_dir, step, module.model, module.optimizers().optimizer,
+                                {"total_steps": total_steps, "run": run_config}, train.keep_last)
+        trainer.strategy.barrier()
+
+    module.on_train_start_hook = on_train_start
+    module.on_step = on_step
+    loader = train_loader(dm, train, seed, start_step, total_steps, trainer.global_rank, world_size)
+    val_loader = dm.val_dataloader()
+
+    initial_val_loss = None
+    if start_step == 0:
+        trainer.validate(module, dataloaders=val_loader, verbose=False)
+        initial_val_loss = module.val_loss
+    if start_step < total_steps:
+        trainer.fit(module, train_dataloaders=loader)
+    trainer.validate(module, dataloaders=val_loader, verbose=False)
+    val_loss = module.val_loss
+    train_seconds = sum(r["seconds"] for r in module.history[1:])
+
+    summary: dict[str, Any] = {}
+    if trainer.is_global_zero:
+        export_final(module.model, out_dir / "final", checkpoint_dir, quantize, dtype, lora, ignore_modules,
+                     world_size, precision)
+        quantized, total = count_linears(module.model)
+        trainable = sum(p.numel() for p in module.model.parameters() if p.requires_grad)
+        summary = {
+            "steps": total_steps,
+            "train_loss": module.history[-1]["loss"] if module.history else None,
+            "val_loss": val_loss,
+            "initial_val_loss": initial_val_loss,
+            "tokens_per_sec": sum(r["tokens"] for r in module.history[1:]) / train_seconds if train_seconds else None,
+            "wall_seconds": time.perf_counter() - started,
+            **memory_stats(module.device),
+            "quantized_linears": quantized,
+            "total_linears": total,
+            "trainable_params": trainable,
+            "total_params": sum(p.numel() for p in module.model.parameters()),
+            "accumulation": accumulation,
+            "resumed_from_step": start_step,
+        }
+        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        print_report(summary, out_dir)
+    return summary
+
+
+def export_final(model, final_dir: Path, checkpoint_dir: Path, quantize: str, dtype: torch.dtype, lora: LoRAArgs,
+                 ignore_modules: list[str], world_size: int, precision: str) -> None:
+    """final/adapter.safetensors (+ config), final/merged (HF), final/peft: streamed from the trained model."""
+    from lit_qlora.checkpoint import save_hf_checkpoint
+    from lit_qlora.export import export_config, hf_tensor_specs, write_peft_adapter
+    from lit_qlora.lora import resolve_targets
+
+    adapter_config = {
+        "r": lora.r, "alpha": lora.alpha, "dropout": lora.dropout, "targets": resolve_targets(lora.targets),
+        "rslora": lora.rslora, "quantize": quantize, "precision": precision, "base_dtype": DTYPE_NAMES[dtype],
+        "lora_dtype": DTYPE_NAMES[dtype], "base_model": str(Path(checkpoint_dir).resolve()),
+        "ignore_modules": ignore_modules, "nf4_world_size": world_size,
+    }
+    model = model.eval()
+    save_adapter(model, final_dir, adapter_config)
+    save_hf_checkpoint(final_dir / "merged", export_config(model, True), hf_tensor_specs(model, torch.bfloat16),
+                       tokenizer_dir=Path(checkpoint_dir), dtype=torch.bfloat16)
+    write_peft_adapter(model, adapter_config, final_dir / "peft", str(Path(checkpoint_dir).resolve()))
+
+
+def print_report(summary: dict[str, Any], out_dir: Path) -> None:
+    gib = 1024**3
+    rows = [
+        ("steps", summary["steps"]),
+        ("train loss (last step)", f"{summary['train_loss']:.4f}" if summary["train_loss"] is not None else "-"),
+        ("val loss (before -> after)", f"{summary['initial_val_loss'] or float('nan'):.4f} -> {summary['val_loss']:.4f}"),
+        ("tokens/s (after step 1)", f"{summary['tokens_per_sec']:.1f}" if summary["tokens_per_sec"] else "-"),
+        ("peak RSS (whole run)", f"{summary['peak_rss_bytes'] / gib:.2f} GiB"),
+        *[(k.replace("_bytes", "").replace("_", " "), f"{summary[k] / gib:.2f} GiB")
+          for k in ("peak_allocated_bytes", "peak_reserved_bytes", "peak_active_bytes") if k in summary],
+        ("NF4 linears", f"{summary['quantized_linears']} / {summary['total_linears']}"),
+        ("trainable params", f"{summary['trainable_params']:,} of {summary['total_params']:,}"),
+        ("wall time", f"{summary['wall_seconds']:.1f} s"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    print("\n".join([f"\nRun finished: {out_dir}"] + [f"  {k:<{width}}  {v}" for k, v in rows]))

@@ -1,0 +1,128 @@
+"""Resumable training checkpoints: adapters, optimizer and RNG as safetensors, everything else as JSON.
+
+Nothing here is ever unpickled. The NF4 base is not saved: a resume re-quantizes it from the original checkpoint,
+which is deterministic. Each checkpoint is a directory written under a temporary name and renamed when complete,
+so a kill at any moment leaves the previous checkpoint loadable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from lit_qlora.checkpoint import TensorSpec, atomic_write_text, iter_safetensors, write_safetensors
+from lit_qlora.lora import lora_modules, lora_state_dict
+
+STEP_DIR = re.compile(r"^step-(\d{6,})$")
+STATE_FILE = "state.json"
+
+
+def step_dir(out_dir: Path, step: int) -> Path:
+    return Path(out_dir) / "checkpoints" / f"step-{step:06d}"
+
+
+def complete_checkpoints(out_dir: Path) -> list[Path]:
+    """Finished checkpoints (state.json present), oldest first."""
+    root = Path(out_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)) and (p / STATE_FILE).is_file()]
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(out_dir: Path) -> Optional[Path]:
+    done = complete_checkpoints(out_dir)
+    return done[-1] if done else None
+
+
+def _specs(tensors: dict[str, torch.Tensor]) -> list[TensorSpec]:
+    return [TensorSpec(k, v.shape, v.dtype, lambda v=v: v) for k, v in tensors.items()]
+
+
+def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    state = optimizer.state_dict()
+    tensors = {}
+    for index, values in state["state"].items():
+        for key, value in values.items():
+            tensors[f"{index}.{key}"] = value if torch.is_tensor(value) else torch.tensor(value)
+    groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()} for g in state["param_groups"]]
+    return tensors, groups
+
+
+def rng_tensors() -> dict[str, torch.Tensor]:
+    tensors = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"cuda.{i}"] = s
+    return tensors
+
+
+def save_training_state(out_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                        state: dict[str, Any], keep_last: int) -> Path:
+    """Write checkpoint `step` atomically, then delete all but the newest `keep_last` complete ones."""
+    final = step_dir(out_dir, step)
+    tmp = final.with_name(final.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    write_safetensors(tmp / "adapter.safetensors", _specs(lora_state_dict(model)))
+    opt_tensors, groups = _optimizer_tensors(optimizer)
+    write_safetensors(tmp / "optimizer.safetensors", _specs({k: v.cpu() for k, v in opt_tensors.items()}))
+    write_safetensors(tmp / "rng.safetensors", _specs(rng_tensors()))
+    atomic_write_text(tmp / STATE_FILE, json.dumps({**state, "step": step, "param_groups": groups}, indent=2))
+    if final.exists():  # a re-run reached the same step: replace it
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_dir(final.parent)
+    for old in complete_checkpoints(out_dir)[: -max(1, keep_last)]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_state(path: Path) -> dict[str, Any]:
+    file = Path(path) / STATE_FILE
+    if not file.is_file():
+        raise FileNotFoundError(f"{file} does not exist: --resume needs a checkpoint directory written by "
+                                "`litqlora finetune` (out_dir/checkpoints/step-NNNNNN), or `auto`.")
+    try:
+        return json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{file} is not valid JSON ({e}); resume from an older checkpoint.") from None
+
+
+def load_training_state(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Restore adapters, optimizer and RNG from checkpoint `path`; returns its JSON state."""
+    state = read_state(path)
+    modules = lora_modules(model)
+    own = lora_state_dict(model)
+    with torch.no_grad():
+        for name, tensor in iter_safetensors(Path(path) / "adapter.safetensors"):
+            if name not in own or own[name].shape != tensor.shape:
+                raise ValueError(f"{path}: adapter tensor {name!r} does not fit this run's LoRA settings "
+                                 "(rank or targets changed?). Resume with the settings of the original run.")
+            module_name, _, leaf = name.rpartition(".")
+            getattr(modules[module_name], leaf).copy_(tensor)
+    opt_state: dict[int, dict[str, torch.Tensor]] = {}
+    for key, tensor in iter_safetensors(Path(path) / "optimizer.safetensors"):
+        index, _, name = key.partition(".")
+        opt_state.setdefault(int(index), {})[name] = tensor
+    optimizer.load_state_dict({"state": opt_state, "param_groups": state["param_groups"]})
+    for name, tensor in iter_safetensors(Path(path) / "rng.safetensors"):
+        if name == "torch":
+            torch.set_rng_state(tensor)
+        elif torch.cuda.is_available() and int(name.split(".")[1]) < torch.cuda.device_count():
+            torch.cuda.set_rng_state(tensor, int(name.split(".")[1]))
+    return state
