@@ -14,9 +14,12 @@ install:
 install-test: install
 	$(PIP) install -e ".[test]"
 
+# The main job: a real QLoRA fine-tune of the bundled SmolLM2 on the shipped dataset (CPU, minutes),
+# then a generation with the trained adapter on the NF4 base.
 demo: install
-	litqlora convert_gguf smollm2 --out_dir $(SMOLLM2_DIR)
-	litqlora generate --checkpoint_dir $(SMOLLM2_DIR) --prompt "What is the capital of France?"
+	litqlora finetune --config config_hub/finetune/smollm2-135m/qlora.yaml
+	litqlora generate --checkpoint_dir $(SMOLLM2_DIR) --adapter_dir out/finetune/smollm2-135m-qlora/final \
+		--prompt "Convert 25 °C to Fahrenheit."
 
 test: install-test
 	$(PYTHON) -m pytest -q tests

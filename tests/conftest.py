@@ -18,3 +18,24 @@ def smollm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     except FileNotFoundError as e:
         pytest.skip(f"real SmolLM2 weights unavailable: {e}")
     return convert_gguf(path, tmp_path_factory.mktemp("SmolLM2-135M-Instruct"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
+    """A tiny random Llama (2 layers, width 64) with SmolLM2's real tokenizer: fast end-to-end runs."""
+    import torch
+
+    from lit_qlora.checkpoint import copy_tokenizer_files, save_hf_checkpoint
+    from lit_qlora.config import Config
+    from lit_qlora.export import hf_tensor_specs
+    from lit_qlora.model import Transformer
+
+    config = Config.from_checkpoint(smollm2_dir).replace(
+        name="tiny", n_layer=2, n_embd=64, n_head=4, n_query_groups=2, head_dim=16, intermediate_size=128)
+    torch.manual_seed(0)
+    model = Transformer(config)
+    model.init_weights()
+    out = tmp_path_factory.mktemp("tiny-llama")
+    save_hf_checkpoint(out, config, hf_tensor_specs(model, torch.float32), dtype=torch.float32)
+    copy_tokenizer_files(smollm2_dir, out)
+    return out

@@ -1,0 +1,136 @@
+"""`litqlora finetune` end to end on a tiny model: artifacts, accumulation, resume; and the real SmolLM2."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from lit_qlora.data.module import DataArgs
+from lit_qlora.finetune import finetune
+from lit_qlora.training import FinetuneModule, LoRAArgs, TrainArgs, lr_multiplier
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def small_data(tmp_path, n=24):
+    rows = [{"instruction": f"Add {i} and {i + 3}.", "output": f"{i} + {i + 3} = {2 * i + 3}."} for i in range(n)]
+    path = tmp_path / "rows.json"
+    path.write_text(json.dumps(rows))
+    return DataArgs(json_path=path, val_split=0.25)
+
+
+def run(tiny_llama_dir, out_dir, data, **train_kw):
+    kw = dict(micro_batch_size=2, global_batch_size=4, max_seq_length=64, lr=1e-2, warmup_steps=1, max_steps=3)
+    kw.update(train_kw)
+    quantize = kw.pop("quantize", "nf4")
+    precision = kw.pop("precision", "bf16-true")
+    resume = kw.pop("resume", False)
+    return finetune(checkpoint_dir=tiny_llama_dir, out_dir=out_dir, quantize=quantize, precision=precision,
+                    accelerator="cpu", resume=resume, lora=LoRAArgs(r=4, alpha=8, dropout=0.0), data=data,
+                    train=TrainArgs(**kw))
+
+
+def test_tiny_run_writes_every_artifact(tiny_llama_dir, tmp_path):
+    out = tmp_path / "run"
+    summary = run(tiny_llama_dir, out, small_data(tmp_path), save_interval=2, activation_checkpointing=1)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert {"step", "loss", "lr", "tokens_per_sec", "peak_memory_bytes"} <= set(rows[0])
+    assert all(r["tokens_per_sec"] > 0 and r["peak_memory_bytes"] > 0 for r in rows)
+    assert rows[0]["lr"] == pytest.approx(1e-2) and rows[2]["lr"] < rows[1]["lr"]
+    on_disk = json.loads((out / "summary.json").read_text())
+    assert on_disk["steps"] == summary["steps"] == 3
+    for key in ("steps", "train_loss", "val_loss", "tokens_per_sec", "wall_seconds", "peak_rss_bytes",
+                "quantized_linears", "total_linears", "trainable_params", "total_params"):
+        assert on_disk[key] is not None, key
+    assert on_disk["quantized_linears"] == on_disk["total_linears"] == 15
+    assert on_disk["trainable_params"] < on_disk["total_params"]
+    assert list((out / "logs").glob("events.out.tfevents.*"))
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000002", "step-000003"]
+    final = out / "final"
+    assert [p.name for p in final.glob("*.safetensors")] == ["adapter.safetensors"]
+    config = json.loads((final / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["quantize"] == "nf4"
+    assert (final / "merged" / "model.safetensors").is_file() and (final / "merged" / "tokenizer.json").is_file()
+    assert (final / "peft" / "adapter_model.safetensors").is_file()
+    transformers = pytest.importorskip("transformers")
+    merged = transformers.AutoModelForCausalLM.from_pretrained(final / "merged")
+    assert merged.config.num_hidden_layers == 2
+
+
+def test_accumulated_step_equals_one_large_batch(tiny_llama_dir, tmp_path):
+    data = small_data(tmp_path)
+    common = dict(quantize="none", precision="32-true", max_steps=1, global_batch_size=4)
+    run(tiny_llama_dir, tmp_path / "a", data, micro_batch_size=1, **common)  # 4 micro-batches
+    run(tiny_llama_dir, tmp_path / "b", data, micro_batch_size=4, **common)  # 1 batch of 4
+    a = load_file(str(tmp_path / "a" / "final" / "adapter.safetensors"))
+    b = load_file(str(tmp_path / "b" / "final" / "adapter.safetensors"))
+    assert a.keys() == b.keys()
+    assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+    assert any(not torch.equal(a[k], torch.zeros_like(a[k])) for k in a if k.endswith("lora_B"))
+    loss_a = json.loads((tmp_path / "a" / "metrics.jsonl").read_text().splitlines()[0])["loss"]
+    loss_b = json.loads((tmp_path / "b" / "metrics.jsonl").read_text().splitlines()[0])["loss"]
+    assert loss_a == pytest.approx(loss_b, rel=1e-5)
+
+
+def test_resume_after_interruption_reaches_the_same_adapter(tiny_llama_dir, tmp_path, monkeypatch):
+    data = small_data(tmp_path)
+    run(tiny_llama_dir, tmp_path / "full", data, max_steps=4, save_interval=2, precision="32-true")
+
+    original = FinetuneModule.training_step
+
+    def crash_at_step_3(self, batch, batch_idx):
+        if self.step == 2:
+            raise KeyboardInterrupt("simulated kill")
+        return original(self, batch, batch_idx)
+
+    monkeypatch.setattr(FinetuneModule, "training_step", crash_at_step_3)
+    with pytest.raises(BaseException):
+        run(tiny_llama_dir, tmp_path / "cut", data, max_steps=4, save_interval=2, precision="32-true")
+    assert (tmp_path / "cut" / "checkpoints" / "step-000002").is_dir()
+    assert not (tmp_path / "cut" / "final").exists()
+    monkeypatch.setattr(FinetuneModule, "training_step", original)
+    summary = run(tiny_llama_dir, tmp_path / "cut", data, max_steps=4, save_interval=2, precision="32-true",
+                  resume="auto")
+    assert summary["resumed_from_step"] == 2
+    full = load_file(str(tmp_path / "full" / "final" / "adapter.safetensors"))
+    resumed = load_file(str(tmp_path / "cut" / "final" / "adapter.safetensors"))
+    assert all(torch.equal(full[k], resumed[k]) for k in full)
+    steps = [json.loads(line)["step"] for line in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4]
+
+
+def test_lr_schedule_warms_up_then_decays_to_zero():
+    assert lr_multiplier(0, 4, 20) == pytest.approx(0.25)
+    assert lr_multiplier(3, 4, 20) == pytest.approx(1.0)
+    assert lr_multiplier(12, 4, 20) == pytest.approx(0.5)
+    assert lr_multiplier(20, 4, 20) == pytest.approx(0.0, abs=1e-12)
+
+
+def test_global_batch_must_divide():
+    with pytest.raises(ValueError, match="multiple of train.micro_batch_size"):
+        TrainArgs(micro_batch_size=3, global_batch_size=16).accumulation(1)
+
+
+@pytest.mark.parametrize("preset", sorted(str(p.relative_to(ROOT)) for p in (ROOT / "config_hub").rglob("*.yaml")))
+def test_every_preset_parses(preset, capsys):
+    from lit_qlora.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["finetune", "--config", str(ROOT / preset), "--print_config"])
+    assert e.value.code == 0
+    printed = capsys.readouterr().out
+    assert "lora:" in printed and "train:" in printed
+
+
+@pytest.mark.slow
+def test_real_smollm2_qlora_lowers_validation_loss(smollm2_dir, tmp_path):
+    data = DataArgs(val_split=0.05)  # the shipped demo set
+    summary = finetune(checkpoint_dir=smollm2_dir, out_dir=tmp_path / "smol", accelerator="cpu",
+                       lora=LoRAArgs(r=8, alpha=16, dropout=0.0),
+                       train=TrainArgs(max_steps=3, micro_batch_size=4, global_batch_size=8, max_seq_length=128,
+                                       lr=1e-3, warmup_steps=1), data=data)
+    assert summary["quantized_linears"] == summary["total_linears"] == 211
+    assert summary["val_loss"] < summary["initial_val_loss"] - 0.05
