@@ -103,9 +103,8 @@ def read_state(path: Path) -> dict[str, Any]:
         raise ValueError(f"{file} is not valid JSON ({e}); resume from an older checkpoint.") from None
 
 
-def load_training_state(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """Restore adapters, optimizer and RNG from checkpoint `path`; returns its JSON state."""
-    state = read_state(path)
+def load_checkpoint_adapter(path: Path, model: torch.nn.Module) -> None:
+    """Copy checkpoint `path`'s adapter tensors into the LoRA layers of `model`."""
     modules = lora_modules(model)
     own = lora_state_dict(model)
     with torch.no_grad():
@@ -115,6 +114,12 @@ def load_training_state(path: Path, model: torch.nn.Module, optimizer: torch.opt
                                  "(rank or targets changed?). Resume with the settings of the original run.")
             module_name, _, leaf = name.rpartition(".")
             getattr(modules[module_name], leaf).copy_(tensor)
+
+
+def load_training_state(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Restore adapters, optimizer and RNG from checkpoint `path`; returns its JSON state."""
+    state = read_state(path)
+    load_checkpoint_adapter(path, model)
     opt_state: dict[int, dict[str, torch.Tensor]] = {}
     for key, tensor in iter_safetensors(Path(path) / "optimizer.safetensors"):
         index, _, name = key.partition(".")

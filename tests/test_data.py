@@ -1,0 +1,349 @@
+"""Data pipeline: prompt styles and loss masks (real SmolLM2 tokenizer), truncation, packing, padding, the seeded
+split, resumable order, clear errors for bad datasets, and the shipped demo set."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lit_qlora.data.errors import DataError
+from lit_qlora.data.make_demo import make_rows
+from lit_qlora.data.module import DataArgs, SFTDataModule, split_rows
+from lit_qlora.data.prompts import get_prompt_style
+from lit_qlora.data.sampler import ResumableSampler
+from lit_qlora.data.sft import (
+    DEMO_DATASET, IGNORE_INDEX, Collate, Sample, load_hf_rows, load_json_rows, pack, tokenize_rows,
+    tokenize_segments,
+)
+from lit_qlora.tokenizer import Tokenizer
+
+ROW = {"instruction": "Name the capital of Peru.", "input": "", "output": "The capital of Peru is Lima."}
+ROW_INPUT = {"instruction": "Sort the words.", "input": "pear, fig", "output": "fig, pear"}
+CHAT = {"messages": [
+    {"role": "system", "content": "Answer in one line."},
+    {"role": "user", "content": "What is 2 + 3?"},
+    {"role": "assistant", "content": "2 + 3 = 5"},
+    {"role": "user", "content": "And 4 + 4?"},
+    {"role": "assistant", "content": "4 + 4 = 8"},
+    {"role": "user", "content": "Thanks!"},  # after the last reply: dropped, nothing to train
+]}
+
+
+@pytest.fixture(scope="module")
+def tok(smollm2_dir: Path) -> Tokenizer:
+    return Tokenizer(smollm2_dir)
+
+
+@pytest.fixture(scope="module")
+def llama3_tok(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    """SmolLM2's vocabulary plus Llama 3's control tokens, with a BOS the family always adds."""
+    from tokenizers import AddedToken, Tokenizer as Backend
+
+    out = tmp_path_factory.mktemp("llama3_tok")
+    backend = Backend.from_file(str(smollm2_dir / "tokenizer.json"))
+    specials = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    backend.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>", "add_bos_token": True}))
+    return Tokenizer(out)
+
+
+def masked_and_trained(tok: Tokenizer, sample: Sample) -> tuple[str, list[str]]:
+    """The decoded full text, and the decoded runs of trained tokens."""
+    runs, current = [], []
+    for i, label in zip(sample.input_ids.tolist(), sample.labels.tolist()):
+        if label == IGNORE_INDEX:
+            if current:
+                runs.append(tok.decode(current))
+            current = []
+        else:
+            assert label == i  # labels are aligned with inputs, not shifted
+            current.append(i)
+    if current:
+        runs.append(tok.decode(current))
+    return tok.decode(sample.input_ids), runs
+
+
+def one(style, tok, row, max_seq_length: int = 512) -> Sample:
+    return tokenize_rows([row], style, tok, max_seq_length)[0]
+
+
+# ---------------------------------------------------------------------------------------------- prompt styles
+
+@pytest.mark.parametrize("row", [ROW, ROW_INPUT])
+def test_alpaca_masks_the_prompt_and_trains_reply_plus_eos(tok: Tokenizer, row: dict) -> None:
+    style = get_prompt_style("alpaca", tok)
+    sample = one(style, tok, row)
+    prompt = style.generation_prompt(row)
+    assert prompt.endswith("### Response:\n") and ("### Input:\npear, fig" in prompt) == bool(row["input"])
+    n = len(tok.encode(prompt))
+    assert (sample.labels[:n] == IGNORE_INDEX).all()
+    assert sample.labels[n:].tolist() == sample.input_ids[n:].tolist()
+    assert sample.input_ids[n:].tolist() == tok.encode(row["output"], bos=False) + [tok.eos_id]
+    assert sample.input_ids[0].item() != tok.bos_id  # SmolLM2 adds no BOS
+
+
+def test_chatml_single_and_multi_turn(tok: Tokenizer) -> None:
+    style = get_prompt_style("chatml", tok)
+    text, trained = masked_and_trained(tok, one(style, tok, ROW))
+    assert text == f"<|im_start|>user\n{ROW['instruction']}<|im_end|>\n<|im_start|>assistant\n{ROW['output']}<|im_end|>"
+    assert trained == [ROW["output"] + "<|im_end|>"]
+    text, trained = masked_and_trained(tok, one(style, tok, CHAT))
+    assert trained == ["2 + 3 = 5<|im_end|>", "4 + 4 = 8<|im_end|>"]
+    assert text.startswith("<|im_start|>system\nAnswer in one line.<|im_end|>\n") and "Thanks" not in text
+    assert style.generation_prompt("Hi") == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_llama3_style_bos_once_and_eot(llama3_tok: Tokenizer, tok: Tokenizer) -> None:
+    style = get_prompt_style("llama3", llama3_tok)
+    sample = one(style, llama3_tok, CHAT)
+    ids = sample.input_ids.tolist()
+    assert ids[0] == llama3_tok.bos_id and ids.count(llama3_tok.bos_id) == 1
+    text, trained = masked_and_trained(llama3_tok, sample)
+    assert trained == ["2 + 3 = 5<|eot_id|>", "4 + 4 = 8<|eot_id|>"]
+    assert text.startswith("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nAnswer in one line.<|eot_id|>")
+    with pytest.raises(DataError, match=r"<\|eot_id\|>"):  # SmolLM2's tokenizer cannot stop on <|eot_id|>
+        get_prompt_style("llama3", tok)
+
+
+def test_chat_template_multi_turn_matches_the_template(tok: Tokenizer) -> None:
+    style = get_prompt_style("chat_template", tok)
+    sample = one(style, tok, CHAT)
+    text, trained = masked_and_trained(tok, sample)
+    assert trained == ["2 + 3 = 5<|im_end|>", "4 + 4 = 8<|im_end|>"]
+    # The same text the checkpoint's template renders, minus the masked newline after the last reply.
+    rendered = tok.apply_chat_template(CHAT["messages"][:5], add_generation_prompt=False)
+    assert text == rendered.removesuffix("\n")
+    assert sample.input_ids.tolist() == tok.encode(text)  # segment-wise tokenization agrees here
+    # An instruction row gets the template's default system prompt.
+    text, trained = masked_and_trained(tok, one(style, tok, ROW))
+    assert text.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
+    assert trained == [ROW["output"] + "<|im_end|>"]
+    assert style.generation_prompt(ROW) == tok.apply_chat_template([{"role": "user", "content": ROW["instruction"]}])
+
+
+def test_chat_template_missing_or_not_prefix_stable(tok: Tokenizer, smollm2_dir: Path, tmp_path: Path) -> None:
+    shutil.copy(smollm2_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    with pytest.raises(DataError, match="has none"):
+        get_prompt_style("chat_template", Tokenizer(tmp_path))
+    unstable = Tokenizer(tmp_path)
+    # Says how many turns the conversation has at its start: earlier renderings change as turns are added.
+    unstable.chat_template = ("{{ messages|length }} turns\n{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}"
+                              "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
+    with pytest.raises(DataError, match="not prefix-stable"):
+        get_prompt_style("chat_template", unstable).render(CHAT)
+
+
+def test_alpaca_multi_turn_messages(tok: Tokenizer) -> None:
+    text, trained = masked_and_trained(tok, one(get_prompt_style("alpaca", tok), tok, CHAT))
+    assert text.startswith("Answer in one line.\n\n### Instruction:\nWhat is 2 + 3?\n\n### Response:\n")
+    assert trained == ["2 + 3 = 5<|im_end|>", "4 + 4 = 8<|im_end|>"]
+
+
+# ---------------------------------------------------------------------------------------------- truncation, packing, padding
+
+def test_truncation_keeps_the_start_and_counts_untrained(tok: Tokenizer) -> None:
+    style = get_prompt_style("alpaca", tok)
+    full = one(style, tok, ROW)
+    prompt_len = len(tok.encode(style.generation_prompt(ROW)))
+    with pytest.warns(UserWarning, match=r"2 of 3 samples .* 1 of them lost their whole reply"):
+        long_prompt = {**ROW, "instruction": ROW["instruction"] + " It is in South America." * 5}
+        short_row = {"instruction": "Hi", "output": "Hello"}
+        samples = tokenize_rows([ROW, long_prompt, short_row], style, tok, prompt_len + 3)
+    assert len(samples[0]) == prompt_len + 3 and samples[0].input_ids.tolist() == full.input_ids[: prompt_len + 3].tolist()
+    assert (samples[0].labels[prompt_len:] != IGNORE_INDEX).all() and (samples[1].labels == IGNORE_INDEX).all()
+    assert samples[2].input_ids.tolist()[-1] == tok.eos_id  # not truncated
+    with pytest.warns(UserWarning, match="1 of them lost their whole reply"):
+        untrained = tokenize_rows([ROW], style, tok, prompt_len - 1)[0]  # the reply is cut away entirely
+    assert len(untrained) == prompt_len - 1 and (untrained.labels == IGNORE_INDEX).all()
+
+
+def make_sample(ids: list[int], n_prompt: int) -> Sample:
+    ids_t = torch.tensor(ids)
+    labels = ids_t.clone()
+    labels[:n_prompt] = IGNORE_INDEX
+    return Sample(ids_t, labels)
+
+
+def test_packing_never_splits_samples_and_masks_boundaries() -> None:
+    samples = [make_sample(list(range(100 * k, 100 * k + n)), p) for k, (n, p) in enumerate([(5, 2), (4, 0), (6, 3), (9, 1), (3, 0)])]
+    packed = pack(samples, max_seq_length=10)
+    assert [len(s) for s in packed] == [9, 6, 9, 3]  # next-fit: 5+4 | 6 | 9 | 3
+    assert torch.cat([s.input_ids for s in packed]).tolist() == torch.cat([s.input_ids for s in samples]).tolist()
+    labels = torch.cat([s.labels for s in packed])
+    starts = [0, 5, 9, 15, 24]
+    expected = torch.cat([s.labels for s in samples])
+    expected[starts] = IGNORE_INDEX  # the first token of every sample is never a target
+    assert labels.tolist() == expected.tolist()
+    # sample 2 starts with a trained token: in the packed sequence it is masked, the rest of its reply is not
+    assert packed[0].labels[5].item() == IGNORE_INDEX and packed[0].labels[6:].tolist() == [101, 102, 103]
+
+
+def test_collate_right_pads() -> None:
+    batch = Collate(pad_id=7)([make_sample([1, 2, 3], 1), make_sample([4, 5, 6, 8, 9], 2)])
+    assert batch["input_ids"].tolist() == [[1, 2, 3, 7, 7], [4, 5, 6, 8, 9]]
+    assert batch["labels"].tolist() == [[-100, 2, 3, -100, -100], [-100, -100, 6, 8, 9]]
+    assert batch["input_ids"].dtype == batch["labels"].dtype == torch.long
+
+
+def test_tokenize_segments_adds_bos_once_for_families_that_want_it(llama3_tok: Tokenizer) -> None:
+    from lit_qlora.data.prompts import Segment
+
+    sample = tokenize_segments([Segment("Hi", False), Segment("there", True)], llama3_tok)
+    assert sample.input_ids.tolist()[0] == llama3_tok.bos_id and sample.input_ids.tolist().count(llama3_tok.bos_id) == 1
+
+
+# ---------------------------------------------------------------------------------------------- split, order, resume
+
+def test_split_is_deterministic_and_keeps_one_val_row() -> None:
+    rows = list(range(50))
+    train, val = split_rows(rows, 0.1, seed=3)
+    assert (train, val) == split_rows(rows, 0.1, seed=3) and len(val) == 5
+    assert sorted(train + val) == rows and split_rows(rows, 0.1, seed=4) != (train, val)
+    assert len(split_rows(rows[:4], 0.01, seed=0)[1]) == 1 and split_rows(rows, 0, seed=0)[1] == []
+    with pytest.raises(DataError, match="too few"):
+        split_rows([1], 0.5, seed=0)
+
+
+def test_sampler_is_seeded_and_resumes_exactly() -> None:
+    sampler = ResumableSampler(23, batch_size=4, seed=7)
+    epoch0 = list(sampler)
+    assert sorted(epoch0) == list(range(23)) and list(sampler) == epoch0 and len(sampler) == 23
+    sampler.set_epoch(1)
+    epoch1 = list(sampler)
+    assert epoch1 != epoch0 and sorted(epoch1) == list(range(23))
+    for k in range(sampler.num_batches):
+        sampler.set_position(1, k)
+        assert list(sampler) == epoch1[4 * k:]
+        assert list(sampler) == epoch1  # the offset applies to one pass only
+    sampler.set_position(0, sampler.num_batches)  # a finished epoch: go on with the next one
+    assert (sampler.epoch, list(sampler)) == (1, epoch1)
+    sampler.set_position(0, 2)
+    sampler.set_epoch(0)  # Lightning's epoch-start call keeps the pending offset of the same epoch
+    assert list(sampler) == epoch0[8:]
+    sampler.set_position(0, 2)
+    sampler.set_epoch(1)  # ...and drops it for another epoch
+    assert list(sampler) == epoch1
+    shards = [ResumableSampler(23, 4, 7, num_replicas=3, rank=r) for r in range(3)]
+    assert all(len(list(s)) == 8 for s in shards) and set().union(*map(set, shards)) == set(range(23))
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_datamodule_batches_resume_from_position(tok: Tokenizer, tmp_path: Path, packing: bool) -> None:
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps({"instruction": f"Say {i}.", "output": f"{i} " * (i % 7 + 1)}) + "\n"
+                            for i in range(40)))
+    args = DataArgs(json_path=path, val_split=0.2, packing=packing)
+    dm = SFTDataModule(args, tok, max_seq_length=128, micro_batch_size=3, seed=11)
+    dm.setup()
+    assert len(dm.val_set) == 8 and dm.train_token_count == sum(dm.train_lengths)
+    epochs = []
+    for epoch in range(2):
+        dm.set_position(epoch, 0)
+        epochs.append([b["input_ids"].tolist() for b in dm.train_dataloader()])
+    assert len(epochs[0]) == dm.num_train_batches and epochs[0] != epochs[1]
+    for epoch, k in [(0, 2), (1, 1), (1, dm.num_train_batches - 1)]:
+        dm.set_position(epoch, k)
+        assert [b["input_ids"].tolist() for b in dm.train_dataloader()] == epochs[epoch][k:]
+    assert dm.position_of(dm.num_train_batches + 1) == (1, 1)
+    state = json.loads(json.dumps(dm.state_dict()))
+    other = SFTDataModule(args, tok, max_seq_length=128, micro_batch_size=3, seed=11)
+    other.setup()
+    other.load_state_dict(state)
+    assert [b["input_ids"].tolist() for b in other.train_dataloader()] == epochs[1][-1:]
+    val = list(dm.val_dataloader())
+    assert val[0]["input_ids"].shape[0] == 3 and all((b["labels"] != IGNORE_INDEX).any() for b in val)
+    changed = SFTDataModule(args, tok, max_seq_length=128, micro_batch_size=3, seed=12)
+    with pytest.raises(DataError, match="seed was 11, is 12"):
+        changed.load_state_dict(state)
+
+
+# ---------------------------------------------------------------------------------------------- errors
+
+def write(tmp_path: Path, name: str, content: str | bytes) -> Path:
+    path = tmp_path / name
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    return path
+
+
+def test_bad_rows_are_reported_with_row_numbers(tmp_path: Path) -> None:
+    rows = [ROW, {"instruction": "x"}, {"output": "y"}, {"text": "z"}, {"instruction": "x"},
+            {"messages": [{"role": "user", "content": "hi"}]}, {"messages": [{"role": "bot", "content": "x"}]}, 5]
+    path = write(tmp_path, "bad.json", json.dumps(rows))
+    with pytest.raises(DataError) as e:
+        load_json_rows(path)
+    message = str(e.value)
+    assert str(path) in message
+    for expected in ["rows 2, 5: missing `output`", "row 3: missing `instruction`",
+                     "row 4: neither `instruction`/`output` nor `messages`", "rows 6, 7: no assistant message",
+                     "row 7: a message with role 'bot'", "row 8: not a JSON object"]:
+        assert expected in message
+    jsonl = write(tmp_path, "bad.jsonl", json.dumps(ROW) + "\n\n" + json.dumps({"instruction": "x"}) + "\n")
+    with pytest.raises(DataError, match=r"row 2 \(line 3\): missing `output`"):
+        load_json_rows(jsonl)
+
+
+def test_file_errors(tmp_path: Path) -> None:
+    with pytest.raises(DataError, match="line 2: invalid JSON"):
+        load_json_rows(write(tmp_path, "t.jsonl", json.dumps(ROW) + '\n{"instruction": "x", "outp'))
+    with pytest.raises(DataError, match="not valid JSON: .* line 1"):
+        load_json_rows(write(tmp_path, "t.json", '[{"instruction": "x"'))
+    with pytest.raises(DataError, match="not a list of rows"):
+        load_json_rows(write(tmp_path, "d.json", json.dumps(ROW)))
+    with pytest.raises(DataError, match="not UTF-8 .* line 2"):
+        load_json_rows(write(tmp_path, "l.jsonl", json.dumps(ROW).encode() + b'\n{"instruction": "caf\xe9"}\n'))
+    for name, content in [("e.jsonl", ""), ("e2.jsonl", "\n \n"), ("e.json", "[]")]:
+        with pytest.raises(DataError, match="holds no rows"):
+            load_json_rows(write(tmp_path, name, content))
+    with pytest.raises(DataError, match="does not exist"):
+        load_json_rows(tmp_path / "missing.jsonl")
+    with pytest.raises(DataError, match="either --data.json_path or --data.hf_dataset"):
+        SFTDataModule(DataArgs(json_path=tmp_path / "x.json", hf_dataset="a/b"), None, 64, 1, 0)
+
+
+def test_hf_dataset_offline_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("datasets")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import datasets.config
+    import huggingface_hub.constants
+
+    # both libraries read these variables at import; make an earlier import see them too
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True, raising=False)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", True, raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True, raising=False)
+    with pytest.raises(DataError, match="Hub cannot be reached.*--data.json_path") as e:
+        load_hf_rows("lit-qlora/no-such-dataset-for-tests")
+    assert "\n" not in str(e.value)
+
+
+# ---------------------------------------------------------------------------------------------- the shipped demo set
+
+def test_demo_dataset_is_regenerable_and_loads(tok: Tokenizer) -> None:
+    rows = load_json_rows(DEMO_DATASET)
+    assert len(rows) >= 300
+    assert DEMO_DATASET.read_text(encoding="utf-8") == "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in make_rows())
+    dm = SFTDataModule(DataArgs(), tok, max_seq_length=256, micro_batch_size=4, seed=0)
+    dm.setup()
+    assert len(dm.train_set) + len(dm.val_set) == len(rows) and max(dm.train_lengths) < 128
+
+
+def test_demo_dataset_is_found_from_any_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    code = "from lit_qlora.data import DEMO_DATASET, load_json_rows; print(len(load_json_rows(DEMO_DATASET)))"
+    import lit_qlora
+
+    # The package is importable from elsewhere; the data file must be found next to it, not in the working dir.
+    env = {**os.environ, "PYTHONPATH": str(Path(lit_qlora.__file__).parent.parent)}
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         check=True)
+    assert int(out.stdout) >= 300
