@@ -52,7 +52,9 @@ def main(argv: list[str] | None = None) -> None:
     argv = [a for a in argv if a != "--debug"]
     if not debug:
         quiet_library_logs()
-    from jsonargparse import auto_cli
+    from jsonargparse import auto_cli, set_parsing_settings
+
+    set_parsing_settings(docstring_parse_attribute_docstrings=True)  # dataclass field docstrings become --help
 
     try:
         auto_cli(commands(), args=expand_positional(argv), as_positional=False)

@@ -192,14 +192,16 @@ def calendar(r: random.Random) -> Iterator[dict]:
 
 def spelling(r: random.Random) -> Iterator[dict]:
     for word in r.sample(WORDS, 20):
-        yield {"instruction": r.choice([f'How many letters are in the word "{word}"?', f'Spell "{word}" letter by letter.']),
+        question = r.choice([f'How many letters are in the word "{word}"?', f'Spell "{word}" letter by letter.'])
+        yield {"instruction": question,
                "output": f'"{word}" has {len(word)} letters: {"-".join(word)}.'}
 
 
 def temperatures(r: random.Random) -> Iterator[dict]:
     for c in r.sample(range(-20, 45, 5), 13):
         f = c * 9 // 5 + 32
-        yield {"instruction": f"Convert {c} °C to Fahrenheit.", "output": f"{c} × 9/5 + 32 = {f}, so {c} °C is {f} °F."}
+        yield {"instruction": f"Convert {c} °C to Fahrenheit.",
+               "output": f"{c} × 9/5 + 32 = {f}, so {c} °C is {f} °F."}
 
 
 def percentages(r: random.Random) -> Iterator[dict]:
