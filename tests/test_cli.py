@@ -19,6 +19,13 @@ def test_help_comes_from_docstrings():
     assert "--checkpoint_dir" in out.stdout and "--max_new_tokens" in out.stdout
 
 
+def test_finetune_help_documents_nested_options():
+    out = litqlora("finetune", "--help")
+    assert out.returncode == 0
+    assert "Peak learning rate" in out.stdout  # TrainArgs.lr's attribute docstring
+    assert "--data.json_path" in out.stdout and "--lora.r" in out.stdout and "--resume" in out.stdout
+
+
 def test_download_offline_is_one_clear_line(tmp_path):
     out = litqlora("download", "HuggingFaceTB/SmolLM2-135M-Instruct", "--out_dir", tmp_path / "d",
                    env={"HF_HUB_OFFLINE": "1"})
