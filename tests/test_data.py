@@ -109,7 +109,8 @@ def test_llama3_style_bos_once_and_eot(llama3_tok: Tokenizer, tok: Tokenizer) ->
     assert ids[0] == llama3_tok.bos_id and ids.count(llama3_tok.bos_id) == 1
     text, trained = masked_and_trained(llama3_tok, sample)
     assert trained == ["2 + 3 = 5<|eot_id|>", "4 + 4 = 8<|eot_id|>"]
-    assert text.startswith("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nAnswer in one line.<|eot_id|>")
+    assert text.startswith("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\n"
+                           "Answer in one line.<|eot_id|>")
     with pytest.raises(DataError, match=r"<\|eot_id\|>"):  # SmolLM2's tokenizer cannot stop on <|eot_id|>
         get_prompt_style("llama3", tok)
 
@@ -149,7 +150,7 @@ def test_alpaca_multi_turn_messages(tok: Tokenizer) -> None:
     assert trained == ["2 + 3 = 5<|im_end|>", "4 + 4 = 8<|im_end|>"]
 
 
-# ---------------------------------------------------------------------------------------------- truncation, packing, padding
+# ------------------------------------------------------------------------------ truncation, packing, padding
 
 def test_truncation_keeps_the_start_and_counts_untrained(tok: Tokenizer) -> None:
     style = get_prompt_style("alpaca", tok)
@@ -159,7 +160,8 @@ def test_truncation_keeps_the_start_and_counts_untrained(tok: Tokenizer) -> None
         long_prompt = {**ROW, "instruction": ROW["instruction"] + " It is in South America." * 5}
         short_row = {"instruction": "Hi", "output": "Hello"}
         samples = tokenize_rows([ROW, long_prompt, short_row], style, tok, prompt_len + 3)
-    assert len(samples[0]) == prompt_len + 3 and samples[0].input_ids.tolist() == full.input_ids[: prompt_len + 3].tolist()
+    assert len(samples[0]) == prompt_len + 3
+    assert samples[0].input_ids.tolist() == full.input_ids[: prompt_len + 3].tolist()
     assert (samples[0].labels[prompt_len:] != IGNORE_INDEX).all() and (samples[1].labels == IGNORE_INDEX).all()
     assert samples[2].input_ids.tolist()[-1] == tok.eos_id  # not truncated
     with pytest.warns(UserWarning, match="1 of them lost their whole reply"):
@@ -175,7 +177,8 @@ def make_sample(ids: list[int], n_prompt: int) -> Sample:
 
 
 def test_packing_never_splits_samples_and_masks_boundaries() -> None:
-    samples = [make_sample(list(range(100 * k, 100 * k + n)), p) for k, (n, p) in enumerate([(5, 2), (4, 0), (6, 3), (9, 1), (3, 0)])]
+    shapes = [(5, 2), (4, 0), (6, 3), (9, 1), (3, 0)]  # (length, prompt tokens)
+    samples = [make_sample(list(range(100 * k, 100 * k + n)), p) for k, (n, p) in enumerate(shapes)]
     packed = pack(samples, max_seq_length=10)
     assert [len(s) for s in packed] == [9, 6, 9, 3]  # next-fit: 5+4 | 6 | 9 | 3
     assert torch.cat([s.input_ids for s in packed]).tolist() == torch.cat([s.input_ids for s in samples]).tolist()
@@ -331,7 +334,8 @@ def test_hf_dataset_offline_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) ->
 def test_demo_dataset_is_regenerable_and_loads(tok: Tokenizer) -> None:
     rows = load_json_rows(DEMO_DATASET)
     assert len(rows) >= 300
-    assert DEMO_DATASET.read_text(encoding="utf-8") == "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in make_rows())
+    regenerated = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in make_rows())
+    assert DEMO_DATASET.read_text(encoding="utf-8") == regenerated
     dm = SFTDataModule(DataArgs(), tok, max_seq_length=256, micro_batch_size=4, seed=0)
     dm.setup()
     assert len(dm.train_set) + len(dm.val_set) == len(rows) and max(dm.train_lengths) < 128
