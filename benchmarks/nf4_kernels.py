@@ -2,6 +2,7 @@
 
     python benchmarks/nf4_kernels.py            # full run (~3-4 min; the torchao memory child takes the longest)
     python benchmarks/nf4_kernels.py --quick    # fewer repeats, no torchao memory child
+    python benchmarks/nf4_kernels.py --skip-memory   # re-measure speed only, keep the memory section
 
 * speed: 5632x2048 and 4096x4096 bf16 weights, median of several runs after a warm-up, torch's default
   thread count; variants are interleaved round by round so background load hits them alike; every variant's
@@ -72,7 +73,8 @@ def assert_same(ours, ref) -> None:
     for name in INNER:
         a, b = getattr(ours, name), getattr(ref, name)
         assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), name
-    assert (ours.block_size, ours.scaler_block_size, ours.n_blocks) == (ref.block_size, ref.scaler_block_size, ref.n_blocks)
+    for attr in ("block_size", "scaler_block_size", "n_blocks"):
+        assert getattr(ours, attr) == getattr(ref, attr), attr
 
 
 def interleaved(fns: dict, rounds: int, warmup: int = 1) -> dict:
@@ -181,8 +183,8 @@ def bench_speed(shape, rounds: int) -> dict:
         rounds=max(rounds, 9),
     )
 
-    def speedups(table, base):
-        return {k: table[base]["median_s"] / v["median_s"] for k, v in table.items() if k != base}
+    def speedups(table, base, stat="median_s"):
+        return {k: table[base][stat] / v[stat] for k, v in table.items() if k != base}
 
     return {
         "shape": list(shape),
@@ -190,8 +192,10 @@ def bench_speed(shape, rounds: int) -> dict:
         "numel": w.numel(),
         "quantize": quant,
         "quantize_speedup_vs_torchao": speedups(quant, "torchao to_nf4"),
+        "quantize_speedup_vs_torchao_min": speedups(quant, "torchao to_nf4", "min_s"),
         "dequantize": deq,
         "dequantize_speedup_vs_torchao": speedups(deq, "torchao get_original_weight"),
+        "dequantize_speedup_vs_torchao_min": speedups(deq, "torchao get_original_weight", "min_s"),
         "linear_forward_256_tokens": lin,
     }
 
@@ -283,41 +287,60 @@ def fmt_ms(s: float) -> str:
     return f"{s * 1e3:.1f}"
 
 
+def fmt_x(speedup: float | None) -> str:
+    return "-" if speedup is None else f"{speedup:.1f}x"
+
+
 def markdown(res: dict) -> str:
     m = res["machine"]
     lines = [
         "# NF4 kernels: lit_qlora.nf4 vs torchao",
         "",
-        f"{res['date']} - {m['cpu']} ({m['cpus']} CPUs, torch threads {m['torch_threads']}), "
-        f"torch {m['torch']}, torchao {m['torchao']}, Python {m['python']}, lit_qlora.nf4 backend `{res['backend']}`. "
-        f"Load average before/after: {res['loadavg_start']} / {res['loadavg_end']} (the machine is shared).",
+        f"{m['cpu']} ({m['cpus']} CPUs, torch threads {m['torch_threads']}), torch {m['torch']}, "
+        f"torchao {m['torchao']}, Python {m['python']}, lit_qlora.nf4 backend `{res['backend']}`.",
+        "",
+        *[
+            f"- {name} measured {run['date']}, load average before/after {run['loadavg_start']} / "
+            f"{run['loadavg_end']} (the machine is shared with other jobs)"
+            for name, run in (("speed", res.get("speed_run")), ("memory", res.get("memory_run")))
+            if run
+        ],
         "",
         "Every variant is asserted bit-identical to torchao (codes, scalers, factors, mean, dequantized values).",
-        "Times are medians (ms) of interleaved runs after a warm-up; speedup = torchao median / variant median.",
+        "Times (ms) of interleaved runs after a warm-up; speedup = torchao time / variant time, from the medians",
+        "and from the minimums (the least disturbed runs on a shared machine).",
+        "`native` = the C kernels, `eager` = the PyTorch fallback (no compiler). Dequantize without `out=`",
+        "allocates a fresh output; when glibc hands that memory back to the OS between calls, first-touch page",
+        "faults cost ~8 ms per 23 MB on this VM (~2.5 GB/s), more than the kernel itself; `nf4_linear`",
+        "therefore dequantizes into a reused per-thread buffer on CPU (the `out=` row is that case).",
         "",
     ]
-    for r in res["speed"]:
+    for r in res.get("speed", []):
         shape = "x".join(map(str, r["shape"]))
         lines += [f"## {shape} bf16 (layout block_size={r['layout'][0]}, scaler_block_size={r['layout'][1]})", ""]
-        lines += ["| quantize | median ms | min ms | speedup |", "|---|---:|---:|---:|"]
-        for k, v in r["quantize"].items():
-            sp = r["quantize_speedup_vs_torchao"].get(k)
-            lines.append(f"| {k} | {fmt_ms(v['median_s'])} | {fmt_ms(v['min_s'])} | {'-' if sp is None else f'{sp:.1f}x'} |")
-        lines += ["", "| dequantize | median ms | min ms | speedup |", "|---|---:|---:|---:|"]
-        for k, v in r["dequantize"].items():
-            sp = r["dequantize_speedup_vs_torchao"].get(k)
-            extra = f" (compile {v['compile_s']:.1f} s)" if "compile_s" in v else ""
-            lines.append(
-                f"| {k}{extra} | {fmt_ms(v['median_s'])} | {fmt_ms(v['min_s'])} | {'-' if sp is None else f'{sp:.1f}x'} |"
-            )
+        for kind in ("quantize", "dequantize"):
+            lines += [
+                f"| {kind} | median ms | min ms | speedup (medians) | speedup (mins) |",
+                "|---|---:|---:|---:|---:|",
+            ]
+            for k, v in r[kind].items():
+                sp = r[f"{kind}_speedup_vs_torchao"].get(k)
+                sp_min = r[f"{kind}_speedup_vs_torchao_min"].get(k)
+                extra = f" (compile {v['compile_s']:.1f} s)" if "compile_s" in v else ""
+                lines.append(
+                    f"| {k}{extra} | {fmt_ms(v['median_s'])} | {fmt_ms(v['min_s'])} | {fmt_x(sp)} | {fmt_x(sp_min)} |"
+                )
+            lines.append("")
+        lines.pop()
         lines += ["", "| linear forward, 256 tokens | median ms |", "|---|---:|"]
         for k, v in r["linear_forward_256_tokens"].items():
             lines.append(f"| {k} | {fmt_ms(v['median_s'])} |")
         lines.append("")
     if res.get("memory"):
         shape = "x".join(map(str, MEMORY_SHAPE))
+        gib = MEMORY_SHAPE[0] * MEMORY_SHAPE[1] * 2 / 2**30
         lines += [
-            f"## Quantization memory, {shape} bf16 ({res['memory'][0].get('tensor_bytes', 0) / 2**30:.2f} GiB), fresh process each",
+            f"## Quantization memory, {shape} bf16 ({gib:.2f} GiB), fresh process each",
             "",
             "transient = (peak RSS while quantizing - RSS before) / bf16 size (includes the NF4 result, 0.26x); "
             "peak/tensor = (peak RSS - RSS before the tensor existed) / bf16 size.",
@@ -342,7 +365,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="3 rounds, no torchao memory child")
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--skip-memory", action="store_true")
+    parser.add_argument("--skip-speed", action="store_true", help="keep the speed section of the existing JSON")
+    parser.add_argument("--skip-memory", action="store_true", help="keep the memory section of the existing JSON")
     parser.add_argument("--skip-torchao-memory", action="store_true")
     parser.add_argument("--child-memory", nargs=3, metavar=("VARIANT", "ROWS", "COLS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -352,8 +376,14 @@ def main() -> None:
         return
 
     rounds = 3 if args.quick else args.rounds
+    json_path = RESULTS / "nf4_kernels.json"
+    previous = json.loads(json_path.read_text()) if json_path.exists() else {}
+
+    def run_info(**extra) -> dict:
+        now = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+        return {"date": now, "loadavg_start": loadavg(), **extra}
+
     res = {
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "machine": {
             "cpu": cpu_model(),
             "cpus": os.cpu_count(),
@@ -367,22 +397,32 @@ def main() -> None:
         },
         "backend": nf4_backend(),
         "native_error": nf4_mod._native_state["error"],
-        "loadavg_start": loadavg(),
-        "rounds": rounds,
-        "speed": [],
     }
-    for shape in SPEED_SHAPES:
-        print(f"speed {shape} ...", flush=True)
-        r = bench_speed(shape, rounds)
-        res["speed"].append(r)
-        print(
-            "  quantize speedup: "
-            + ", ".join(f"{k} {v:.1f}x" for k, v in r["quantize_speedup_vs_torchao"].items())
-            + "\n  dequantize speedup: "
-            + ", ".join(f"{k} {v:.1f}x" for k, v in r["dequantize_speedup_vs_torchao"].items()),
-            flush=True,
-        )
-    if not args.skip_memory:
+    if args.skip_speed:
+        for key in ("speed_run", "speed"):
+            if key in previous:
+                res[key] = previous[key]
+    else:
+        res["speed_run"] = run_info(rounds=rounds)
+        res["speed"] = []
+        for shape in SPEED_SHAPES:
+            print(f"speed {shape} ...", flush=True)
+            r = bench_speed(shape, rounds)
+            res["speed"].append(r)
+            print(
+                "  quantize speedup: "
+                + ", ".join(f"{k} {v:.1f}x" for k, v in r["quantize_speedup_vs_torchao"].items())
+                + "\n  dequantize speedup: "
+                + ", ".join(f"{k} {v:.1f}x" for k, v in r["dequantize_speedup_vs_torchao"].items()),
+                flush=True,
+            )
+        res["speed_run"]["loadavg_end"] = loadavg()
+    if args.skip_memory:
+        for key in ("memory_run", "memory", "torchao_memory_skipped"):
+            if key in previous:
+                res[key] = previous[key]
+    else:
+        res["memory_run"] = run_info()
         variants = ["ours (native)", "ours (eager)"]
         tensor_bytes = MEMORY_SHAPE[0] * MEMORY_SHAPE[1] * 2
         if args.quick or args.skip_torchao_memory:
@@ -393,10 +433,10 @@ def main() -> None:
             variants.append("torchao to_nf4")
         print(f"memory {MEMORY_SHAPE} ...", flush=True)
         res["memory"] = bench_memory(variants)
-    res["loadavg_end"] = loadavg()
+        res["memory_run"]["loadavg_end"] = loadavg()
 
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "nf4_kernels.json").write_text(json.dumps(res, indent=2) + "\n")
+    json_path.write_text(json.dumps(res, indent=2) + "\n")
     (RESULTS / "nf4_kernels.md").write_text(markdown(res))
     print(f"wrote {RESULTS / 'nf4_kernels.json'} and {RESULTS / 'nf4_kernels.md'}")
 

@@ -1,18 +1,26 @@
 """Fast NF4 quantize / dequantize that produce and consume torchao ``NF4Tensor`` objects.
 
 torchao's :class:`~torchao.quantization.NF4Tensor` stays the storage format (its FSDP2 hooks, aten ops and
-state-dict handling keep working); only the two hot paths are ours:
+state-dict handling keep working); only the hot paths are ours (CPU numbers: benchmarks/nf4_kernels.py):
 
 * :func:`quantize_nf4` builds an ``NF4Tensor`` whose inner tensors are bit-for-bit what
-  ``torchao.quantization.to_nf4(w, block_size, scaler_block_size)`` builds, ~20x faster on CPU and in row
-  chunks, so the memory transient stays near the size of the NF4 result instead of ~2x the input.
-* :func:`dequantize_nf4` returns exactly ``NF4Tensor.get_original_weight()`` (same bits), ~10-20x faster on
-  CPU through a small vectorized C kernel compiled on first use (falls back to a vectorized PyTorch path
-  when no C compiler is available).
+  ``torchao.quantization.to_nf4(w, block_size, scaler_block_size)`` builds, 55-75x faster on CPU (18-25x on
+  the PyTorch fallback), with a transient of ~0.3x the bf16 input (torchao: ~2.1x) because nothing of
+  the input's size is ever materialized (row chunks on the fallback).
+* :func:`dequantize_nf4` returns exactly ``NF4Tensor.get_original_weight()`` (same bits), 15-20x faster on
+  CPU (8-10x on the PyTorch fallback).
 * :func:`nf4_linear` is ``F.linear(x, dequantize_nf4(w), bias)`` as an autograd Function that re-dequantizes
   in backward instead of keeping the dequantized weight alive.
 * :func:`nf4_layout` picks a ``scaler_block_size`` that makes any real layer shape quantizable (torchao needs
   ``numel % (block_size * scaler_block_size) == 0``) and shardable along dim 0 by FSDP2.
+
+On CPU the work runs in a small C kernel (gcc vector extensions: a per-block 16-entry table looked up with a
+vector permute) compiled with ``gcc -O3 -march=native`` on first use, cached per CPU under
+``~/.cache/lit_qlora/kernels``, split across ``torch.get_num_threads()`` threads and checked against the
+PyTorch path before it is trusted. Without gcc (or with ``LIT_QLORA_NF4_BACKEND=eager``), and on other
+devices, vectorized PyTorch ops do the same computation (table lookups instead of torchao's 16-way argmin).
+``torch.compile`` of the lookup was measured too: CPU inductor emits scalar code for the table gather and
+it is slower than the PyTorch fallback, so it is not used.
 
 The NF4 format (torchao 0.18), as reproduced here:
 
@@ -29,7 +37,10 @@ The NF4 format (torchao 0.18), as reproduced here:
 * dequantize: ``level[code] * ((quantized_scalers / factor) + m)``, every step rounded to ``D``.
 
 Because of the global mean, chunked quantization first computes all block absmax values, then the double
-quantization on that small tensor with the same torch ops torchao uses, so every bit matches.
+quantization on that small tensor with the same torch ops torchao uses, so every bit matches. The codes come
+from 15 decision thresholds (or, on the fallback, per-bit-pattern tables) derived from that reference search
+itself: not the exact midpoints between levels, since the ``D``-rounded distances tie near the midpoints
+and ties go to the lower level. For 16-bit dtypes they are checked against all 65536 values.
 """
 
 from __future__ import annotations
@@ -40,6 +51,7 @@ import logging
 import math
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
@@ -63,6 +75,7 @@ __all__ = [
     "NF4Linear",
     "nf4_nbytes",
     "nf4_backend",
+    "clone_nf4",
 ]
 
 log = logging.getLogger(__name__)
@@ -129,6 +142,11 @@ def _check_layout(shape: Sequence[int], block_size: int, scaler_block_size: int,
                 f"shape {shape} cannot be sharded along dim 0 across {world_size} ranks: {shape[0]} rows are "
                 "not divisible by the world size (FSDP2 would pad the last shard, which NF4Tensor cannot hold)"
             )
+        if n_blocks % world_size:
+            raise ValueError(
+                f"shape {shape} cannot be sharded along dim 0 across {world_size} ranks: a shard of "
+                f"{shape[0] // world_size} rows holds a fraction of a {block_size}-element block"
+            )
         if (n_blocks // scaler_block_size) % world_size:
             raise ValueError(
                 f"shape {shape}: {n_blocks // scaler_block_size} scaler blocks cannot be split evenly across "
@@ -168,17 +186,15 @@ def nf4_layout(
     for ``world_size`` N is valid for every divisor of N. Quantize the *full* tensor and then shard
     (``scaler_mean`` is the mean over the whole tensor).
 
-    Raises ``ValueError`` (never silently skips) when ``numel`` is not a multiple of ``block_size`` or
-    ``shape[0]`` is not a multiple of ``world_size``.
+    Raises ``ValueError`` (never silently skips) when ``numel`` is not a multiple of ``block_size``, or
+    ``shape[0]`` is not a multiple of ``world_size``, or a dim-0 shard would hold a fraction of a block.
     """
     shape = tuple(int(s) for s in shape)
     if len(shape) not in (1, 2):
         raise ValueError(f"NF4 quantizes 1-D or 2-D tensors, got shape {shape}")
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    _check_layout(shape, block_size, 1, 1)  # whole blocks
-    if shape[0] % world_size:
-        _check_layout(shape, block_size, 1, world_size)  # raises the dim-0 error
+    _check_layout(shape, block_size, 1, world_size)  # whole blocks, whole blocks per dim-0 shard
     n_blocks = math.prod(shape) // block_size
     per_rank = n_blocks // world_size
     target = max(1, int(scaler_block_size))
@@ -332,6 +348,7 @@ def _chunk_rows(cols: int, block_size: int, chunk_rows: Optional[int]) -> int:
     return max(unit, (int(chunk_rows) // unit) * unit)
 
 
+@torch.compiler.disable  # raw-pointer kernels: dynamo must not trace (it would lose the writes)
 @torch.no_grad()
 def quantize_nf4(
     weight: torch.Tensor,
@@ -352,10 +369,11 @@ def quantize_nf4(
     nearest divisor; ``world_size`` makes the layout shardable along dim 0 by FSDP2). An explicit
     ``scaler_block_size`` that does not fit raises ``ValueError``.
 
-    The weight is processed ``chunk_rows`` rows at a time (default: ~256K elements per chunk), so besides
-    the result (0.52 bytes/param) only one chunk's temporaries are alive. A non-contiguous ``weight`` is
-    copied one chunk at a time. The wrapper metadata has contiguous strides and storage offset 0 (torchao
-    copies the input's strides/offset) and the input's ``requires_grad`` (as torchao).
+    Memory: besides the result (0.52 bytes/param) and its block scales (2 bytes per 64 params), the C kernel
+    allocates nothing; the PyTorch path works ``chunk_rows`` rows at a time (default ~256K elements), so only
+    one chunk's temporaries are alive. A non-contiguous ``weight`` is copied one chunk at a time. The
+    wrapper metadata has contiguous strides and storage offset 0 (torchao copies the input's strides and
+    offset) and the input's ``requires_grad`` (as torchao).
 
     ``native`` forces (True) or avoids (False) the C kernel; default: used on CPU when it compiled.
     """
@@ -379,9 +397,9 @@ def quantize_nf4(
     quantized_data = torch.empty(numel // 2, dtype=torch.uint8, device=device)
     scalers = torch.empty(n_blocks, dtype=dtype, device=device)
     if native is None:
-        native = device.type == "cpu" and _use_native()
-    elif native and (device.type != "cpu" or _native_lib() is None):
-        raise RuntimeError(f"native NF4 kernels unavailable ({device}): {_native_state['error']}")
+        native = device.type == "cpu" and _use_native(dtype)
+    elif native and (device.type != "cpu" or _native_lib() is None or not _use_native(dtype)):
+        raise RuntimeError(f"native NF4 kernels unavailable ({device}, {dtype}): {_native_state['error']}")
     contiguous = weight.is_contiguous()
     if native and contiguous:
         _quantize_native(weight.reshape(-1), block_size, quantized_data, scalers)
@@ -494,8 +512,10 @@ def _dequant_eager(qdata: torch.Tensor, scales: torch.Tensor, levels: torch.Tens
         vals.mul_(scales[a // block_bytes : b // block_bytes].unsqueeze(-1))
 
 
-# The C kernel: one pass, a 16-entry table of rounded ``level * scale`` per block, looked up with a vector
-# permute (gcc vector extensions; ``vpermw``/``vpermd`` on AVX-512, emulated elsewhere).
+# The C kernels (gcc vector extensions, 16 float lanes; gcc picks the instructions for -march=native).
+# quantize: one pass per block: absmax, divide, round to the storage dtype, count the thresholds passed,
+# pack two codes per byte. dequantize: a 16-entry table of rounded ``level * scale`` per block, looked up
+# with a vector permute (vpermw / vpermd on AVX-512).
 _C_SOURCE = r"""
 #include <stdint.h>
 #include <string.h>
@@ -507,8 +527,15 @@ typedef uint16_t v32w  __attribute__((vector_size(64)));
 typedef uint64_t v8q   __attribute__((vector_size(64)));
 typedef uint8_t  v16b  __attribute__((vector_size(16)));
 typedef uint8_t  v8b   __attribute__((vector_size(8)));
-typedef _Float16 v16hf __attribute__((vector_size(32)));
 typedef uint16_t v16w  __attribute__((vector_size(32)));
+#if defined(__FLT16_MAX__)
+#define HAS_F16 1
+typedef _Float16 v16hf __attribute__((vector_size(32)));
+#else  /* no _Float16 (gcc < 12 on x86): float16 stays on the PyTorch path, see nf4_has_f16 */
+#define HAS_F16 0
+#endif
+
+int nf4_has_f16(void) { return HAS_F16; }
 
 /* Storage formats: 0 bfloat16, 1 float16, 2 float32. All arithmetic is float32, rounded to the storage
    format exactly where PyTorch rounds (bf16: nearest-even with NaN -> 0x7FC0 like c10::BFloat16). */
@@ -520,13 +547,19 @@ static inline v16u bf16_bits(v16f x) {
     return (v16u)(((v16i)r & ~nan) | (nan & 0x7FC0));
 }
 static inline v16u f16_bits(v16f x) {
+#if HAS_F16
     v16hf h = __builtin_convertvector(x, v16hf);
     v16w w; memcpy(&w, &h, 32);
     return __builtin_convertvector(w, v16u);
+#else
+    v16u u; memcpy(&u, &x, 64); return u;
+#endif
 }
 static inline v16f round_to(v16f x, int fmt) {
     if (fmt == 0) { v16u b = bf16_bits(x) << 16; v16f r; memcpy(&r, &b, 64); return r; }
+#if HAS_F16
     if (fmt == 1) { v16hf h = __builtin_convertvector(x, v16hf); return __builtin_convertvector(h, v16f); }
+#endif
     return x;
 }
 static inline uint16_t bf16_bits1(float x) {
@@ -536,7 +569,9 @@ static inline uint16_t bf16_bits1(float x) {
 }
 static inline float round1(float x, int fmt) {
     if (fmt == 0) { uint32_t u = (uint32_t)bf16_bits1(x) << 16; float r; memcpy(&r, &u, 4); return r; }
+#if HAS_F16
     if (fmt == 1) return (float)(_Float16)x;
+#endif
     return x;
 }
 static inline v16f load16(const void* src, int64_t i, int fmt) {
@@ -544,8 +579,10 @@ static inline v16f load16(const void* src, int64_t i, int fmt) {
     if (fmt == 0) {
         v16w w; memcpy(&w, (const uint16_t*)src + i, 32);
         v16u u = __builtin_convertvector(w, v16u) << 16; memcpy(&r, &u, 64);
+#if HAS_F16
     } else if (fmt == 1) {
         v16hf h; memcpy(&h, (const _Float16*)src + i, 32); r = __builtin_convertvector(h, v16f);
+#endif
     } else {
         memcpy(&r, (const float*)src + i, 64);
     }
@@ -553,7 +590,9 @@ static inline v16f load16(const void* src, int64_t i, int fmt) {
 }
 static inline float load1(const void* src, int64_t i, int fmt) {
     if (fmt == 0) { uint32_t u = (uint32_t)((const uint16_t*)src)[i] << 16; float r; memcpy(&r, &u, 4); return r; }
+#if HAS_F16
     if (fmt == 1) return (float)((const _Float16*)src)[i];
+#endif
     return ((const float*)src)[i];
 }
 
@@ -589,7 +628,9 @@ void nf4_quantize(const void* w, int64_t b0, int64_t b1, int64_t bs, const float
         }
         if (nan) m = __builtin_nanf("");
         if (fmt == 0) ((uint16_t*)amax_out)[b] = bf16_bits1(m);
+#if HAS_F16
         else if (fmt == 1) ((_Float16*)amax_out)[b] = (_Float16)m;
+#endif
         else ((float*)amax_out)[b] = m;
 
         uint8_t* qb = qout + base / 2;
@@ -672,9 +713,19 @@ _pool: Optional[ThreadPoolExecutor] = None
 _pool_lock = threading.Lock()
 
 
+def _forget_pool_after_fork() -> None:
+    # a forked child inherits the executor object but none of its threads: start a fresh one when needed
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool_after_fork)
+
+
 def _cpu_fingerprint() -> str:
     # -march=native code must never be reused on another CPU (a shared home directory on a cluster)
-    parts = [platform.machine(), platform.processor(), sys.platform, torch.__version__]
+    parts = [platform.machine(), sys.platform, torch.__version__]
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -692,11 +743,19 @@ def _compile_native() -> ctypes.CDLL:
     if not compiler:
         raise RuntimeError("no C compiler (gcc/cc) found")
     flags = ["-O3", "-march=native", "-std=gnu11", "-shared", "-fPIC"]
+    flags += shlex.split(os.environ.get("LIT_QLORA_CFLAGS", ""))  # extra flags, e.g. for debugging
     key = hashlib.sha256("\n".join([_C_SOURCE, compiler, *flags, _cpu_fingerprint()]).encode()).hexdigest()[:16]
     cache_dir = os.environ.get("LIT_QLORA_KERNEL_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "lit_qlora", "kernels"
     )
-    os.makedirs(cache_dir, exist_ok=True)
+    try:
+        os.makedirs(cache_dir, exist_ok=True)
+        if not os.access(cache_dir, os.W_OK):
+            raise PermissionError(cache_dir)
+    except OSError:  # read-only home: a per-user temp directory
+        user = os.getuid() if hasattr(os, "getuid") else 0
+        cache_dir = os.path.join(tempfile.gettempdir(), f"lit_qlora_kernels_{user}")
+        os.makedirs(cache_dir, exist_ok=True)
     lib_path = os.path.join(cache_dir, f"nf4_{key}.so")
     if not os.path.exists(lib_path):
         with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
@@ -720,6 +779,8 @@ def _compile_native() -> ctypes.CDLL:
     lib.nf4_quantize.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                                  ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32]  # fmt: skip
     lib.nf4_quantize.restype = None
+    lib.nf4_has_f16.restype = ctypes.c_int
+    lib.has_f16 = bool(lib.nf4_has_f16())
     return lib
 
 
@@ -736,7 +797,7 @@ def _native_lib() -> Optional[ctypes.CDLL]:
             _self_test_native()
         except Exception as e:  # no compiler, unsupported target, or a wrong result: use the torch path
             _native_state["error"] = f"{type(e).__name__}: {e}"
-            log.warning("lit_qlora.nf4: native dequantize kernel unavailable (%s); using the PyTorch path", e)
+            log.warning("lit_qlora.nf4: native NF4 kernels unavailable (%s); using the PyTorch path", e)
             lib = None
         _native_state["lib"] = lib
         _native_state["tried"] = True
@@ -751,7 +812,10 @@ def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _self_test_native() -> None:
     """Compare the C kernels with the PyTorch path (tails, zero/inf blocks, every dtype) before using them."""
     gen = torch.Generator().manual_seed(0)
+    lib = _native_state["lib"]
     for dtype in _SUPPORTED_DTYPES:
+        if dtype == torch.float16 and not lib.has_f16:
+            continue
         for block_size in (72, 64):  # 72: 36-byte blocks exercise the scalar tails
             w = torch.randn(8, block_size * 4, generator=gen)
             w[1, :block_size] = 0.0  # an all-zero block: 0/0 -> NaN -> code 0
@@ -820,12 +884,14 @@ def nf4_backend() -> str:
     return "native" if _use_native() else "eager"
 
 
-def _use_native() -> bool:
+def _use_native(dtype: Optional[torch.dtype] = None) -> bool:
     if os.environ.get("LIT_QLORA_NF4_BACKEND", "auto").lower() == "eager":
         return False
-    return _native_lib() is not None
+    lib = _native_lib()
+    return lib is not None and (dtype != torch.float16 or lib.has_f16)
 
 
+@torch.compiler.disable  # raw-pointer kernels: dynamo must not trace (it would lose the writes)
 @torch.no_grad()
 def dequantize_nf4(
     t: NF4Tensor, dtype: Optional[torch.dtype] = None, out: Optional[torch.Tensor] = None
@@ -849,11 +915,7 @@ def dequantize_nf4(
             raise ValueError(f"out is on {out.device}, the NF4 tensor on {t.device}")
     numel = t.quantized_data.numel() * 2
     device = t.quantized_data.device
-    native = (
-        device.type == "cpu"
-        and (dtype == t.dtype or dtype == torch.float32)
-        and _use_native()
-    )
+    native = device.type == "cpu" and (dtype == t.dtype or dtype == torch.float32) and _use_native(t.dtype)
     if native:
         result = out if out is not None else torch.empty(shape, dtype=dtype, device=device)
         _dequant_native(t, result.view(-1))
@@ -868,6 +930,18 @@ def dequantize_nf4(
         out.view(-1).copy_(tmp)
         return out
     return tmp.view(shape).to(dtype)
+
+
+def clone_nf4(t: NF4Tensor) -> NF4Tensor:
+    """An exact copy of an ``NF4Tensor`` (its inner tensors cloned).
+
+    torchao's ``aten.clone`` (also behind ``copy.deepcopy``) re-quantizes ``get_original_weight()`` with the
+    *default* layout (64, 256): it fails for layouts :func:`nf4_layout` picked for odd shapes (e.g.
+    192x576) and is not guaranteed to reproduce the codes. Use this instead.
+    """
+    names, ctx = t.__tensor_flatten__()
+    inner = {n: getattr(t, n).clone() for n in names}
+    return NF4Tensor.__tensor_unflatten__(inner, ctx, t.shape, t.stride())
 
 
 def nf4_nbytes(t: NF4Tensor) -> int:
@@ -886,13 +960,35 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
+_scratch = threading.local()
+
+
+def _dense_weight(weight: NF4Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The dequantized weight for one matmul. On CPU it is written into a per-thread scratch buffer that is
+    reused across calls: a fresh multi-MB allocation costs more in page faults (~2.5 GB/s on small VMs) than
+    the dequantization itself. The buffer is as large as the largest weight seen, a dense copy that exists
+    transiently anyway; ``LIT_QLORA_NF4_SCRATCH=0`` turns it off. Only valid until the next call."""
+    device = weight.quantized_data.device
+    if device.type != "cpu" or os.environ.get("LIT_QLORA_NF4_SCRATCH", "1") == "0":
+        return dequantize_nf4(weight, dtype)
+    buffers = getattr(_scratch, "buffers", None)
+    if buffers is None:
+        buffers = _scratch.buffers = {}
+    numel = weight.numel()
+    buf = buffers.get(dtype)
+    if buf is None or buf.numel() < numel:
+        buffers.pop(dtype, None)
+        buf = buffers[dtype] = torch.empty(numel, dtype=dtype)
+    return dequantize_nf4(weight, dtype, out=buf[:numel].view(weight.shape))
+
+
 class NF4Linear(torch.autograd.Function):
     """``y = x @ dequant(W).T + b`` with a frozen NF4 ``W``; backward re-dequantizes (saves only the NF4)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: NF4Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         dtype = _compute_dtype(x)
-        w = dequantize_nf4(weight, dtype if dtype in _SUPPORTED_DTYPES else x.dtype)
+        w = _dense_weight(weight, dtype if dtype in _SUPPORTED_DTYPES else x.dtype)
         ctx.save_for_backward(weight)
         ctx.has_bias = bias is not None
         return F.linear(x, w, bias)
@@ -902,7 +998,7 @@ class NF4Linear(torch.autograd.Function):
         (weight,) = ctx.saved_tensors
         grad_x = grad_bias = None
         if ctx.needs_input_grad[0]:
-            w = dequantize_nf4(weight, grad_output.dtype)
+            w = _dense_weight(weight, grad_output.dtype)
             grad_x = grad_output @ w
             del w
         if ctx.has_bias and ctx.needs_input_grad[2]:
@@ -910,9 +1006,11 @@ class NF4Linear(torch.autograd.Function):
         return grad_x, None, grad_bias
 
 
+@torch.compiler.disable
 def nf4_linear(x: torch.Tensor, weight: NF4Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``F.linear(x, dequantize_nf4(weight).to(x.dtype), bias)``; gradients flow to ``x`` and ``bias`` only.
 
-    Under autocast the weight is dequantized straight to the autocast dtype.
+    Under autocast the weight is dequantized straight to the autocast dtype. Under ``torch.compile`` this is a
+    graph break (the kernels write through raw pointers, which dynamo cannot trace): it runs eagerly.
     """
     return NF4Linear.apply(x, weight, bias)
