@@ -109,6 +109,7 @@ def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
             if tensor.nbytes:
                 f.readinto(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
             yield name, tensor
+            del tensor  # while suspended the frame kept it alive: the next read would double the peak
 
 
 def iter_tensors(checkpoint_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
