@@ -9,6 +9,7 @@ import sys
 
 def commands() -> dict:
     from lit_qlora.download import download
+    from lit_qlora.evaluate import evaluate
     from lit_qlora.export import export_peft, merge
     from lit_qlora.finetune import finetune
     from lit_qlora.generate import generate_command
@@ -21,6 +22,7 @@ def commands() -> dict:
         "generate": generate_command,
         "merge": merge,
         "export_peft": export_peft,
+        "evaluate": evaluate,
     }
 
 
