@@ -975,10 +975,13 @@ def _dense_weight(weight: NF4Tensor, dtype: torch.dtype) -> torch.Tensor:
     if buffers is None:
         buffers = _scratch.buffers = {}
     numel = weight.numel()
-    buf = buffers.get(dtype)
+    # A buffer made under inference_mode (generation, evaluation) is an inference tensor that autograd code
+    # may not write to later, so each mode keeps its own.
+    key = (dtype, torch.is_inference_mode_enabled())
+    buf = buffers.get(key)
     if buf is None or buf.numel() < numel:
-        buffers.pop(dtype, None)
-        buf = buffers[dtype] = torch.empty(numel, dtype=dtype)
+        buffers.pop(key, None)
+        buf = buffers[key] = torch.empty(numel, dtype=dtype)
     return dequantize_nf4(weight, dtype, out=buf[:numel].view(weight.shape))
 
 

@@ -430,3 +430,14 @@ def test_clone_nf4_is_exact_where_torchaos_clone_fails():
     c = clone_nf4(t)
     assert_same_nf4(c, t)
     assert c.quantized_data.data_ptr() != t.quantized_data.data_ptr()
+
+
+def test_nf4_linear_after_inference_mode_still_trains():
+    # Regression: the per-thread dequantize buffer, first made under inference_mode (generate/evaluate),
+    # must not break a later autograd forward in the same process.
+    w = quantize_nf4(torch.randn(128, 256, dtype=torch.bfloat16))
+    x = torch.randn(4, 256, dtype=torch.bfloat16, requires_grad=True)
+    with torch.inference_mode():
+        nf4_linear(x.detach(), w)
+    nf4_linear(x, w).sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad.float()).all()
