@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 
 from lit_qlora.config import Config
+from lit_qlora.memory import release_free_memory
 from lit_qlora.model import Transformer
 
 TOKENIZER_FILES = (
@@ -174,6 +175,8 @@ def load_checkpoint(
                 f"{checkpoint_dir}: tensor {name!r} has shape {tuple(tensor.shape)}, config.json implies "
                 f"{tuple(expected[name].shape)}. The weights and config.json do not match."
             )
+        transformed = tensor.is_floating_point() and transform is not None
+        big = tensor.nbytes >= 8 << 20
         if tensor.is_floating_point():
             tensor = tensor.to(device=device, dtype=dtype)
             if transform is not None:
@@ -182,6 +185,9 @@ def load_checkpoint(
             tensor = tensor.to(device)
         set_tensor(model, name, tensor)
         loaded.add(name)
+        if transformed and big:
+            del tensor
+            release_free_memory()
     missing = sorted(set(expected) - loaded - ({"lm_head.weight"} if tied else set()))
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")

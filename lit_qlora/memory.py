@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import resource
 import sys
+from functools import lru_cache
 
 import torch
 import torch.nn as nn
@@ -46,3 +49,27 @@ def peak_rss_bytes() -> int:
         pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB, macOS bytes
+
+
+@lru_cache(maxsize=1)
+def _libc():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return libc if hasattr(libc, "malloc_trim") else None
+    except OSError:
+        return None
+
+
+def release_free_memory() -> None:
+    """Hand freed heap pages back to the OS (glibc's malloc_trim; a no-op elsewhere).
+
+    Streaming a checkpoint frees one large high-precision tensor after another while small NF4 results stay:
+    glibc keeps the holes between them (its dynamic mmap threshold moves large blocks onto the heap), so RSS
+    drifts up by hundreds of MB from run to run. Trimming after each large tensor keeps the peak at the model
+    plus one tensor.
+    """
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)
