@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import warnings
 
 
 def commands() -> dict:
@@ -36,6 +37,12 @@ def quiet_library_logs() -> None:
     # deprecation inside torchao: neither concerns NF4, and both would bury our output.
     for name in ("torchao", "torch.utils._pytree"):
         logging.getLogger(name).setLevel(logging.ERROR)
+    # Lightning advertises a cloud logger, warns about its own use of a deprecated pytree API, and about the
+    # validation_step we run only through trainer.validate (fit gets no val loader on purpose).
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(
+        lambda record: "litlogger" not in record.getMessage())
+    warnings.filterwarnings("ignore", message=r".*LeafSpec.*")
+    warnings.filterwarnings("ignore", message=r".*defined a `validation_step` but have no `val_dataloader`.*")
 
 
 # Commands whose first argument may be given bare (`litqlora download REPO_ID`); every other argument is a flag.
