@@ -12,11 +12,10 @@ import lightning as L
 import torch
 
 from lit_qlora.data.module import DataArgs, SFTDataModule
-from lit_qlora.lora import apply_lora, save_adapter
+from lit_qlora.lora import apply_lora, load_adapter, save_adapter
 from lit_qlora.memory import peak_rss_bytes
 from lit_qlora.quantize import PRECISION_DTYPES, NF4Precision, count_linears
-from lit_qlora.train_state import (latest_checkpoint, load_checkpoint_adapter, load_training_state, read_state,
-                                   save_training_state)
+from lit_qlora.train_state import latest_checkpoint, load_training_state, read_state, save_training_state
 from lit_qlora.training import FinetuneModule, LoRAArgs, TrainArgs, total_steps_for, train_loader
 
 DEFAULT_CHECKPOINT = Path("checkpoints/SmolLM2-135M-Instruct")
@@ -190,7 +189,7 @@ def finetune(
     if start_step < total_steps:
         trainer.fit(module, train_dataloaders=loader)
     else:  # the run had already finished: re-validate and re-export its last adapter
-        load_checkpoint_adapter(resume_path, module.model)
+        load_adapter(module.model, resume_path)
     trainer.validate(module, dataloaders=val_loader, verbose=False)
     val_loss = module.val_loss
     train_seconds = sum(r["seconds"] for r in module.history[1:])

@@ -17,7 +17,7 @@ from typing import Any, Optional
 import torch
 
 from lit_qlora.checkpoint import TensorSpec, atomic_write_text, iter_safetensors, write_safetensors
-from lit_qlora.lora import lora_modules, lora_state_dict
+from lit_qlora.lora import load_adapter, lora_state_dict
 
 STEP_DIR = re.compile(r"^step-(\d{6,})$")
 STATE_FILE = "state.json"
@@ -103,23 +103,10 @@ def read_state(path: Path) -> dict[str, Any]:
         raise ValueError(f"{file} is not valid JSON ({e}); resume from an older checkpoint.") from None
 
 
-def load_checkpoint_adapter(path: Path, model: torch.nn.Module) -> None:
-    """Copy checkpoint `path`'s adapter tensors into the LoRA layers of `model`."""
-    modules = lora_modules(model)
-    own = lora_state_dict(model)
-    with torch.no_grad():
-        for name, tensor in iter_safetensors(Path(path) / "adapter.safetensors"):
-            if name not in own or own[name].shape != tensor.shape:
-                raise ValueError(f"{path}: adapter tensor {name!r} does not fit this run's LoRA settings "
-                                 "(rank or targets changed?). Resume with the settings of the original run.")
-            module_name, _, leaf = name.rpartition(".")
-            getattr(modules[module_name], leaf).copy_(tensor)
-
-
 def load_training_state(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """Restore adapters, optimizer and RNG from checkpoint `path`; returns its JSON state."""
     state = read_state(path)
-    load_checkpoint_adapter(path, model)
+    load_adapter(model, path)  # a checkpoint holds adapter.safetensors, like a fine-tune's final/
     opt_state: dict[int, dict[str, torch.Tensor]] = {}
     for key, tensor in iter_safetensors(Path(path) / "optimizer.safetensors"):
         index, _, name = key.partition(".")
