@@ -35,13 +35,10 @@ import torch
 from lm_eval.api.model import LM
 from tqdm import tqdm
 
+from lit_qlora.eval import SAMPLE_DATA_FILE, TASKS_DIR  # noqa: F401 (SAMPLE_DATA_FILE: re-exported)
 from lit_qlora.model import Transformer
 from lit_qlora.tokenizer import Tokenizer
 
-TASKS_DIR = Path(__file__).parent / "eval_tasks"
-"""Task YAML templates for offline TruthfulQA (package data; the repository's eval/README.md points here)."""
-SAMPLE_DATA_FILE = TASKS_DIR / "truthfulqa_mc_sample.jsonl"
-"""20 original rows in TruthfulQA's multiple-choice format (also at eval/data/truthfulqa_mc_sample.jsonl)."""
 LOCAL_TASKS = ("truthfulqa_mc1", "truthfulqa_mc2")
 """Tasks that `--data_file` points at a local file."""
 DATA_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}

@@ -147,7 +147,7 @@ def test_generate_until_stops_at_stop_strings(tiny):
 
 def test_sample_file_and_task_yamls():
     assert check_truthfulqa_file(SAMPLE) == 20
-    assert SAMPLE.read_bytes() == SAMPLE_DATA_FILE.read_bytes()  # the packaged copy is the same file
+    assert SAMPLE_DATA_FILE.resolve() == SAMPLE.resolve()  # eval/ is the installed lit_qlora.eval package
     from lm_eval.tasks._yaml_loader import load_yaml
     import lm_eval
 
@@ -163,7 +163,7 @@ def test_sample_file_and_task_yamls():
 
 
 def test_mc2_score_is_normalized_true_mass():
-    from lit_qlora.eval_tasks.utils import mc2_score, process_results_mc2
+    from lit_qlora.eval.tasks.utils import mc2_score, process_results_mc2
 
     ll = [-1.0, -2.0, -0.5, -3.0]
     p = [math.exp(x) for x in ll]
@@ -209,7 +209,7 @@ def test_bad_data_file_is_one_clear_error(tmp_path, case, capsys):
 @pytest.mark.slow
 def test_evaluate_smollm2_truthfulqa_mc2(smollm2_dir, tmp_path):
     from lit_qlora.cli import main
-    from lit_qlora.eval_tasks.utils import mc2_score
+    from lit_qlora.eval.tasks.utils import mc2_score
 
     out = tmp_path / "eval"
     main(["evaluate", "--checkpoint_dir", str(smollm2_dir), "--tasks", "truthfulqa_mc2", "--data_file", str(SAMPLE),
