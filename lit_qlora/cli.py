@@ -10,6 +10,7 @@ import warnings
 
 def commands() -> dict:
     from lit_qlora.download import download
+    from lit_qlora.eval.compare import compare
     from lit_qlora.evaluate import evaluate
     from lit_qlora.export import export_peft, merge
     from lit_qlora.finetune import finetune
@@ -24,6 +25,7 @@ def commands() -> dict:
         "merge": merge,
         "export_peft": export_peft,
         "evaluate": evaluate,
+        "compare": compare,
     }
 
 
@@ -49,10 +51,23 @@ def quiet_library_logs() -> None:
 POSITIONAL = {"download": "repo_id", "convert_gguf": "file"}
 
 
+# compare's --config is a fine-tune recipe, not compare's own arguments: jsonargparse reserves the name
+# `config`, so the parameter is `recipe` and --config is renamed to it.
+RENAMED = {"compare": {"--config": "--recipe"}}
+
+
+CONFIG_HELP = "A YAML file of this command's arguments (compare: a `litqlora finetune` recipe, see --recipe)."
+
+
 def expand_positional(argv: list[str]) -> list[str]:
     if len(argv) > 1 and argv[0] in POSITIONAL and not argv[1].startswith("-"):
         return [argv[0], f"--{POSITIONAL[argv[0]]}", *argv[1:]]
-    return argv
+    renamed = RENAMED.get(argv[0], {}) if argv else {}
+    out = argv[:1]
+    for arg in argv[1:]:
+        flag, eq, value = arg.partition("=")
+        out.append(renamed.get(flag, flag) + eq + value)
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -66,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     set_parsing_settings(docstring_parse_attribute_docstrings=True)  # dataclass field docstrings become --help
 
     try:
-        auto_cli(commands(), args=expand_positional(argv), as_positional=False)
+        auto_cli(commands(), args=expand_positional(argv), as_positional=False, config_help=CONFIG_HELP)
     except user_errors() as e:
         if debug:
             raise
