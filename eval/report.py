@@ -106,7 +106,7 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         f"Peak memory: {kind}. Wall time: the whole fine-tune process (load, validation, training, export). "
         "Train loss: the last optimizer step's. Val loss: on the held-out split, after training (the base's: "
-        "before the LoRA run's first step). Stderr: lm-eval's bootstrap standard error over questions.",
+        "before the LoRA run's first step). Stderr: lm-eval's standard error of the mean over questions.",
         "",
         "![loss curves and peak memory](report.png)",
         "",
