@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import pickle  # only for its exception type: nothing here is ever unpickled without weights_only
+import re
 import shutil
 import struct
 from pathlib import Path
@@ -16,7 +18,7 @@ from typing import Callable, Iterable, Iterator, Optional
 import torch
 import torch.nn as nn
 
-from lit_qlora.config import Config
+from lit_qlora.config import Config, require_checkpoint_dir
 from lit_qlora.memory import release_free_memory
 from lit_qlora.model import Transformer
 
@@ -39,11 +41,7 @@ class CheckpointError(ValueError):
 def weight_files(checkpoint_dir: Path) -> list[Path]:
     """The weight files of a HF directory: sharded or single safetensors first, then pytorch_model.bin."""
     checkpoint_dir = Path(checkpoint_dir)
-    if not checkpoint_dir.is_dir():
-        raise CheckpointError(
-            f"Checkpoint directory {checkpoint_dir} does not exist. Download one with `litqlora download REPO_ID` "
-            "or convert a GGUF file with `litqlora convert_gguf FILE --out_dir DIR`."
-        )
+    require_checkpoint_dir(checkpoint_dir, CheckpointError)
     for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
         index = checkpoint_dir / index_name
         if index.is_file():
@@ -119,13 +117,26 @@ def iter_tensors(checkpoint_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
         if path.suffix == ".safetensors":
             yield from iter_safetensors(path)
         else:
-            # Never unpickle arbitrary objects: weights_only restricts the loader to tensors and containers.
-            try:
-                state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-            except RuntimeError:  # legacy (non-zip) files cannot be memory-mapped
-                state = torch.load(path, map_location="cpu", weights_only=True)
+            state = load_pickled_weights(path)
             for key in list(state):
                 yield key, state.pop(key)
+
+
+def load_pickled_weights(path: Path) -> dict[str, torch.Tensor]:
+    """A pytorch_model.bin read with weights_only=True: tensors and containers only, never arbitrary objects."""
+    try:
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:  # legacy (non-zip) files cannot be memory-mapped
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as e:
+        found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(e))
+        what = (f"it holds a pickled object ({found[1]}), not only tensors" if found
+                else f"it cannot be read as tensors ({type(e).__name__}; truncated or corrupt?)")
+        raise CheckpointError(
+            f"{path} was refused: {what}. lit-qlora reads .bin files with torch.load(weights_only=True) and never "
+            "unpickles anything else; get the model's .safetensors files instead."
+        ) from None
 
 
 def set_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> None:

@@ -11,6 +11,14 @@ from typing import Any
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 
+def require_checkpoint_dir(checkpoint_dir: str | Path, error: type[Exception] = FileNotFoundError) -> None:
+    if not Path(checkpoint_dir).is_dir():
+        raise error(
+            f"Checkpoint directory {checkpoint_dir} does not exist. Download one with `litqlora download REPO_ID` "
+            "or convert a GGUF file with `litqlora convert_gguf FILE --out_dir DIR`."
+        )
+
+
 @dataclass
 class Config:
     """Shape and numerics of a Llama-family decoder (Llama 2/3.x, Mistral, Qwen2/2.5, SmolLM2, TinyLlama)."""
@@ -103,12 +111,17 @@ class Config:
     @classmethod
     def from_checkpoint(cls, checkpoint_dir: str | Path) -> "Config":
         path = Path(checkpoint_dir) / "config.json"
+        require_checkpoint_dir(checkpoint_dir)
         if not path.is_file():
             raise FileNotFoundError(
                 f"{path} does not exist: a checkpoint directory needs a Hugging Face config.json. "
                 "Use `litqlora download` or `litqlora convert_gguf` to create one."
             )
-        return cls.from_hf_config(json.loads(path.read_text()), name=Path(checkpoint_dir).name)
+        try:
+            hf = json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path} is not valid JSON ({e}); re-download the checkpoint or restore the file.") from None
+        return cls.from_hf_config(hf, name=Path(checkpoint_dir).name)
 
     def to_hf_config(self, torch_dtype: str = "bfloat16") -> dict[str, Any]:
         """The `config.json` dict `transformers` reads (4.x key names, which 5.x also accepts)."""

@@ -5,17 +5,21 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 import lightning as L
 import torch
 
+from lit_qlora.checkpoint import atomic_write_text
 from lit_qlora.data.module import DataArgs, SFTDataModule
+from lit_qlora.guards import oom_advice
 from lit_qlora.lora import apply_lora, load_adapter, save_adapter
 from lit_qlora.memory import peak_rss_bytes
 from lit_qlora.quantize import PRECISION_DTYPES, NF4Precision, count_linears
-from lit_qlora.train_state import latest_checkpoint, load_training_state, read_state, save_training_state
+from lit_qlora.signals import StopSignals, TrainingStopped
+from lit_qlora.train_state import latest_checkpoint, load_training_state, read_state, save_training_state, step_dir
 from lit_qlora.training import FinetuneModule, LoRAArgs, TrainArgs, total_steps_for, train_loader
 
 DEFAULT_CHECKPOINT = Path("checkpoints/SmolLM2-135M-Instruct")
@@ -68,7 +72,8 @@ class RunLog:
             return
         with open(self.path, "a") as f:
             f.write(json.dumps(row) + "\n")
-        self.logger.log_metrics({k: v for k, v in row.items() if k != "step"}, step=row["step"])
+        numbers = {k: v for k, v in row.items() if k != "step" and isinstance(v, (int, float))}
+        self.logger.log_metrics(numbers, step=row["step"])
 
 
 def build_model(checkpoint_dir: Path, quantize: str, dtype: torch.dtype, ignore_modules: list[str], world_size: int):
@@ -136,7 +141,11 @@ def finetune(
     resume_path = resolve_resume(resume, out_dir)
     start_step = read_state(resume_path)["step"] if resume_path else 0
 
-    model = build_model(Path(checkpoint_dir), quantize, dtype, ignore_modules, world_size)
+    settings = (f"micro_batch_size={train.micro_batch_size}, max_seq_length={train.max_seq_length}, "
+                f"activation_checkpointing={train.activation_checkpointing}")
+    oom = partial(oom_advice, settings=settings, quantized=quantize == "nf4")
+    with oom(lambda: "while loading the base model"):
+        model = build_model(Path(checkpoint_dir), quantize, dtype, ignore_modules, world_size)
     apply_lora(model, lora.r, lora.alpha, lora.dropout, lora.targets, lora.rslora, dtype=dtype)
     n_ckpt = train.activation_checkpointing
     model.checkpoint_blocks = model.config.n_layer if n_ckpt is True else int(n_ckpt or 0)
@@ -158,9 +167,12 @@ def finetune(
                   "seed": seed, "lora": asdict(lora), "train": asdict(train), "data": json.loads(json.dumps(
                       asdict(data), default=str)), "ignore_modules": ignore_modules, "world_size": world_size}
 
+    stop = StopSignals()  # remembers the handlers before fit; installed once Lightning has set its own
+
     def on_train_start() -> None:
         if resume_path:
             load_training_state(resume_path, module.model, module.optimizers().optimizer)
+        stop.install()
 
     def on_step(row: dict[str, Any]) -> None:
         row = {"step": row["step"], "loss": row["loss"], "lr": row["lr"],
@@ -168,8 +180,20 @@ def finetune(
                "peak_memory_bytes": max(memory_stats(module.device).values()), "tokens": row["tokens"]}
         if run_log is not None:
             run_log.write(row)
-        if (train.save_interval and row["step"] % train.save_interval == 0) or row["step"] == total_steps:
+        saved = (train.save_interval and row["step"] % train.save_interval == 0) or row["step"] == total_steps
+        if saved:
             save_checkpoint(row["step"])
+        # Every rank learns of a signal any rank got, so all of them save and stop at the same step.
+        stopping = trainer.strategy.reduce(torch.tensor(float(stop.received is not None), device=module.device),
+                                           reduce_op="sum")
+        if stopping > 0:
+            if not saved:
+                save_checkpoint(row["step"])
+            name = stop.received.name if stop.received else "a signal on another rank"
+            raise TrainingStopped(
+                f"stopped by {name} after optimizer step {row['step']} of {total_steps}; the checkpoint "
+                f"{step_dir(out_dir, row['step'])} holds the run's state. Run the same command with --resume auto "
+                "to continue.", stop.received or 15)
 
     def save_checkpoint(step: int) -> None:
         if trainer.is_global_zero:
@@ -184,20 +208,24 @@ def finetune(
 
     initial_val_loss = None
     if start_step == 0:
-        trainer.validate(module, dataloaders=val_loader, verbose=False)
+        with oom(lambda: "in the first validation"):
+            trainer.validate(module, dataloaders=val_loader, verbose=False)
         initial_val_loss = module.val_loss
     if start_step < total_steps:
-        trainer.fit(module, train_dataloaders=loader)
+        with oom(lambda: f"at optimizer step {module.step + 1}"), stop:
+            trainer.fit(module, train_dataloaders=loader)
     else:  # the run had already finished: re-validate and re-export its last adapter
         load_adapter(module.model, resume_path)
-    trainer.validate(module, dataloaders=val_loader, verbose=False)
+    with oom(lambda: "in the final validation"):
+        trainer.validate(module, dataloaders=val_loader, verbose=False)
     val_loss = module.val_loss
     train_seconds = sum(r["seconds"] for r in module.history[1:])
 
     summary: dict[str, Any] = {}
     if trainer.is_global_zero:
-        export_final(module.model, out_dir / "final", checkpoint_dir, quantize, dtype, lora, ignore_modules,
-                     world_size, precision)
+        with oom(lambda: "while exporting final/"):
+            export_final(module.model, out_dir / "final", checkpoint_dir, quantize, dtype, lora, ignore_modules,
+                         world_size, precision)
         quantized, total = count_linears(module.model)
         trainable = sum(p.numel() for p in module.model.parameters() if p.requires_grad)
         summary = {
@@ -215,7 +243,7 @@ def finetune(
             "accumulation": accumulation,
             "resumed_from_step": start_step,
         }
-        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        atomic_write_text(out_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
         print_report(summary, out_dir)
     return summary
 

@@ -63,9 +63,13 @@ def convert_gguf(file: str | Path, out_dir: Path, dtype: str = "float32") -> Pat
     reader = _open(path)
     meta = {name: field.contents() for name, field in reader.fields.items()}
     arch = meta.get("general.architecture")
+    if arch is None:
+        raise ValueError(f"{path} is not a valid GGUF model file: it has no general.architecture metadata "
+                         "(truncated, or not a model?). Re-download it.")
     if arch not in SUPPORTED_ARCHITECTURES:
         supported = ", ".join(SUPPORTED_ARCHITECTURES)
-        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported (lit-qlora converts {supported}).")
+        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported (lit-qlora converts {supported}); "
+                         "use the model's Hugging Face checkpoint instead (`litqlora download REPO_ID`).")
     tensors = {t.name: t for t in reader.tensors}
     config = config_from_gguf(meta, tensors, path)
     # Validate everything before writing anything, so a bad file leaves no half-written directory.
@@ -112,11 +116,13 @@ def _open(path: Path):
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic != b"GGUF":
-        raise ValueError(f"{path} is not a valid GGUF file: it starts with {magic!r}, not the magic b'GGUF'.")
+        raise ValueError(f"{path} is not a valid GGUF file: it starts with {magic!r}, not the magic b'GGUF'. "
+                         "Check the path, or re-download the file.")
     try:
         return gguf.GGUFReader(path)
     except Exception as e:  # the reader fails with struct/numpy/Value errors on bad bytes; name the file instead
-        raise ValueError(f"{path} is not a valid GGUF file: {type(e).__name__}: {e}") from e
+        raise ValueError(f"{path} is not a valid GGUF file (truncated or corrupt: {type(e).__name__}: {e}). "
+                         "Re-download it; a partial download is the usual cause.") from None
 
 
 def _f32(value: float) -> float:

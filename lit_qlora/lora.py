@@ -135,10 +135,13 @@ def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 def save_adapter(model: nn.Module, out_dir: Path, config: dict) -> Path:
     """Write `adapter.safetensors` and `adapter_config.json` (r, alpha, targets, base model, quantization...)."""
     from lit_qlora.checkpoint import TensorSpec, atomic_write_text, write_safetensors
+    from lit_qlora.guards import require_finite
 
+    tensors = lora_state_dict(model)
+    require_finite(tensors, f"the adapter in {out_dir}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    specs = [TensorSpec(k, v.shape, v.dtype, lambda v=v: v) for k, v in lora_state_dict(model).items()]
+    specs = [TensorSpec(k, v.shape, v.dtype, lambda v=v: v) for k, v in tensors.items()]
     write_safetensors(out_dir / ADAPTER_WEIGHTS, specs, metadata={"format": "pt"})
     atomic_write_text(out_dir / ADAPTER_CONFIG, json.dumps(config, indent=2) + "\n")
     return out_dir
@@ -146,6 +149,9 @@ def save_adapter(model: nn.Module, out_dir: Path, config: dict) -> Path:
 
 def read_adapter_config(adapter_dir: Path) -> dict:
     path = Path(adapter_dir) / ADAPTER_CONFIG
+    if not Path(adapter_dir).is_dir():
+        raise FileNotFoundError(f"Adapter directory {adapter_dir} does not exist: --adapter_dir must be the final/ "
+                                f"directory of a fine-tune (it holds {ADAPTER_WEIGHTS} and {ADAPTER_CONFIG}).")
     if not path.is_file():
         raise FileNotFoundError(
             f"{path} does not exist: --adapter_dir must be the output directory of a fine-tune "
@@ -154,11 +160,20 @@ def read_adapter_config(adapter_dir: Path) -> dict:
     try:
         config = json.loads(path.read_text())
         missing = [k for k in ("r", "alpha", "targets") if k not in config]
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path} is not valid JSON ({e}). Re-run the fine-tune or restore the file.") from None
     if missing:
         raise ValueError(f"{path} lacks the key(s) {missing}; it was not written by `litqlora finetune`.")
     return config
+
+
+def _trained_on(adapter_dir: Path) -> str:
+    """': BASE' from the adapter's config, when it says."""
+    try:
+        base = json.loads((Path(adapter_dir) / ADAPTER_CONFIG).read_text()).get("base_model")
+    except (OSError, ValueError):
+        base = None
+    return f": {base}" if base else ""
 
 
 def load_adapter(model: nn.Module, adapter_dir: Path) -> None:
@@ -170,14 +185,22 @@ def load_adapter(model: nn.Module, adapter_dir: Path) -> None:
         raise FileNotFoundError(f"{path} does not exist: --adapter_dir must hold {ADAPTER_WEIGHTS}.")
     own = {k: v for k, v in lora_state_dict(model).items()}
     params = {n: m for n, m in lora_modules(model).items()}
+    fix = f"Pass the --checkpoint_dir the adapter was trained on{_trained_on(adapter_dir)}."
     seen = set()
     for name, tensor in iter_safetensors(path):
         if name not in own:
             raise ValueError(f"{path}: adapter tensor {name!r} has no LoRA layer in this model: the adapter was "
-                             "trained with other targets or on another base model.")
+                             f"trained with other targets than {ADAPTER_CONFIG} lists, or on another base model. {fix}")
         if tensor.shape != own[name].shape:
+            rank_axis = 0 if name.endswith("lora_A") else 1
+            if tensor.shape[rank_axis] != own[name].shape[rank_axis]:
+                why = (f"the file has rank {tensor.shape[rank_axis]}, the model was set up with r="
+                       f"{own[name].shape[rank_axis]} ({ADAPTER_CONFIG}'s r, or --lora.r when resuming). Use the "
+                       f"rank the adapter was trained with; an edited {ADAPTER_CONFIG} must be restored.")
+            else:
+                why = "the adapter was trained on a base model of another size. " + fix
             raise ValueError(f"{path}: {name!r} has shape {tuple(tensor.shape)} but the model expects "
-                             f"{tuple(own[name].shape)}: the adapter's rank or base model differs.")
+                             f"{tuple(own[name].shape)}: {why}")
         module_name, _, leaf = name.rpartition(".")
         with torch.no_grad():
             getattr(params[module_name], leaf).copy_(tensor)
@@ -185,4 +208,4 @@ def load_adapter(model: nn.Module, adapter_dir: Path) -> None:
     if set(own) - seen:
         missing = sorted(set(own) - seen)
         raise ValueError(f"{path} lacks {len(missing)} LoRA tensor(s) the model has, e.g. {missing[0]!r}: "
-                         "it was trained with fewer targets.")
+                         f"it was trained with fewer targets than {ADAPTER_CONFIG} lists.")

@@ -8,6 +8,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
+from lit_qlora.config import require_checkpoint_dir
+
 # Chat templates end a turn with one of these; generation should stop there even when the checkpoint's
 # `eos_token` is another token (Llama 3 Instruct: eos <|end_of_text|>, turns end with <|eot_id|>).
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
@@ -34,6 +36,7 @@ class Tokenizer:
 
         self.checkpoint_dir = Path(checkpoint_dir)
         path = self.checkpoint_dir / "tokenizer.json"
+        require_checkpoint_dir(self.checkpoint_dir)
         if not path.is_file():
             raise FileNotFoundError(
                 f"{self.checkpoint_dir} has no tokenizer.json; lit-qlora reads tokenizers in the Hugging Face "

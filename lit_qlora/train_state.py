@@ -17,6 +17,7 @@ from typing import Any, Optional
 import torch
 
 from lit_qlora.checkpoint import TensorSpec, atomic_write_text, iter_safetensors, write_safetensors
+from lit_qlora.guards import require_finite
 from lit_qlora.lora import load_adapter, lora_state_dict
 
 STEP_DIR = re.compile(r"^step-(\d{6,})$")
@@ -65,12 +66,16 @@ def rng_tensors() -> dict[str, torch.Tensor]:
 
 def save_training_state(out_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                         state: dict[str, Any], keep_last: int) -> Path:
-    """Write checkpoint `step` atomically, then delete all but the newest `keep_last` complete ones."""
+    """Write checkpoint `step` atomically, then delete all but the newest `keep_last` complete ones.
+
+    Non-finite adapter weights raise FloatingPointError before anything is written."""
+    adapter = lora_state_dict(model)
+    require_finite(adapter, f"checkpoint step-{step:06d}")
     final = step_dir(out_dir, step)
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    write_safetensors(tmp / "adapter.safetensors", _specs(lora_state_dict(model)))
+    write_safetensors(tmp / "adapter.safetensors", _specs(adapter))
     opt_tensors, groups = _optimizer_tensors(optimizer)
     write_safetensors(tmp / "optimizer.safetensors", _specs({k: v.cpu() for k, v in opt_tensors.items()}))
     write_safetensors(tmp / "rng.safetensors", _specs(rng_tensors()))

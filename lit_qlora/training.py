@@ -186,36 +186,52 @@ class FinetuneModule(L.LightningModule):
             loss_sum += mb_loss.detach()
         loss = self.trainer.strategy.reduce(loss_sum, reduce_op="sum") / targets
         step = self.step + 1
-        if not torch.isfinite(loss):
+        problem = self.nonfinite_problem(loss, optimizer)
+        if problem:
             if self.train_args.on_nonfinite == "stop":
                 raise FloatingPointError(
-                    f"The loss became {loss.item()} at optimizer step {step}; nothing from this step was saved. "
-                    "Lower train.lr, use precision bf16-true or 32-true instead of 16-true, or pass "
-                    "--train.on_nonfinite skip to skip such batches."
+                    f"{problem} at optimizer step {step}; nothing from this step was saved (earlier checkpoints are "
+                    "unaffected). Lower --train.lr, use --precision bf16-true or 32-true instead of 16-true, or "
+                    "pass --train.on_nonfinite skip to skip such batches; then resume with --resume auto."
                 )
             # Drop the gradients but still step: parameters without gradients are left untouched, and the step
             # count, schedule and data position stay in line with an ordinary step.
             optimizer.zero_grad(set_to_none=True)
             optimizer.step()
             scheduler.step()
-            self.print(f"step {step}: non-finite loss, batch skipped")
-            return loss
-        if self.train_args.max_norm > 0:
-            self.clip_gradients(optimizer, gradient_clip_val=self.train_args.max_norm, gradient_clip_algorithm="norm")
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        scheduler.step()
+            self.print(f"step {step}: {problem.lower()}, batch skipped")
+        else:
+            if self.train_args.max_norm > 0:
+                self.clip_gradients(optimizer, gradient_clip_val=self.train_args.max_norm,
+                                    gradient_clip_algorithm="norm")
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
         tokens = self.trainer.strategy.reduce(
             torch.tensor(float(sum(mb["num_tokens"] for mb in micro_batches)), device=self.device, dtype=torch.float64),
             reduce_op="sum")
         self._last_step_end = time.perf_counter()
-        row = {"step": step, "loss": loss.item(), "lr": lr, "tokens": int(tokens.item()),
-               "seconds": self._last_step_end - started}
+        row = {"step": step, "loss": None if problem else loss.item(), "lr": lr, "tokens": int(tokens.item()),
+               "seconds": self._last_step_end - started, **({"skipped": problem} if problem else {})}
         self.history.append(row)
-        self.log("loss", row["loss"], prog_bar=True, logger=False)
+        if not problem:
+            self.log("loss", row["loss"], prog_bar=True, logger=False)
         if self.on_step is not None:
             self.on_step(row)
         return loss
+
+    def nonfinite_problem(self, loss: torch.Tensor, optimizer) -> Optional[str]:
+        """'The loss became nan' / 'The gradients became non-finite', or None for a healthy step."""
+        if not torch.isfinite(loss):
+            return f"The loss became {loss.item()}"
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        # The largest |gradient| is finite exactly when all are (a 2-norm could overflow in fp16 on its own).
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=float("inf")) if grads else torch.zeros(())
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP: sharded gradients
+        norm = self.trainer.strategy.reduce(norm.float(), reduce_op="sum")  # any rank's inf/nan reaches all
+        if not torch.isfinite(norm):
+            return f"The gradients became non-finite (loss {loss.item():.4f})"
+        return None
 
     def on_validation_epoch_start(self) -> None:
         self._val = [0.0, 0]

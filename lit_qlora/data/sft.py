@@ -55,7 +55,7 @@ def read_rows(path: Path) -> tuple[list[Any], Optional[list[int]]]:
         rows = json.loads(text)
     except json.JSONDecodeError as e:
         raise DataError(
-            f"{path} is not valid JSON: {e.msg} at line {e.lineno}, column {e.colno} (truncated or malformed file?). "
+            f"{path} is not valid JSON: {e.msg}, line {e.lineno}, column {e.colno} (truncated or malformed file?). "
             "A .json dataset must be one list of rows; use .jsonl for one row per line."
         ) from None
     if not isinstance(rows, list):

@@ -1,0 +1,50 @@
+"""Failures in the middle of a run turned into errors a user can act on: out of memory, non-finite numbers."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Callable, Iterator, Mapping
+
+import torch
+
+
+class OutOfMemory(RuntimeError):
+    """Training ran out of GPU or CPU memory; the message names the settings that lower it."""
+
+
+def is_oom(error: BaseException) -> bool:
+    # CPU allocations that fail raise MemoryError or a RuntimeError from torch's allocator.
+    return isinstance(error, (torch.OutOfMemoryError, MemoryError)) or (
+        isinstance(error, RuntimeError) and "can't allocate memory" in str(error))
+
+
+@contextmanager
+def oom_advice(where: Callable[[], str], settings: str, quantized: bool) -> Iterator[None]:
+    """Re-raise out-of-memory errors inside the block as OutOfMemory: where it happened and what to change."""
+    try:
+        yield
+    except BaseException as e:
+        if not is_oom(e):
+            raise
+        device = "GPU" if isinstance(e, torch.OutOfMemoryError) else "CPU"
+        nf4 = "" if quantized else ", or quantize the base with --quantize nf4"
+        raise OutOfMemory(
+            f"Out of {device} memory {where()} ({settings}). Lower --train.micro_batch_size (the global batch stays "
+            "the same: more accumulation steps), lower --train.max_seq_length, or turn on "
+            f"--train.activation_checkpointing true{nf4}; resume with --resume auto."
+        ) from None
+
+
+def nonfinite_names(tensors: Mapping[str, torch.Tensor]) -> list[str]:
+    return [name for name, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+
+
+def require_finite(tensors: Mapping[str, torch.Tensor], what: str) -> None:
+    """Raise FloatingPointError instead of writing NaN/inf weights."""
+    bad = nonfinite_names(tensors)
+    if bad:
+        raise FloatingPointError(
+            f"{len(bad)} adapter tensor(s) are not finite (e.g. {bad[0]}), so {what} was not written; the newest "
+            "checkpoint on disk is still good. Lower --train.lr or use --precision bf16-true or 32-true, then "
+            "resume with --resume auto."
+        )

@@ -1,0 +1,180 @@
+"""Bad input to every command: one short paragraph on stderr naming the file / key / row and what to do, a
+non-zero exit, no traceback. Run in-process through `lit_qlora.cli.main`, as `litqlora ...` runs it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from lit_qlora.cli import main
+from lit_qlora.training import FinetuneModule
+
+ROWS = [{"instruction": f"Add {i} and {i + 3}.", "output": f"{i} + {i + 3} = {2 * i + 3}."} for i in range(24)]
+
+
+@pytest.fixture(scope="module")
+def ctx(tmp_path_factory, tiny_llama_dir):
+    """Every broken input of the battery, written once."""
+    import gguf
+
+    from lit_qlora.checkpoint import copy_tokenizer_files, load_checkpoint, save_hf_checkpoint
+    from lit_qlora.config import Config
+    from lit_qlora.export import hf_tensor_specs
+    from lit_qlora.gguf_import import bundled_smollm2_path
+    from lit_qlora.lora import apply_lora, save_adapter
+    from lit_qlora.model import Transformer
+
+    d = tmp_path_factory.mktemp("bad")
+    text = json.dumps(ROWS)
+    (d / "truncated.json").write_text(text[: len(text) // 2])
+    (d / "truncated.jsonl").write_text("\n".join(json.dumps(r) for r in ROWS)[:-12])
+    holes = [dict(r) for r in ROWS]
+    del holes[3]["output"], holes[7]["instruction"]
+    (d / "holes.json").write_text(json.dumps(holes))
+    (d / "empty.jsonl").write_text("\n\n")
+    (d / "latin1.jsonl").write_bytes(json.dumps({"instruction": "caf\u00e9", "output": "x"}, ensure_ascii=False)
+                                     .encode("latin-1"))
+    (d / "good.json").write_text(text)
+    (d / "typo.yaml").write_text(f"checkpoint_dir: {tiny_llama_dir}\ntrain:\n  max_step: 3\n")
+    (d / "wrong_shape.jsonl").write_text(json.dumps({"question": "Is it?", "answer": "yes"}) + "\n")
+
+    (d / "no_weights").mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (d / "no_weights" / name).write_bytes((tiny_llama_dir / name).read_bytes())
+    (d / "bad_config").mkdir()
+    (d / "bad_config" / "config.json").write_text('{"hidden_size": 64,')
+    (d / "pickle_bin").mkdir()
+    (d / "pickle_bin" / "config.json").write_bytes((tiny_llama_dir / "config.json").read_bytes())
+    torch.save({"model.norm.weight": Planted()}, d / "pickle_bin" / "pytorch_model.bin")
+
+    model = apply_lora(load_checkpoint(tiny_llama_dir, dtype=torch.float32), r=4, alpha=8)
+    adapter_config = {"r": 4, "alpha": 8, "targets": ["all"], "quantize": "none", "base_dtype": "float32",
+                      "lora_dtype": "float32", "base_model": str(tiny_llama_dir)}
+    save_adapter(model, d / "adapter", adapter_config)
+    save_adapter(model, d / "adapter_r8", {**adapter_config, "r": 8})  # config and tensors disagree
+    save_adapter(model, d / "adapter_qv", {**adapter_config, "targets": ["q", "v"]})
+    small = Config.from_checkpoint(tiny_llama_dir).replace(n_embd=32, n_head=2, n_query_groups=1, head_dim=16,
+                                                            intermediate_size=64)
+    save_hf_checkpoint(d / "other_base", small, hf_tensor_specs(Transformer(small), torch.float32),
+                       dtype=torch.float32)
+    copy_tokenizer_files(tiny_llama_dir, d / "other_base")
+
+    (d / "truncated.gguf").write_bytes(bundled_smollm2_path().read_bytes()[: 2 << 20])
+    (d / "text.gguf").write_text("not a model")
+    writer = gguf.GGUFWriter(d / "gpt2.gguf", "gpt2")
+    writer.add_block_count(1)
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
+    return SimpleNamespace(dir=d, base=tiny_llama_dir)
+
+
+class Planted:
+    def __reduce__(self):  # would run `print` if anything unpickled it
+        return (print, ("unpickled!",))
+
+
+def finetune_args(c, *extra):
+    return ["finetune", "--checkpoint_dir", c.base, "--out_dir", c.dir / "out", "--accelerator", "cpu",
+            "--train.max_steps", "2", "--train.max_seq_length", "64", "--train.micro_batch_size", "2",
+            "--train.global_batch_size", "4", "--data.json_path", c.dir / "good.json", *extra]
+
+
+def raise_in_step(error):
+    def step(self, batch, batch_idx):
+        raise error
+    return step
+
+
+def nan_loss(self, batch):
+    return self.model.forward_hidden(batch["input_ids"]).sum() * float("nan")
+
+
+# (id, argv from ctx, words the message must hold, FinetuneModule attribute to replace)
+CASES = [
+    ("truncated-json", lambda c: finetune_args(c, "--data.json_path", c.dir / "truncated.json"),
+     ["truncated.json", "not valid JSON", "line 1"], None),
+    ("truncated-jsonl", lambda c: finetune_args(c, "--data.json_path", c.dir / "truncated.jsonl"),
+     ["truncated.jsonl", "line 24", "invalid JSON"], None),
+    ("missing-fields", lambda c: finetune_args(c, "--data.json_path", c.dir / "holes.json"),
+     ["holes.json", "row 4: missing `output`", "row 8: missing `instruction`", "Fix or remove"], None),
+    ("empty-dataset", lambda c: finetune_args(c, "--data.json_path", c.dir / "empty.jsonl"),
+     ["empty.jsonl", "holds no rows"], None),
+    ("not-utf8", lambda c: finetune_args(c, "--data.json_path", c.dir / "latin1.jsonl"),
+     ["latin1.jsonl", "not UTF-8", "iconv"], None),
+    ("yaml-typo", lambda c: ["finetune", "--config", c.dir / "typo.yaml"],
+     ["unknown option `train.max_step`", "typo.yaml", "did you mean `train.max_steps`"], None),
+    ("flag-typo", lambda c: finetune_args(c, "--lora.rnk", "4"),
+     ["unknown option `lora.rnk`", "did you mean `lora.r`"], None),
+    ("bad-value", lambda c: finetune_args(c, "--train.activation_checkpointing", "maybe"),
+     ["--train.activation_checkpointing", "expected bool or int", "'maybe'"], None),
+    ("unknown-command", lambda c: ["finetun"], ["unknown command 'finetun'", "Did you mean `finetune`"], None),
+    ("missing-checkpoint", lambda c: ["generate", "--checkpoint_dir", c.dir / "nowhere", "--prompt", "hi"],
+     ["nowhere does not exist", "litqlora download"], None),
+    ("no-weights", lambda c: ["generate", "--checkpoint_dir", c.dir / "no_weights", "--prompt", "hi"],
+     ["no_weights has no weights", "model.safetensors"], None),
+    ("corrupt-config", lambda c: ["merge", "--checkpoint_dir", c.dir / "bad_config", "--adapter_dir",
+                                  c.dir / "adapter", "--out_dir", c.dir / "m"],
+     ["bad_config/config.json is not valid JSON"], None),
+    ("pickled-bin", lambda c: ["merge", "--checkpoint_dir", c.dir / "pickle_bin", "--adapter_dir", c.dir / "adapter",
+                               "--out_dir", c.dir / "m"],
+     ["pytorch_model.bin was refused", "pickled object", "weights_only=True"], None),
+    ("missing-resume-dir", lambda c: finetune_args(c, "--resume", c.dir / "nowhere"),
+     ["nowhere/state.json does not exist", "or `auto`"], None),
+    ("missing-adapter", lambda c: ["merge", "--checkpoint_dir", c.base, "--adapter_dir", c.dir / "nowhere",
+                                   "--out_dir", c.dir / "m"],
+     ["Adapter directory", "nowhere does not exist"], None),
+    ("adapter-rank", lambda c: ["generate", "--checkpoint_dir", c.base, "--adapter_dir", c.dir / "adapter_r8",
+                                "--prompt", "hi"],
+     ["adapter_r8/adapter.safetensors", "rank 4", "r=8"], None),
+    ("adapter-targets", lambda c: ["merge", "--checkpoint_dir", c.base, "--adapter_dir", c.dir / "adapter_qv",
+                                   "--out_dir", c.dir / "m"],
+     ["adapter_qv/adapter.safetensors", "k_proj", "other targets"], None),
+    ("adapter-shapes", lambda c: ["export_peft", "--checkpoint_dir", c.dir / "other_base", "--adapter_dir",
+                                  c.dir / "adapter", "--out_dir", c.dir / "p"],
+     ["adapter/adapter.safetensors", "base model of another size", "tiny-llama"], None),
+    ("evaluate-data-shape", lambda c: ["evaluate", "--checkpoint_dir", c.base, "--tasks", "truthfulqa_mc2",
+                                       "--data_file", c.dir / "wrong_shape.jsonl", "--out_dir", c.dir / "ev"],
+     ["wrong_shape.jsonl", "row 1", "mc1_targets"], None),
+    ("corrupt-gguf", lambda c: ["convert_gguf", c.dir / "truncated.gguf", "--out_dir", c.dir / "g"],
+     ["truncated.gguf is not a valid GGUF file", "Re-download"], None),
+    ("not-gguf", lambda c: ["convert_gguf", c.dir / "text.gguf", "--out_dir", c.dir / "g"],
+     ["text.gguf is not a valid GGUF file", "magic"], None),
+    ("unsupported-gguf", lambda c: ["convert_gguf", c.dir / "gpt2.gguf", "--out_dir", c.dir / "g"],
+     ["gpt2.gguf", "architecture 'gpt2' is not supported", "litqlora download"], None),
+    ("gpu-oom", lambda c: finetune_args(c),
+     ["Out of GPU memory at optimizer step 1", "micro_batch_size=2", "--train.micro_batch_size",
+      "--train.max_seq_length", "--train.activation_checkpointing"],
+     ("training_step", raise_in_step(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")))),
+    ("cpu-oom", lambda c: finetune_args(c), ["Out of CPU memory at optimizer step 1", "--train.max_seq_length"],
+     ("training_step", raise_in_step(MemoryError()))),
+    ("nonfinite-loss", lambda c: finetune_args(c),
+     ["The loss became nan at optimizer step 1", "--train.on_nonfinite skip"], ("micro_loss_sum", nan_loss)),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_one_clear_paragraph(case, ctx, capsys, monkeypatch):
+    _, argv, words, patch = case
+    if patch:
+        monkeypatch.setattr(FinetuneModule, *patch)
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(a) for a in argv(ctx)])
+    err = capsys.readouterr().err
+    assert exit_info.value.code not in (0, None)
+    assert "Traceback" not in err and "usage:" not in err
+    assert err.count("litqlora: error:") == 1
+    paragraph = err[err.index("litqlora: error:"):].strip()
+    assert "\n" not in paragraph and len(paragraph) < 800, paragraph
+    for word in words:
+        assert word in paragraph, (word, paragraph)
+    assert not (ctx.dir / "m").exists() and not (ctx.dir / "g").exists()  # nothing half-written
+
+
+def test_debug_in_the_yaml_shows_the_traceback(ctx, tmp_path, capsys):
+    config = tmp_path / "debug.yaml"
+    config.write_text(f"checkpoint_dir: {ctx.dir / 'nowhere'}\ndebug: true\n")
+    with pytest.raises(FileNotFoundError, match="nowhere does not exist"):
+        main(["finetune", "--config", str(config)])
