@@ -177,7 +177,8 @@ def finetune(
     def on_step(row: dict[str, Any]) -> None:
         row = {"step": row["step"], "loss": row["loss"], "lr": row["lr"],
                "tokens_per_sec": row["tokens"] / max(row["seconds"], 1e-9),
-               "peak_memory_bytes": max(memory_stats(module.device).values()), "tokens": row["tokens"]}
+               "peak_memory_bytes": max(memory_stats(module.device).values()), "tokens": row["tokens"],
+               **({"skipped": row["skipped"]} if "skipped" in row else {})}
         if run_log is not None:
             run_log.write(row)
         saved = (train.save_interval and row["step"] % train.save_interval == 0) or row["step"] == total_steps

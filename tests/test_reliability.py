@@ -1,0 +1,256 @@
+"""A fine-tune survives kill -9, SIGTERM/SIGINT and non-finite numbers: atomic checkpoints, exact resume, no
+non-finite weights on disk, nothing unpickled."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+from safetensors.torch import load_file
+
+from lit_qlora.cli import main
+from lit_qlora.loss import chunked_cross_entropy_sum
+from lit_qlora.lora import LoRALinear, lora_state_dict
+from lit_qlora.train_state import latest_checkpoint, load_training_state, save_training_state
+from lit_qlora.training import FinetuneModule
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "rows.json"
+    path.write_text(json.dumps([{"instruction": f"Add {i} and {i + 3}.", "output": f"{i} + {i + 3} = {2 * i + 3}."}
+                                for i in range(24)]))
+    return path
+
+
+def args(base, rows, out_dir, *extra):
+    """A tiny QLoRA run (NF4 base, bf16) with dropout, so the resumed RNG matters too."""
+    return [str(a) for a in ["finetune", "--checkpoint_dir", base, "--out_dir", out_dir, "--accelerator", "cpu",
+                             "--data.json_path", rows, "--data.val_split", "0.25", "--lora.r", "4", "--lora.alpha", "8",
+                             "--lora.dropout", "0.1", "--train.max_steps", STEPS, "--train.max_seq_length", "64",
+                             "--train.micro_batch_size", "2", "--train.global_batch_size", "4", "--train.lr", "1e-2",
+                             "--train.warmup_steps", "1", "--train.save_interval", "1", "--train.keep_last", "3",
+                             *extra]]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_dir, rows, tmp_path_factory):
+    """The uninterrupted run."""
+    out = tmp_path_factory.mktemp("reference")
+    main(args(tiny_llama_dir, rows, out))
+    return out
+
+
+def adapter(path: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(path / "adapter.safetensors"))
+
+
+def assert_same_adapter(a: Path, b: Path) -> None:
+    x, y = adapter(a), adapter(b)
+    assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+
+
+def metric_steps(out: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def child(code: str, *argv) -> subprocess.Popen:
+    """`litqlora` in a child process, with `code` run first (to time a signal deterministically)."""
+    script = f"import sys\n{code}\nfrom lit_qlora.cli import main\nmain(sys.argv[2:])\n"
+    return subprocess.Popen([sys.executable, "-c", script, *map(str, argv)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def test_reference_keeps_the_last_k_checkpoints_as_safetensors_and_json(reference):
+    assert sorted(p.name for p in (reference / "checkpoints").iterdir()) == ["step-000002", "step-000003",
+                                                                             "step-000004"]
+    written = [p for p in reference.rglob("*") if p.is_file() and "logs" not in p.relative_to(reference).parts]
+    assert {p.suffix for p in written} == {".safetensors", ".json", ".jsonl"}  # .jsonl: metrics.jsonl only
+    assert [p.name for p in written if p.suffix == ".jsonl"] == ["metrics.jsonl"]
+    state = json.loads((reference / "checkpoints" / "step-000004" / "state.json").read_text())
+    assert state["step"] == STEPS and state["total_steps"] == STEPS and state["run"]["train"]["keep_last"] == 3
+    assert sorted(p.name for p in (reference / "checkpoints" / "step-000004").iterdir()) == [
+        "adapter.safetensors", "optimizer.safetensors", "rng.safetensors", "state.json"]
+
+
+KILL_DURING_CHECKPOINT_3 = """
+import time
+from pathlib import Path
+import lit_qlora.train_state as ts
+real = ts.write_safetensors
+def write(path, specs, metadata=None):
+    if path.parent.name == "step-000003.tmp" and path.name == "optimizer.safetensors":
+        Path(sys.argv[1]).touch()  # checkpoint 3 is half written: the parent kills us now
+        time.sleep(600)
+    return real(path, specs, metadata)
+ts.write_safetensors = write
+"""
+
+
+def test_kill_9_mid_checkpoint_then_resume_auto_is_bit_exact(tiny_llama_dir, rows, reference, tmp_path):
+    out, marker = tmp_path / "run", tmp_path / "half-written"
+    proc = child(KILL_DURING_CHECKPOINT_3, marker, *args(tiny_llama_dir, rows, out)[:])
+    deadline = time.monotonic() + 300
+    while not marker.exists():
+        assert proc.poll() is None, proc.communicate()[1][-2000:]
+        assert time.monotonic() < deadline, "the child never reached checkpoint 3"
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.communicate()
+    assert proc.returncode == -signal.SIGKILL
+    checkpoints = out / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-000001", "step-000002", "step-000003.tmp"]
+    assert sorted(p.name for p in (checkpoints / "step-000003.tmp").iterdir()) == ["adapter.safetensors"]
+    assert latest_checkpoint(out) == checkpoints / "step-000002"
+    assert metric_steps(out) == [1, 2, 3]  # step 3 was logged, its checkpoint never completed
+
+    main(args(tiny_llama_dir, rows, out, "--resume", "auto"))
+    assert json.loads((out / "summary.json").read_text())["resumed_from_step"] == 2
+    assert_same_adapter(out / "final", reference / "final")
+    assert_same_adapter(checkpoints / "step-000003", reference / "checkpoints" / "step-000003")
+    assert metric_steps(out) == [1, 2, 3, 4]
+    losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert losses == [json.loads(line)["loss"] for line in (reference / "metrics.jsonl").read_text().splitlines()]
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-000002", "step-000003", "step-000004"]
+
+
+SIGNAL_IN_STEP_2 = """
+import os, signal
+from lit_qlora.training import FinetuneModule
+real = FinetuneModule.training_step
+def step(self, batch, batch_idx):
+    if self.step == 1:  # the signal arrives at the start of the second optimizer step
+        os.kill(os.getpid(), getattr(signal, sys.argv[1]))
+    return real(self, batch, batch_idx)
+FinetuneModule.training_step = step
+"""
+
+
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])
+def test_signal_saves_at_the_next_step_and_resume_matches(signame, tiny_llama_dir, rows, reference, tmp_path):
+    out = tmp_path / "run"
+    proc = child(SIGNAL_IN_STEP_2, signame, *args(tiny_llama_dir, rows, out, "--train.save_interval", "100"))
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 128 + getattr(signal, signame), err[-2000:]
+    assert "Traceback" not in err
+    assert f"litqlora: stopped by {signame} after optimizer step 2 of {STEPS}" in err
+    assert "step-000002" in err and "--resume auto" in err
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-000002"]  # saved only because of the signal
+    assert not (out / "final").exists()
+
+    main(args(tiny_llama_dir, rows, out, "--train.save_interval", "100", "--resume", "auto"))
+    assert_same_adapter(out / "final", reference / "final")
+
+
+def nan_loss_at_step_2(self, batch):
+    hidden = self.model.forward_hidden(batch["input_ids"])
+    loss = chunked_cross_entropy_sum(self.model.lm_head, hidden, batch["labels"])
+    return loss * float("nan") if self.training and self.step == 1 else loss
+
+
+def inf_gradients_at_step_2(self, batch):
+    hidden = self.model.forward_hidden(batch["input_ids"])
+    if self.training and self.step == 1:
+        hidden.register_hook(lambda grad: grad * float("inf"))  # the loss stays finite, the gradients do not
+    return chunked_cross_entropy_sum(self.model.lm_head, hidden, batch["labels"])
+
+
+NONFINITE = {"loss": nan_loss_at_step_2, "gradients": inf_gradients_at_step_2}
+
+
+@pytest.mark.parametrize("what", list(NONFINITE))
+def test_nonfinite_stop_names_the_step_and_saves_nothing_of_it(what, tiny_llama_dir, rows, tmp_path, monkeypatch,
+                                                                capsys):
+    monkeypatch.setattr(FinetuneModule, "micro_loss_sum", NONFINITE[what])
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as exit_info:
+        main(args(tiny_llama_dir, rows, out))
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err
+    assert re.search(rf"litqlora: error: The {what} became (nan|inf|non-finite).* at optimizer step 2;", err), err
+    assert "--train.on_nonfinite skip" in err and "Traceback" not in err
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-000001"]
+    assert not (out / "final").exists()
+
+
+@pytest.mark.parametrize("what", list(NONFINITE))
+def test_nonfinite_skip_leaves_weights_untouched_and_finite(what, tiny_llama_dir, rows, tmp_path, monkeypatch):
+    monkeypatch.setattr(FinetuneModule, "micro_loss_sum", NONFINITE[what])
+    out = tmp_path / "run"
+    main(args(tiny_llama_dir, rows, out, "--train.on_nonfinite", "skip", "--train.keep_last", "4"))
+    rows_logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows_logged] == [1, 2, 3, 4]
+    assert rows_logged[1]["loss"] is None and f"The {what} became" in rows_logged[1]["skipped"]
+    assert all(r["loss"] is not None and "skipped" not in r for i, r in enumerate(rows_logged) if i != 1)
+    ckpt = out / "checkpoints"
+    assert_same_adapter(ckpt / "step-000001", ckpt / "step-000002")  # the skipped step changed nothing
+    step3, final = adapter(ckpt / "step-000003"), adapter(out / "final")
+    assert any(not torch.equal(step3[k], adapter(ckpt / "step-000002")[k]) for k in step3)
+    assert all(torch.isfinite(t).all() for t in final.values())
+
+
+def tiny_lora_model() -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.proj = LoRALinear(nn.Linear(8, 8), r=2, alpha=4.0)
+    return model
+
+
+def test_a_killed_write_leaves_the_previous_checkpoint_loadable(tmp_path):
+    model = tiny_lora_model()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    model.proj(torch.randn(3, 8)).sum().backward()
+    optimizer.step()
+    saved = {k: v.clone() for k, v in lora_state_dict(model).items()}
+    good = save_training_state(tmp_path, 1, model, optimizer, {"total_steps": 9}, keep_last=2)
+    # What kills at other moments leave behind: a half-written temporary checkpoint, a file's temporary copy,
+    # a step directory without its state.json (written last).
+    (tmp_path / "checkpoints" / "step-000002.tmp").mkdir()
+    (tmp_path / "checkpoints" / "step-000002.tmp" / "adapter.safetensors").write_bytes(b"\x10\x00\x00")
+    (good / "optimizer.safetensors.tmp").write_bytes(b"\x00" * 5)
+    (tmp_path / "checkpoints" / "step-000003").mkdir()
+    (tmp_path / "checkpoints" / "step-000003" / "adapter.safetensors").write_bytes(b"")
+    assert latest_checkpoint(tmp_path) == good
+
+    fresh = tiny_lora_model()
+    with torch.no_grad():
+        fresh.proj.lora_B.fill_(7.0)
+    fresh_opt = torch.optim.AdamW([p for p in fresh.parameters() if p.requires_grad], lr=0.1)
+    assert load_training_state(good, fresh, fresh_opt)["step"] == 1
+    assert all(torch.equal(saved[k], v) for k, v in lora_state_dict(fresh).items())
+    assert torch.equal(fresh_opt.state_dict()["state"][0]["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"])
+
+    with torch.no_grad():
+        model.proj.lora_B[0, 0] = float("nan")
+    with pytest.raises(FloatingPointError, match="not finite .*proj.lora_B.*checkpoint step-000004 was not written"):
+        save_training_state(tmp_path, 4, model, optimizer, {"total_steps": 9}, keep_last=2)
+    assert not (tmp_path / "checkpoints" / "step-000004").exists()
+    assert not (tmp_path / "checkpoints" / "step-000004.tmp").exists()
+    with torch.no_grad():
+        model.proj.lora_B[0, 0] = 0.0
+    assert save_training_state(tmp_path, 2, model, optimizer, {"total_steps": 9}, keep_last=2).name == "step-000002"
+    assert not (tmp_path / "checkpoints" / "step-000002.tmp").exists()
+    assert latest_checkpoint(tmp_path).name == "step-000002"
+
+
+def test_library_never_unpickles_or_trusts_remote_code():
+    sources = [p for d in ("lit_qlora", "eval") for p in (ROOT / d).rglob("*.py")]
+    assert len(sources) > 10
+    for path in sources:
+        text = path.read_text()
+        assert "trust_remote_code=True" not in text, path
+        assert not re.search(r"\bpickle\.loads?\(|\bdill\.|joblib\.load", text), path
+        for call in re.findall(r"torch\.load\([^)]*\)", text):
+            assert "weights_only=True" in call, (path, call)
