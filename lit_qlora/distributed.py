@@ -108,6 +108,8 @@ def shard_model(model: nn.Module, mesh) -> None:
 
     if is_sharded(model):
         return
+    if mesh.device_type != "cpu":  # onto this rank's device first (the whole NF4 base, briefly), like one-GPU runs
+        model.to(torch.device(mesh.device_type, torch.accelerator.current_device_index()))
     broadcast_trainable(model, mesh.get_group())
     for block in model.blocks:
         fully_shard(block, mesh=mesh)

@@ -163,7 +163,7 @@ class FinetuneModule(L.LightningModule):
         params = [p for p in self.model.parameters() if p.requires_grad]
         fused = params[0].device.type in ("cuda", "cpu") and params[0].dtype in (torch.float32, torch.bfloat16,
                                                                                   torch.float16)
-        fused = fused and not (params[0].device.type == "cpu" and type(params[0]).__name__ == "DTensor")
+        fused = fused and type(params[0]).__name__ != "DTensor"  # FSDP2 shards: the foreach path
         optimizer = torch.optim.AdamW(params, lr=self.train_args.lr, weight_decay=self.train_args.weight_decay,
                                       betas=(0.9, 0.95), fused=fused)
         warmup, total, offset = self.train_args.warmup_steps, self.total_steps, self.start_step

@@ -18,8 +18,8 @@ from test_finetune import small_data  # tests/ is on sys.path (pytest's rootdir-
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 3
-# micro 2 x 2 ranks = global 4: one micro-batch per rank per step; the 1-process reference accumulates two.
-TRAIN = dict(micro_batch_size=2, global_batch_size=4, max_seq_length=64, lr=1e-2, warmup_steps=1, max_steps=STEPS)
+# micro 1 x 2 ranks, global 4: each rank accumulates two micro-batches per step, the 1-process reference four.
+TRAIN = dict(micro_batch_size=1, global_batch_size=4, max_seq_length=64, lr=1e-2, warmup_steps=1, max_steps=STEPS)
 
 needs_gloo = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs gloo")
 
