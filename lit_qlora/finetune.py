@@ -14,12 +14,14 @@ import torch
 
 from lit_qlora.checkpoint import atomic_write_text
 from lit_qlora.data.module import DataArgs, SFTDataModule
+from lit_qlora.distributed import build_strategy, is_sharded, keep_frozen_out_of_ddp, nf4_shards_for
 from lit_qlora.guards import oom_advice
-from lit_qlora.lora import apply_lora, load_adapter, save_adapter
+from lit_qlora.lora import apply_lora, full_lora_state_dict, load_adapter, save_adapter
 from lit_qlora.memory import peak_rss_bytes
 from lit_qlora.quantize import PRECISION_DTYPES, NF4Precision, count_linears
 from lit_qlora.signals import StopSignals, TrainingStopped
-from lit_qlora.train_state import latest_checkpoint, load_training_state, read_state, save_training_state, step_dir
+from lit_qlora.train_state import (collect_training_state, latest_checkpoint, load_training_state, read_state,
+                                   save_training_state, step_dir)
 from lit_qlora.training import FinetuneModule, LoRAArgs, TrainArgs, total_steps_for, train_loader
 
 DEFAULT_CHECKPOINT = Path("checkpoints/SmolLM2-135M-Instruct")
@@ -95,7 +97,8 @@ def finetune(
     accelerator: str = "auto",
     devices: int = 1,
     num_nodes: int = 1,
-    strategy: str = "auto",
+    strategy: Literal["auto", "ddp", "fsdp"] = "auto",
+    nf4_shards: Optional[int] = None,
     resume: Union[bool, Literal["auto"], Path] = False,
     lora: LoRAArgs = LoRAArgs(),
     train: TrainArgs = TrainArgs(),
@@ -115,7 +118,10 @@ def finetune(
         accelerator: cpu, cuda, auto...
         devices: Devices per node.
         num_nodes: Nodes.
-        strategy: Lightning strategy: auto, ddp, fsdp.
+        strategy: auto (one device), ddp (every rank holds the whole NF4 base) or fsdp (FSDP2: each of the
+            devices x num_nodes ranks holds 1/N of it). Lightning starts the processes; see tutorials/distributed.md.
+        nf4_shards: NF4 layout: how many FSDP shards every NF4 weight must split into. Default: devices x
+            num_nodes with fsdp, else 1. Give an FSDP run's value to a smaller run to quantize to the same bits.
         resume: auto = continue from the newest checkpoint in out_dir (fresh start if none); a checkpoint
             directory; or false.
         lora: Adapter settings.
@@ -140,23 +146,28 @@ def finetune(
     total_steps = total_steps_for(train, len(dm.train_set))
     resume_path = resolve_resume(resume, out_dir)
     start_step = read_state(resume_path)["step"] if resume_path else 0
+    if resume_path and nf4_shards is None:  # keep the run's NF4 bits when it resumes on another number of devices
+        saved = read_state(resume_path).get("run", {}).get("nf4_shards")
+        nf4_shards = saved if saved and (strategy != "fsdp" or saved % world_size == 0) else None
+    layout_shards = nf4_shards_for(strategy, world_size, nf4_shards)
 
     settings = (f"micro_batch_size={train.micro_batch_size}, max_seq_length={train.max_seq_length}, "
                 f"activation_checkpointing={train.activation_checkpointing}")
     oom = partial(oom_advice, settings=settings, quantized=quantize == "nf4")
     with oom(lambda: "while loading the base model"):
-        model = build_model(Path(checkpoint_dir), quantize, dtype, ignore_modules, world_size)
+        model = build_model(Path(checkpoint_dir), quantize, dtype, ignore_modules, layout_shards)
     apply_lora(model, lora.r, lora.alpha, lora.dropout, lora.targets, lora.rslora, dtype=dtype)
     n_ckpt = train.activation_checkpointing
     model.checkpoint_blocks = model.config.n_layer if n_ckpt is True else int(n_ckpt or 0)
     module = FinetuneModule(model, train, total_steps, start_step)
+    keep_frozen_out_of_ddp(module)
 
-    plugin = NF4Precision(precision, ignore_modules, world_size) if quantize == "nf4" else None
+    plugin = NF4Precision(precision, ignore_modules, layout_shards) if quantize == "nf4" else None
     from lightning.pytorch.loggers import TensorBoardLogger
 
     logger = TensorBoardLogger(save_dir=str(out_dir), name="", version="logs", default_hp_metric=False)
     trainer = L.Trainer(
-        accelerator=accelerator, devices=devices, num_nodes=num_nodes, strategy=strategy,
+        accelerator=accelerator, devices=devices, num_nodes=num_nodes, strategy=build_strategy(strategy, world_size),
         precision=None if plugin else precision, plugins=[plugin] if plugin else None,
         max_epochs=1, logger=logger, enable_checkpointing=False, num_sanity_val_steps=0,
         use_distributed_sampler=False, enable_model_summary=False, log_every_n_steps=1,
@@ -165,7 +176,8 @@ def finetune(
     run_log = RunLog(out_dir, start_step, train.log_interval, logger) if trainer.is_global_zero else None
     run_config = {"checkpoint_dir": str(checkpoint_dir), "quantize": quantize, "precision": precision,
                   "seed": seed, "lora": asdict(lora), "train": asdict(train), "data": json.loads(json.dumps(
-                      asdict(data), default=str)), "ignore_modules": ignore_modules, "world_size": world_size}
+                      asdict(data), default=str)), "ignore_modules": ignore_modules, "world_size": world_size,
+                  "strategy": strategy, "nf4_shards": layout_shards}
 
     stop = StopSignals()  # remembers the handlers before fit; installed once Lightning has set its own
 
@@ -175,7 +187,7 @@ def finetune(
         stop.install()
 
     def on_step(row: dict[str, Any]) -> None:
-        row = {"step": row["step"], "loss": row["loss"], "lr": row["lr"],
+        row = {"step": row["step"], "loss": row["loss"], "lr": row["lr"], "grad_norm": row["grad_norm"],
                "tokens_per_sec": row["tokens"] / max(row["seconds"], 1e-9),
                "peak_memory_bytes": max(memory_stats(module.device).values()), "tokens": row["tokens"],
                **({"skipped": row["skipped"]} if "skipped" in row else {})}
@@ -197,9 +209,10 @@ def finetune(
                 "to continue.", stop.received or 15)
 
     def save_checkpoint(step: int) -> None:
+        collected = collect_training_state(module.model, module.optimizers().optimizer)  # FSDP: every rank gathers
         if trainer.is_global_zero:
-            save_training_state(out_dir, step, module.model, module.optimizers().optimizer,
-                                {"total_steps": total_steps, "run": run_config}, train.keep_last)
+            save_training_state(out_dir, step, None, None, {"total_steps": total_steps, "run": run_config},
+                                train.keep_last, collected)
         trainer.strategy.barrier()
 
     module.on_train_start_hook = on_train_start
@@ -223,10 +236,11 @@ def finetune(
     train_seconds = sum(r["seconds"] for r in module.history[1:])
 
     summary: dict[str, Any] = {}
+    adapter = full_lora_state_dict(module.model)  # FSDP: every rank gathers, rank 0 writes
     if trainer.is_global_zero:
         with oom(lambda: "while exporting final/"):
             export_final(module.model, out_dir / "final", checkpoint_dir, quantize, dtype, lora, ignore_modules,
-                         world_size, precision)
+                         layout_shards, precision, adapter)
         quantized, total = count_linears(module.model)
         trainable = sum(p.numel() for p in module.model.parameters() if p.requires_grad)
         summary = {
@@ -250,8 +264,12 @@ def finetune(
 
 
 def export_final(model, final_dir: Path, checkpoint_dir: Path, quantize: str, dtype: torch.dtype, lora: LoRAArgs,
-                 ignore_modules: list[str], world_size: int, precision: str) -> None:
-    """final/adapter.safetensors (+ config), final/merged (HF), final/peft: streamed from the trained model."""
+                 ignore_modules: list[str], world_size: int, precision: str,
+                 adapter: Optional[dict[str, torch.Tensor]] = None) -> None:
+    """final/adapter.safetensors (+ config), final/merged (HF), final/peft: streamed from the trained model.
+
+    An FSDP-sharded model has no whole base here: the merged model and PEFT adapter are then built from the base
+    checkpoint and the written adapter, as `litqlora merge` does (the same NF4 layout gives the same bits)."""
     from lit_qlora.checkpoint import save_hf_checkpoint
     from lit_qlora.export import export_config, hf_tensor_specs, write_peft_adapter
     from lit_qlora.lora import resolve_targets
@@ -262,8 +280,12 @@ def export_final(model, final_dir: Path, checkpoint_dir: Path, quantize: str, dt
         "lora_dtype": DTYPE_NAMES[dtype], "base_model": str(Path(checkpoint_dir).resolve()),
         "ignore_modules": ignore_modules, "nf4_world_size": world_size,
     }
+    save_adapter(model, final_dir, adapter_config, adapter)
+    if is_sharded(model):
+        from lit_qlora.export import load_adapted_model
+
+        model, _ = load_adapted_model(Path(checkpoint_dir), final_dir)
     model = model.eval()
-    save_adapter(model, final_dir, adapter_config)
     save_hf_checkpoint(final_dir / "merged", export_config(model, True), hf_tensor_specs(model, torch.bfloat16),
                        tokenizer_dir=Path(checkpoint_dir), dtype=torch.bfloat16)
     write_peft_adapter(model, adapter_config, final_dir / "peft", str(Path(checkpoint_dir).resolve()))

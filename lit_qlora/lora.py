@@ -27,6 +27,9 @@ ADAPTER_CONFIG = "adapter_config.json"
 
 
 def is_nf4(t: torch.Tensor) -> bool:
+    """An NF4Tensor, or an FSDP2 shard of one (a DTensor whose local tensor is an NF4Tensor)."""
+    if type(t).__name__ == "DTensor":
+        t = t.to_local()
     return type(t).__name__ == "NF4Tensor"
 
 
@@ -129,15 +132,29 @@ def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
 
 
 def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Adapter tensors by name; under FSDP2 they are DTensor shards (see `full_lora_state_dict`)."""
     return {f"{n}.{p}": getattr(m, p).detach() for n, m in lora_modules(model).items() for p in ("lora_A", "lora_B")}
 
 
-def save_adapter(model: nn.Module, out_dir: Path, config: dict) -> Path:
-    """Write `adapter.safetensors` and `adapter_config.json` (r, alpha, targets, base model, quantization...)."""
+def full_lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Whole adapter tensors, gathered from every rank under FSDP2 (a collective then: call it on every rank)."""
+    from lit_qlora.distributed import full, is_sharded, reshard
+
+    if not is_sharded(model):
+        return lora_state_dict(model)
+    reshard(model)
+    return {k: full(v).cpu() for k, v in lora_state_dict(model).items()}
+
+
+def save_adapter(model: nn.Module, out_dir: Path, config: dict,
+                 tensors: Optional[dict[str, torch.Tensor]] = None) -> Path:
+    """Write `adapter.safetensors` and `adapter_config.json` (r, alpha, targets, base model, quantization...).
+
+    `tensors`: the adapter, when already gathered (`full_lora_state_dict`); default: read from `model`."""
     from lit_qlora.checkpoint import TensorSpec, atomic_write_text, write_safetensors
     from lit_qlora.guards import require_finite
 
-    tensors = lora_state_dict(model)
+    tensors = lora_state_dict(model) if tensors is None else tensors
     require_finite(tensors, f"the adapter in {out_dir}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -179,6 +196,7 @@ def _trained_on(adapter_dir: Path) -> str:
 def load_adapter(model: nn.Module, adapter_dir: Path) -> None:
     """Copy the adapter's tensors into the LoRA layers of `model`; a mismatch is a clear error, not a warning."""
     from lit_qlora.checkpoint import iter_safetensors
+    from lit_qlora.distributed import shard_like
 
     path = Path(adapter_dir) / ADAPTER_WEIGHTS
     if not path.is_file():
@@ -202,8 +220,9 @@ def load_adapter(model: nn.Module, adapter_dir: Path) -> None:
             raise ValueError(f"{path}: {name!r} has shape {tuple(tensor.shape)} but the model expects "
                              f"{tuple(own[name].shape)}: {why}")
         module_name, _, leaf = name.rpartition(".")
+        param = getattr(params[module_name], leaf)
         with torch.no_grad():
-            getattr(params[module_name], leaf).copy_(tensor)
+            param.copy_(shard_like(tensor, param))  # every rank reads the file and keeps its FSDP2 shard
         seen.add(name)
     if set(own) - seen:
         missing = sorted(set(own) - seen)

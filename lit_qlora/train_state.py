@@ -18,7 +18,7 @@ import torch
 
 from lit_qlora.checkpoint import TensorSpec, atomic_write_text, iter_safetensors, write_safetensors
 from lit_qlora.guards import require_finite
-from lit_qlora.lora import load_adapter, lora_state_dict
+from lit_qlora.lora import full_lora_state_dict, load_adapter
 
 STEP_DIR = re.compile(r"^step-(\d{6,})$")
 STATE_FILE = "state.json"
@@ -64,22 +64,34 @@ def rng_tensors() -> dict[str, torch.Tensor]:
     return tensors
 
 
-def save_training_state(out_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                        state: dict[str, Any], keep_last: int) -> Path:
+def collect_training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Adapter and optimizer state as whole CPU tensors. Under FSDP2 this gathers the shards: every rank calls it."""
+    from lit_qlora.distributed import full
+
+    opt_tensors, groups = _optimizer_tensors(optimizer)
+    return {"adapter": full_lora_state_dict(model), "param_groups": groups,
+            "optimizer": {k: full(v).cpu() for k, v in opt_tensors.items()}}
+
+
+def save_training_state(out_dir: Path, step: int, model: Optional[torch.nn.Module],
+                        optimizer: Optional[torch.optim.Optimizer], state: dict[str, Any], keep_last: int,
+                        collected: Optional[dict[str, Any]] = None) -> Path:
     """Write checkpoint `step` atomically, then delete all but the newest `keep_last` complete ones.
 
-    Non-finite adapter weights raise FloatingPointError before anything is written."""
-    adapter = lora_state_dict(model)
-    require_finite(adapter, f"checkpoint step-{step:06d}")
+    `collected`: the output of `collect_training_state` (distributed runs gather on every rank, write on rank 0);
+    by default it is collected from `model` and `optimizer` here. Non-finite adapter weights raise
+    FloatingPointError before anything is written."""
+    collected = collected or collect_training_state(model, optimizer)
+    require_finite(collected["adapter"], f"checkpoint step-{step:06d}")
     final = step_dir(out_dir, step)
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    write_safetensors(tmp / "adapter.safetensors", _specs(adapter))
-    opt_tensors, groups = _optimizer_tensors(optimizer)
-    write_safetensors(tmp / "optimizer.safetensors", _specs({k: v.cpu() for k, v in opt_tensors.items()}))
+    write_safetensors(tmp / "adapter.safetensors", _specs(collected["adapter"]))
+    write_safetensors(tmp / "optimizer.safetensors", _specs(collected["optimizer"]))
     write_safetensors(tmp / "rng.safetensors", _specs(rng_tensors()))
-    atomic_write_text(tmp / STATE_FILE, json.dumps({**state, "step": step, "param_groups": groups}, indent=2))
+    atomic_write_text(tmp / STATE_FILE, json.dumps({**state, "step": step, "param_groups": collected["param_groups"]},
+                                                   indent=2))
     if final.exists():  # a re-run reached the same step: replace it
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -110,12 +122,15 @@ def read_state(path: Path) -> dict[str, Any]:
 
 def load_training_state(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """Restore adapters, optimizer and RNG from checkpoint `path`; returns its JSON state."""
+    from lit_qlora.distributed import shard_like
+
     state = read_state(path)
     load_adapter(model, path)  # a checkpoint holds adapter.safetensors, like a fine-tune's final/
     opt_state: dict[int, dict[str, torch.Tensor]] = {}
+    params = [p for group in optimizer.param_groups for p in group["params"]]  # state_dict's index order
     for key, tensor in iter_safetensors(Path(path) / "optimizer.safetensors"):
         index, _, name = key.partition(".")
-        opt_state.setdefault(int(index), {})[name] = tensor
+        opt_state.setdefault(int(index), {})[name] = shard_like(tensor, params[int(index)])  # FSDP2: this shard
     optimizer.load_state_dict({"state": opt_state, "param_groups": state["param_groups"]})
     for name, tensor in iter_safetensors(Path(path) / "rng.safetensors"):
         if name == "torch":

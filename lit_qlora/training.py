@@ -152,10 +152,18 @@ class FinetuneModule(L.LightningModule):
             self.on_train_start_hook()
         self._last_step_end = None
 
+    def configure_model(self) -> None:
+        # Lightning's ModelParallelStrategy (--strategy fsdp) hands over a device mesh: shard with FSDP2.
+        if self.device_mesh is not None:
+            from lit_qlora.distributed import shard_model
+
+            shard_model(self.model, self.device_mesh["data_parallel"])
+
     def configure_optimizers(self):
         params = [p for p in self.model.parameters() if p.requires_grad]
         fused = params[0].device.type in ("cuda", "cpu") and params[0].dtype in (torch.float32, torch.bfloat16,
                                                                                   torch.float16)
+        fused = fused and type(params[0]).__name__ != "DTensor"  # FSDP2 shards: the foreach path
         optimizer = torch.optim.AdamW(params, lr=self.train_args.lr, weight_decay=self.train_args.weight_decay,
                                       betas=(0.9, 0.95), fused=fused)
         warmup, total, offset = self.train_args.warmup_steps, self.total_steps, self.start_step
@@ -180,9 +188,12 @@ class FinetuneModule(L.LightningModule):
         targets = self.global_target_count(micro_batches).clamp(min=1)
         # Explicit fp32: the precision plugin makes bf16 the default dtype inside steps.
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
+        # DDP and FSDP2 average gradients over ranks; scaling by the world size makes that average the sum over
+        # all ranks' tokens / global target count: the same gradient as one process on the whole global batch.
+        world_size = self.trainer.world_size
         for mb in micro_batches:
             mb_loss = self.micro_loss_sum(mb)
-            self.manual_backward(mb_loss / targets)
+            self.manual_backward(mb_loss * world_size / targets)
             loss_sum += mb_loss.detach()
         loss = self.trainer.strategy.reduce(loss_sum, reduce_op="sum") / targets
         step = self.step + 1
@@ -200,7 +211,9 @@ class FinetuneModule(L.LightningModule):
             optimizer.step()
             scheduler.step()
             self.print(f"step {step}: {problem.lower()}, batch skipped")
+            grad_norm = None
         else:
+            grad_norm = self.grad_norm()
             if self.train_args.max_norm > 0:
                 self.clip_gradients(optimizer, gradient_clip_val=self.train_args.max_norm,
                                     gradient_clip_algorithm="norm")
@@ -211,8 +224,9 @@ class FinetuneModule(L.LightningModule):
             torch.tensor(float(sum(mb["num_tokens"] for mb in micro_batches)), device=self.device, dtype=torch.float64),
             reduce_op="sum")
         self._last_step_end = time.perf_counter()
-        row = {"step": step, "loss": None if problem else loss.item(), "lr": lr, "tokens": int(tokens.item()),
-               "seconds": self._last_step_end - started, **({"skipped": problem} if problem else {})}
+        row = {"step": step, "loss": None if problem else loss.item(), "lr": lr, "grad_norm": grad_norm,
+               "tokens": int(tokens.item()), "seconds": self._last_step_end - started,
+               **({"skipped": problem} if problem else {})}
         self.history.append(row)
         if not problem:
             self.log("loss", row["loss"], prog_bar=True, logger=False)
@@ -232,6 +246,13 @@ class FinetuneModule(L.LightningModule):
         if not torch.isfinite(norm):
             return f"The gradients became non-finite (loss {loss.item():.4f})"
         return None
+
+    def grad_norm(self) -> float:
+        """Global L2 norm of the (rank-reduced) gradients before clipping."""
+        from lit_qlora.distributed import full
+
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        return full(torch.nn.utils.get_total_norm(grads)).item() if grads else 0.0
 
     def on_validation_epoch_start(self) -> None:
         self._val = [0.0, 0]

@@ -39,3 +39,24 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) 
     save_hf_checkpoint(out, config, hf_tensor_specs(model, torch.float32), dtype=torch.float32)
     copy_tokenizer_files(smollm2_dir, out)
     return out
+
+
+def spawn_ranks(worker, world_size: int, *args, timeout: float = 300) -> dict:
+    """Run `worker(rank, *args, queue)` in `world_size` spawned processes; returns {rank: what it queued}.
+
+    Workers must queue plain Python data (tensors would travel as shared memory that dies with the worker) and
+    report their exceptions rather than hang their peers."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=worker, args=(r, *args, queue)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    try:
+        return dict(queue.get(timeout=timeout) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()

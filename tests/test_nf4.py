@@ -377,22 +377,11 @@ def test_real_fsdp2_shards_nf4_on_cpu(tmp_path):
     """fully_shard over 2 gloo ranks (spawned processes, ~10 s): the world_size=2 layout shards, all-gathers
     and runs forward/backward; the default layout (one scaler block for 256 blocks) is rejected."""
     import torch.distributed as dist
-    import torch.multiprocessing as mp
+    from conftest import spawn_ranks
 
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo unavailable")
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_fsdp2_worker, args=(r, 2, str(tmp_path / "store"), queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        results = dict(queue.get(timeout=180) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+    results = spawn_ranks(_fsdp2_worker, 2, 2, str(tmp_path / "store"), timeout=180)
     for rank in range(2):
         res = results[rank]
         assert "error" not in res, res
