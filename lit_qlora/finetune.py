@@ -17,7 +17,7 @@ from lit_qlora.data.module import DataArgs, SFTDataModule
 from lit_qlora.distributed import build_strategy, is_sharded, keep_frozen_out_of_ddp, nf4_shards_for
 from lit_qlora.guards import oom_advice
 from lit_qlora.lora import apply_lora, full_lora_state_dict, load_adapter, save_adapter
-from lit_qlora.memory import peak_rss_bytes
+from lit_qlora.memory import peak_rss_bytes, release_free_memory
 from lit_qlora.quantize import PRECISION_DTYPES, NF4Precision, count_linears
 from lit_qlora.signals import StopSignals, TrainingStopped
 from lit_qlora.train_state import (collect_training_state, latest_checkpoint, load_training_state, read_state,
@@ -236,6 +236,9 @@ def finetune(
     train_seconds = sum(r["seconds"] for r in module.history[1:])
 
     summary: dict[str, Any] = {}
+    # Training's freed activations stay in glibc's heap; export's transient would stack on top of them and set the
+    # run's peak (a QLoRA run peaked above LoRA's this way). Returned to the OS, export fits under training's peak.
+    release_free_memory()
     adapter = full_lora_state_dict(module.model)  # FSDP: every rank gathers, rank 0 writes
     if trainer.is_global_zero:
         with oom(lambda: "while exporting final/"):
