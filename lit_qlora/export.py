@@ -69,9 +69,16 @@ def load_adapted_model(checkpoint_dir: Path, adapter_dir: Path, quantize: Option
     """Base (as trained, unless `quantize` or `dtype` override) + adapter; returns (model, adapter_config)."""
     acfg = read_adapter_config(adapter_dir)
     quantize = quantize or acfg.get("quantize", "none")
-    base_dtype = dtype or DTYPES[acfg.get("base_dtype", "bfloat16")]
+    trained_dtype = DTYPES[acfg.get("base_dtype", "bfloat16")]
+    # NF4 codes always come from the weights training quantized (bf16 for a float32 checkpoint): quantizing the
+    # float32 originals instead gives other codes, a model that never trained. Only the compute dtype moves.
+    base_dtype = trained_dtype if quantize == "nf4" else (dtype or trained_dtype)
     model = load_base(Path(checkpoint_dir), quantize, base_dtype, acfg.get("ignore_modules", ()),
                       acfg.get("nf4_world_size", 1))
+    if dtype is not None and dtype != base_dtype:
+        for param in model.parameters():
+            if not is_nf4(param):  # NF4 weights dequantize to the activations' dtype
+                param.data = param.data.to(dtype)
     lora_dtype = dtype or DTYPES[acfg.get("lora_dtype", "bfloat16")]
     apply_lora(model, acfg["r"], acfg["alpha"], 0.0, acfg["targets"], acfg.get("rslora", False), lora_dtype)
     load_adapter(model, adapter_dir)

@@ -269,3 +269,26 @@ def test_wheel_install_evaluates_from_outside_the_repo(tiny_llama_dir, tmp_path)
     assert results["n-samples"]["truthfulqa_mc2"]["effective"] == 4
     assert results["lit_qlora"]["data_file"] == str(data_file.resolve())
     assert (out / "samples_truthfulqa_mc2.jsonl").is_file()
+
+
+def test_online_nf4_at_32_true_keeps_the_trained_nf4_codes(tiny_llama_dir, parity, tmp_path):
+    """A float32 checkpoint trains on NF4 codes quantized from its bf16 cast. Evaluating the adapter online at
+    32-true must reuse those codes (only activations move to float32), not re-quantize the float32 originals."""
+    from lit_qlora.export import load_adapted_model
+    from lit_qlora.nf4 import dequantize_nf4
+
+    trained, _ = load_adapted_model(tiny_llama_dir, parity.adapter)  # as QLoRA trained: bf16 -> NF4
+    online, _ = load_adapted_model(tiny_llama_dir, parity.adapter, dtype=torch.float32)
+    weights = dict(trained.named_parameters())
+    checked = 0
+    for name, param in online.named_parameters():
+        if type(param).__name__ == "NF4Tensor":
+            assert torch.equal(param.quantized_data, weights[name].quantized_data), name
+            assert torch.equal(dequantize_nf4(param), dequantize_nf4(weights[name])), name
+            checked += 1
+        else:
+            assert param.dtype == torch.float32, name
+    assert checked == 15
+    x = torch.randint(0, 1000, (2, 16))
+    with torch.no_grad():
+        assert torch.allclose(online(x), trained(x).float(), atol=0.05, rtol=0.05)
