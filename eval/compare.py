@@ -10,7 +10,7 @@ OUT_DIR/
   compare.json                the settings the stages ran with (a rerun with other settings is refused)
   lora/, qlora/               `litqlora finetune` outputs (summary.json, metrics.jsonl, final/merged, logs/)
   eval/base|lora|qlora/       `litqlora evaluate` outputs (results.json, samples_truthfulqa_mc2.jsonl)
-  logs/STAGE.log              each stage's console output
+  logs/STAGE.log, STAGE.json  each stage's console output; its command, exit code and the machine's load
   report.md, report.json, report.png
 """
 
@@ -24,6 +24,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any, Literal, Optional
 
+from lit_qlora.checkpoint import atomic_write_text
 from lit_qlora.eval import SAMPLE_DATA_FILE
 
 TASK = "truthfulqa_mc2"
@@ -94,6 +95,7 @@ def run_stage(name: str, argv: list[str], out_dir: Path) -> None:
     command = [sys.executable, "-m", "lit_qlora.cli", *argv]
     print(f"\n[compare] {name}: litqlora {' '.join(argv)}", flush=True)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    load_before = os.getloadavg()[0]
     with open(log_path, "wb") as log, subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                                         env=env) as proc:
         assert proc.stdout is not None
@@ -101,6 +103,10 @@ def run_stage(name: str, argv: list[str], out_dir: Path) -> None:
             log.write(chunk)
             sys.stdout.buffer.write(chunk)
             sys.stdout.flush()
+    # Other jobs on the machine slow a stage down: the report shows the load each stage ran under.
+    atomic_write_text(log_path.with_suffix(".json"), json.dumps(
+        {"command": argv, "exit_code": proc.returncode, "load_average_1min": [load_before, os.getloadavg()[0]],
+         "cpu_count": os.cpu_count()}) + "\n")
     if proc.returncode:
         raise RuntimeError(f"compare: stage {name!r} failed (exit {proc.returncode}); its output is in {log_path}. "
                            "Fix the cause and run the same command again: finished stages are kept and a "
@@ -118,8 +124,6 @@ def check_settings(out_dir: Path, settings: dict[str, Any]) -> None:
         if before.get("eval") != settings["eval"]:
             for name in ("base", *RUNS):
                 (out_dir / "eval" / name / "results.json").unlink(missing_ok=True)
-    from lit_qlora.checkpoint import atomic_write_text
-
     atomic_write_text(path, json.dumps(settings, indent=2) + "\n")
     atomic_write_text(out_dir / "recipe.yaml", settings["recipe"])
 

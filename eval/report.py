@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any, Optional
 
@@ -48,6 +49,9 @@ def run_entry(out_dir: Path, name: str, checkpoint: Path) -> dict[str, Any]:
         return entry
     summary = json.loads((out_dir / name / "summary.json").read_text())
     peak, kind = training_peak(summary)
+    stage = out_dir / "logs" / f"finetune-{name}.json"
+    if stage.is_file():
+        entry["load_average_1min"] = json.loads(stage.read_text())["load_average_1min"]
     entry.update(
         quantize="nf4" if name == "qlora" else "none", peak_memory_bytes=peak, peak_memory_kind=kind,
         wall_seconds=summary["wall_seconds"], tokens_per_sec=summary["tokens_per_sec"],
@@ -100,13 +104,21 @@ def markdown(report: dict[str, Any]) -> str:
                      f"{fmt(run['tokens_per_sec'], '.1f')} | {fmt(run['train_loss'], '.4f')} | "
                      f"{fmt(run['val_loss'], '.4f')} | {score} |")
     kind = runs["qlora"]["peak_memory_kind"]
+    loads = {name: runs[name].get("load_average_1min") for name in ("lora", "qlora")}
+    busy = ""
+    if all(loads.values()):
+        cpus = report["settings"].get("cpu_count") or 1
+        busy = (f" Load average (1 min, start/end) during the LoRA fine-tune {loads['lora'][0]:.1f}/"
+                f"{loads['lora'][1]:.1f}, QLoRA {loads['qlora'][0]:.1f}/{loads['qlora'][1]:.1f} on {cpus} CPUs"
+                + ("; other jobs were running, so wall time and tokens/s are not comparable."
+                   if max(max(v) for v in loads.values()) > cpus + 0.5 else "."))
     lines += [
         "",
         verdict_line(report["verdict"]),
         "",
         f"Peak memory: {kind}. Wall time: the whole fine-tune process (load, validation, training, export). "
         "Train loss: the last optimizer step's. Val loss: on the held-out split, after training (the base's: "
-        "before the LoRA run's first step). Stderr: lm-eval's standard error of the mean over questions.",
+        "before the LoRA run's first step). Stderr: lm-eval's standard error of the mean over questions." + busy,
         "",
         "![loss curves and peak memory](report.png)",
         "",
@@ -151,7 +163,7 @@ def write_report(out_dir: Path, evaluated: dict[str, Path]) -> dict[str, Any]:
         "verdict": verdict(runs["lora"], runs["qlora"]),
         "settings": {"checkpoint_dir": str(Path(evaluated["base"]).resolve()), "data_file": settings["eval"]["data_file"],
                      "limit": settings["eval"]["limit"], "eval_precision": settings["eval"]["precision"],
-                     "recipe": "recipe.yaml"},
+                     "recipe": "recipe.yaml", "cpu_count": os.cpu_count()},
     }
     atomic_write_text(out_dir / "report.json", json.dumps(report, indent=2) + "\n")
     atomic_write_text(out_dir / "report.md", markdown(report))

@@ -105,6 +105,9 @@ def test_compare_end_to_end_on_a_tiny_model(tiny_llama_dir, tmp_path, capsys):
         assert run["wall_seconds"] > 0 and run["tokens_per_sec"] > 0
         assert [step for step, _ in run["loss_curve"]] == [1, 2]
         assert all(math.isfinite(loss) for _, loss in run["loss_curve"])
+        stage = json.loads((out / "logs" / f"finetune-{name}.json").read_text())
+        assert stage["exit_code"] == 0 and stage["command"][0] == "finetune"
+        assert run["load_average_1min"] == stage["load_average_1min"] and len(run["load_average_1min"]) == 2
     assert runs["qlora"]["quantized_linears"] == runs["qlora"]["total_linears"] == 15
     assert runs["lora"]["quantized_linears"] == 0
     # Same recipe and seed: the first step sees the same batch, so the losses differ only by NF4's error.
@@ -118,6 +121,7 @@ def test_compare_end_to_end_on_a_tiny_model(tiny_llama_dir, tmp_path, capsys):
     assert report["verdict"] == expected
     markdown = (out / "report.md").read_text()
     assert verdict_line(expected) in markdown
+    assert "Load average (1 min, start/end) during the LoRA fine-tune" in markdown
     for label in ("| base (no fine-tune) |", "| LoRA |", "| QLoRA |"):
         assert label in markdown
     assert f"{runs['qlora']['truthfulqa_mc2']:.4f} ± {runs['qlora']['truthfulqa_mc2_stderr']:.4f}" in markdown
