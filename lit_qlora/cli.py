@@ -159,7 +159,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         # exit_on_error=False: a bad option raises ArgumentError (printed below as one paragraph) instead of
         # printing the whole usage.
-        auto_cli(commands(), args=argv, as_positional=False, config_help=CONFIG_HELP, exit_on_error=False)
+        auto_cli(commands(), args=argv, as_positional=False, config_help=CONFIG_HELP, exit_on_error=False,
+                 allow_abbrev=False)  # a typo must not silently become the option it abbreviates
     except ArgumentError as e:
         if debug:
             raise

@@ -108,6 +108,8 @@ CASES = [
      ["unknown option `train.max_step`", "typo.yaml", "did you mean `train.max_steps`"], None),
     ("flag-typo", lambda c: finetune_args(c, "--lora.rnk", "4"),
      ["unknown option `lora.rnk`", "did you mean `lora.r`"], None),
+    ("flag-abbreviation", lambda c: finetune_args(c, "--train.max_step", "3"),
+     ["unknown option `train.max_step`", "did you mean `train.max_steps`"], None),
     ("bad-value", lambda c: finetune_args(c, "--train.activation_checkpointing", "maybe"),
      ["--train.activation_checkpointing", "expected bool or int", "'maybe'"], None),
     ("unknown-command", lambda c: ["finetun"], ["unknown command 'finetun'", "Did you mean `finetune`"], None),
