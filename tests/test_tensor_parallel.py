@@ -23,6 +23,23 @@ def test_layout_splits_rows_of_column_and_columns_of_row_parallel_weights():
         shard_tensor("model.layers.0.mlp.up_proj.weight", w, 0, 3)
 
 
+def test_tp_strategy_is_a_data_by_tensor_mesh():
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from lit_qlora.distributed import build_strategy, nf4_shards_for
+
+    strategy = build_strategy("tp", 4, tensor_parallel=2)
+    assert isinstance(strategy, ModelParallelStrategy)
+    assert (strategy._data_parallel_size, strategy._tensor_parallel_size) == (2, 2)
+    with pytest.raises(ValueError, match="must divide"):
+        build_strategy("tp", 4, tensor_parallel=3)
+    with pytest.raises(ValueError, match="needs --strategy tp"):
+        build_strategy("fsdp", 4, tensor_parallel=2)
+    assert nf4_shards_for("tp", 2) == 1
+    with pytest.raises(ValueError, match="does not apply"):
+        nf4_shards_for("tp", 2, requested=2)
+
+
 def _gather(t: torch.Tensor, dim: int, group) -> torch.Tensor:
     parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, t.contiguous(), group=group)
@@ -150,3 +167,68 @@ def test_tensor_parallel_equals_one_process(quantize, tiny_llama_dir, tmp_path):
         # Without the tensor-parallel sum A's (and the inputs') gradients miss the other rank's share.
         assert r["unreduced_grad_rel_diff"] > 1e-2
     assert results[0]["loss"] == results[1]["loss"]
+
+
+@pytest.mark.slow
+@needs_gloo
+def test_finetune_tensor_parallel_equals_one_process(tiny_llama_dir, tmp_path):
+    """`--strategy tp --tensor_parallel 2` (LoRA, fp32 base): every step's loss, the gradient norm, the final
+    adapter and the merged export equal a 1-process run's."""
+    from safetensors.torch import load_file
+    from test_distributed import STEPS, TRAIN, cli_run, metrics
+    from test_finetune import small_data
+
+    from lit_qlora.finetune import finetune
+    from lit_qlora.training import LoRAArgs, TrainArgs
+
+    data = small_data(tmp_path)
+    ref_dir, out = tmp_path / "one", tmp_path / "tp"
+    finetune(checkpoint_dir=tiny_llama_dir, out_dir=ref_dir, quantize="none", precision="32-true", accelerator="cpu",
+             lora=LoRAArgs(r=4, alpha=8, dropout=0.0), data=data, train=TrainArgs(**TRAIN))
+    cli_run(tiny_llama_dir, out, data, "tp", "--tensor_parallel", "2", "--quantize", "none")
+    ref, got = metrics(ref_dir), metrics(out)
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in ref], rel=1e-5)
+    assert got[0]["grad_norm"] == pytest.approx(ref[0]["grad_norm"], rel=1e-4)
+    assert got[0]["tokens"] == ref[0]["tokens"]  # both ranks of the group saw the same samples, counted once
+    a = load_file(str(ref_dir / "final" / "adapter.safetensors"))
+    b = load_file(str(out / "final" / "adapter.safetensors"))
+    assert a.keys() == b.keys() and all(a[k].shape == b[k].shape for k in a)  # gathered to full shapes
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-4
+    assert any(b[k].abs().max() > 1e-3 for k in b if k.endswith("lora_B"))  # it did train
+    ma = load_file(str(ref_dir / "final" / "merged" / "model.safetensors"))
+    mb = load_file(str(out / "final" / "merged" / "model.safetensors"))
+    assert ma.keys() == mb.keys()
+    assert all(torch.allclose(ma[k].float(), mb[k].float(), rtol=1e-2, atol=1e-4) for k in ma)
+
+
+@pytest.mark.slow
+@needs_gloo
+def test_qlora_tensor_parallel_export_is_the_one_process_merge(tiny_llama_dir, tmp_path):
+    """QLoRA under `--strategy tp`: the adapter config records the per-shard NF4 layout, and the merged export
+    equals `litqlora merge` of the adapter in one process, which rebuilds that layout."""
+    import json
+
+    from safetensors.torch import load_file
+    from test_distributed import cli_run
+    from test_finetune import small_data
+
+    from lit_qlora.export import merge
+
+    data = small_data(tmp_path)
+    out = tmp_path / "tp"
+    cli_run(tiny_llama_dir, out, data, "tp", "--tensor_parallel", "2", "--train.max_steps=2")
+    config = json.loads((out / "final" / "adapter_config.json").read_text())
+    assert config["quantize"] == "nf4" and config["nf4_tensor_parallel"] == 2
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["quantized_linears"] == summary["total_linears"] == 15  # every rank's shards are NF4
+    merged = merge(tiny_llama_dir, out / "final", tmp_path / "merged")
+    ma = load_file(str(merged / "model.safetensors"))
+    mb = load_file(str(out / "final" / "merged" / "model.safetensors"))
+    assert ma.keys() == mb.keys() and all(torch.equal(ma[k], mb[k]) for k in ma)
+    # The per-shard NF4 layout is not the whole-tensor one: without it the merge would differ.
+    config.pop("nf4_tensor_parallel")
+    (out / "final" / "adapter_config.json").write_text(json.dumps(config))
+    whole = load_file(str(merge(tiny_llama_dir, out / "final", tmp_path / "whole") / "model.safetensors"))
+    key = "model.layers.0.mlp.down_proj.weight"
+    assert not torch.equal(whole[key], mb[key])
