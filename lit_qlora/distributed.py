@@ -1,4 +1,5 @@
-"""Several processes through Lightning strategies: `ddp` replicates the NF4 base, `fsdp` shards it with FSDP2.
+"""Several processes through Lightning strategies: `ddp` replicates the NF4 base, `fsdp` shards it with FSDP2,
+`tp` splits every block's weights over `--tensor_parallel N` ranks (lit_qlora/tensor_parallel.py).
 
 Lightning launches and connects the processes; nothing here starts one. `build_strategy` turns `--strategy fsdp`
 into Lightning's `ModelParallelStrategy` (data-parallel size = devices x nodes, tensor-parallel size 1), and
@@ -16,17 +17,23 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-STRATEGIES = ("auto", "ddp", "fsdp")
+STRATEGIES = ("auto", "ddp", "fsdp", "tp")
 
 
-def build_strategy(strategy: str, world_size: int):
-    """What `L.Trainer(strategy=...)` gets: FSDP2 for `fsdp` (Lightning's own "fsdp" is FSDP1), else the name."""
+def build_strategy(strategy: str, world_size: int, tensor_parallel: int = 1):
+    """What `L.Trainer(strategy=...)` gets: FSDP2 for `fsdp` (Lightning's own "fsdp" is FSDP1), a data x tensor
+    mesh for `tp`, else the name."""
     if strategy not in STRATEGIES:
         raise ValueError(f"--strategy {strategy!r} is not supported: choose one of {', '.join(STRATEGIES)}.")
-    if strategy == "fsdp":
+    if tensor_parallel != 1 and strategy != "tp":
+        raise ValueError(f"--tensor_parallel {tensor_parallel} needs --strategy tp.")
+    if strategy in ("fsdp", "tp"):
         from lightning.pytorch.strategies import ModelParallelStrategy
 
-        return ModelParallelStrategy(data_parallel_size=world_size, tensor_parallel_size=1)
+        if tensor_parallel < 1 or world_size % tensor_parallel:
+            raise ValueError(f"--tensor_parallel {tensor_parallel} must divide devices x num_nodes ({world_size}).")
+        return ModelParallelStrategy(data_parallel_size=world_size // tensor_parallel,
+                                     tensor_parallel_size=tensor_parallel)
     return strategy
 
 
@@ -36,6 +43,8 @@ def nf4_shards_for(strategy: str, world_size: int, requested: Union[int, None] =
     DDP and one process need no split, so they quantize exactly like an ordinary single-device run. `requested`
     overrides it, e.g. to quantize a 1-process run to the same bits as an FSDP run of `requested` processes.
     """
+    if strategy == "tp" and requested not in (None, 1):
+        raise ValueError("--nf4_shards does not apply to --strategy tp: every rank quantizes its own shards.")
     shards = requested or (world_size if strategy == "fsdp" else 1)
     if strategy == "fsdp" and shards % world_size:
         raise ValueError(f"nf4_shards ({shards}) must be a multiple of devices x num_nodes ({world_size}) with "

@@ -52,9 +52,13 @@ def export_config(model: nn.Module, merged: bool):
 
 
 def load_base(checkpoint_dir: Path, quantize: str, dtype: torch.dtype = torch.bfloat16,
-              ignore_modules: Iterable[str] = (), world_size: int = 1):
+              ignore_modules: Iterable[str] = (), world_size: int = 1, tensor_parallel: int = 1):
     """The base model an adapter trained on: NF4-quantized from `dtype` weights (with the same layout), or plain
-    `dtype` weights."""
+    `dtype` weights. After `--strategy tp` with NF4 the split linears hold the dequantized per-shard NF4 weights."""
+    if quantize == "nf4" and tensor_parallel > 1:
+        from lit_qlora.tensor_parallel import load_tp_layout_model
+
+        return load_tp_layout_model(checkpoint_dir, dtype, ignore_modules, tensor_parallel)
     if quantize == "nf4":
         from lit_qlora.quantize import load_nf4_checkpoint
 
@@ -74,7 +78,7 @@ def load_adapted_model(checkpoint_dir: Path, adapter_dir: Path, quantize: Option
     # float32 originals instead gives other codes, a model that never trained. Only the compute dtype moves.
     base_dtype = trained_dtype if quantize == "nf4" else (dtype or trained_dtype)
     model = load_base(Path(checkpoint_dir), quantize, base_dtype, acfg.get("ignore_modules", ()),
-                      acfg.get("nf4_world_size", 1))
+                      acfg.get("nf4_world_size", 1), acfg.get("nf4_tensor_parallel", 1))
     if dtype is not None and dtype != base_dtype:
         for param in model.parameters():
             if not is_nf4(param):  # NF4 weights dequantize to the activations' dtype

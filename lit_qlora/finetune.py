@@ -78,7 +78,12 @@ class RunLog:
         self.logger.log_metrics(numbers, step=row["step"])
 
 
-def build_model(checkpoint_dir: Path, quantize: str, dtype: torch.dtype, ignore_modules: list[str], world_size: int):
+def build_model(checkpoint_dir: Path, quantize: str, dtype: torch.dtype, ignore_modules: list[str], world_size: int,
+                tp_rank: int = 0, tensor_parallel: int = 1):
+    if tensor_parallel > 1:  # this rank's shard of every split weight, quantized on its own
+        from lit_qlora.tensor_parallel import load_sharded
+
+        return load_sharded(checkpoint_dir, quantize, dtype, ignore_modules, tp_rank, tensor_parallel)
     if quantize == "nf4":
         from lit_qlora.quantize import load_nf4_checkpoint
 
@@ -97,7 +102,8 @@ def finetune(
     accelerator: str = "auto",
     devices: int = 1,
     num_nodes: int = 1,
-    strategy: Literal["auto", "ddp", "fsdp"] = "auto",
+    strategy: Literal["auto", "ddp", "fsdp", "tp"] = "auto",
+    tensor_parallel: int = 1,
     nf4_shards: Optional[int] = None,
     resume: Union[bool, Literal["auto"], Path] = False,
     lora: LoRAArgs = LoRAArgs(),
@@ -119,7 +125,10 @@ def finetune(
         devices: Devices per node.
         num_nodes: Nodes.
         strategy: auto (one device), ddp (every rank holds the whole NF4 base) or fsdp (FSDP2: each of the
-            devices x num_nodes ranks holds 1/N of it). Lightning starts the processes; see tutorials/distributed.md.
+            devices x num_nodes ranks holds 1/N of it) or tp (tensor parallelism: the blocks' weights split over
+            `tensor_parallel` ranks). Lightning starts the processes; see tutorials/distributed.md.
+        tensor_parallel: With --strategy tp, ranks per tensor-parallel group (it must divide devices x num_nodes,
+            the number of heads, of kv groups and the MLP width); the rest is data parallelism.
         nf4_shards: NF4 layout: how many FSDP shards every NF4 weight must split into. Default: devices x
             num_nodes with fsdp, else 1. Give an FSDP run's value to a smaller run to quantize to the same bits.
         resume: auto = continue from the newest checkpoint in out_dir (fresh start if none); a checkpoint
@@ -135,7 +144,9 @@ def finetune(
     ignore_modules = list(ignore_modules or [])
     dtype = PRECISION_DTYPES[precision]
     world_size = devices * num_nodes
-    accumulation = train.accumulation(world_size)
+    strategy_arg = build_strategy(strategy, world_size, tensor_parallel)  # checks the sizes before any loading
+    data_ranks = world_size // tensor_parallel  # ranks that see different samples
+    accumulation = train.accumulation(data_ranks)
     L.seed_everything(seed, verbose=False)
     ensure_default_checkpoint(checkpoint_dir)
     from lit_qlora.tokenizer import Tokenizer
@@ -146,7 +157,7 @@ def finetune(
     total_steps = total_steps_for(train, len(dm.train_set))
     resume_path = resolve_resume(resume, out_dir)
     start_step = read_state(resume_path)["step"] if resume_path else 0
-    if resume_path and nf4_shards is None:  # keep the run's NF4 bits when it resumes on another number of devices
+    if resume_path and nf4_shards is None and strategy != "tp":  # keep the NF4 bits on another number of devices
         saved = read_state(resume_path).get("run", {}).get("nf4_shards")
         nf4_shards = saved if saved and (strategy != "fsdp" or saved % world_size == 0) else None
     layout_shards = nf4_shards_for(strategy, world_size, nf4_shards)
@@ -154,30 +165,31 @@ def finetune(
     settings = (f"micro_batch_size={train.micro_batch_size}, max_seq_length={train.max_seq_length}, "
                 f"activation_checkpointing={train.activation_checkpointing}")
     oom = partial(oom_advice, settings=settings, quantized=quantize == "nf4")
-    with oom(lambda: "while loading the base model"):
-        model = build_model(Path(checkpoint_dir), quantize, dtype, ignore_modules, layout_shards)
-    apply_lora(model, lora.r, lora.alpha, lora.dropout, lora.targets, lora.rslora, dtype=dtype)
-    n_ckpt = train.activation_checkpointing
-    model.checkpoint_blocks = model.config.n_layer if n_ckpt is True else int(n_ckpt or 0)
-    module = FinetuneModule(model, train, total_steps, start_step)
-    keep_frozen_out_of_ddp(module)
-
     plugin = NF4Precision(precision, ignore_modules, layout_shards) if quantize == "nf4" else None
     from lightning.pytorch.loggers import TensorBoardLogger
 
     logger = TensorBoardLogger(save_dir=str(out_dir), name="", version="logs", default_hp_metric=False)
     trainer = L.Trainer(
-        accelerator=accelerator, devices=devices, num_nodes=num_nodes, strategy=build_strategy(strategy, world_size),
+        accelerator=accelerator, devices=devices, num_nodes=num_nodes, strategy=strategy_arg,
         precision=None if plugin else precision, plugins=[plugin] if plugin else None,
         max_epochs=1, logger=logger, enable_checkpointing=False, num_sanity_val_steps=0,
         use_distributed_sampler=False, enable_model_summary=False, log_every_n_steps=1,
     )
+    # The Trainer knows this process's rank before any process group exists: tensor parallelism loads its shard.
+    with oom(lambda: "while loading the base model"):
+        model = build_model(Path(checkpoint_dir), quantize, dtype, ignore_modules, layout_shards,
+                            trainer.global_rank % tensor_parallel, tensor_parallel)
+    apply_lora(model, lora.r, lora.alpha, lora.dropout, lora.targets, lora.rslora, dtype=dtype)
+    n_ckpt = train.activation_checkpointing
+    model.checkpoint_blocks = model.config.n_layer if n_ckpt is True else int(n_ckpt or 0)
+    module = FinetuneModule(model, train, total_steps, start_step)
+    keep_frozen_out_of_ddp(module)
     out_dir.mkdir(parents=True, exist_ok=True)
     run_log = RunLog(out_dir, start_step, train.log_interval, logger) if trainer.is_global_zero else None
     run_config = {"checkpoint_dir": str(checkpoint_dir), "quantize": quantize, "precision": precision,
                   "seed": seed, "lora": asdict(lora), "train": asdict(train), "data": json.loads(json.dumps(
                       asdict(data), default=str)), "ignore_modules": ignore_modules, "world_size": world_size,
-                  "strategy": strategy, "nf4_shards": layout_shards}
+                  "strategy": strategy, "tensor_parallel": tensor_parallel, "nf4_shards": layout_shards}
 
     stop = StopSignals()  # remembers the handlers before fit; installed once Lightning has set its own
 
@@ -217,7 +229,8 @@ def finetune(
 
     module.on_train_start_hook = on_train_start
     module.on_step = on_step
-    loader = train_loader(dm, train, seed, start_step, total_steps, trainer.global_rank, world_size)
+    # The ranks of one tensor-parallel group (consecutive global ranks) take the same samples.
+    loader = train_loader(dm, train, seed, start_step, total_steps, trainer.global_rank // tensor_parallel, data_ranks)
     val_loader = dm.val_dataloader()
 
     initial_val_loss = None
@@ -243,7 +256,7 @@ def finetune(
     if trainer.is_global_zero:
         with oom(lambda: "while exporting final/"):
             export_final(module.model, out_dir / "final", checkpoint_dir, quantize, dtype, lora, ignore_modules,
-                         layout_shards, precision, adapter)
+                         layout_shards, precision, adapter, tensor_parallel)
         quantized, total = count_linears(module.model)
         trainable = sum(p.numel() for p in module.model.parameters() if p.requires_grad)
         summary = {
@@ -268,11 +281,12 @@ def finetune(
 
 def export_final(model, final_dir: Path, checkpoint_dir: Path, quantize: str, dtype: torch.dtype, lora: LoRAArgs,
                  ignore_modules: list[str], world_size: int, precision: str,
-                 adapter: Optional[dict[str, torch.Tensor]] = None) -> None:
+                 adapter: Optional[dict[str, torch.Tensor]] = None, tensor_parallel: int = 1) -> None:
     """final/adapter.safetensors (+ config), final/merged (HF), final/peft: streamed from the trained model.
 
-    An FSDP-sharded model has no whole base here: the merged model and PEFT adapter are then built from the base
-    checkpoint and the written adapter, as `litqlora merge` does (the same NF4 layout gives the same bits)."""
+    An FSDP-sharded or tensor-parallel model has no whole base here: the merged model and PEFT adapter are then
+    built from the base checkpoint and the written adapter, as `litqlora merge` does (the same NF4 layout, recorded
+    as nf4_world_size / nf4_tensor_parallel, gives the same bits)."""
     from lit_qlora.checkpoint import save_hf_checkpoint
     from lit_qlora.export import export_config, hf_tensor_specs, write_peft_adapter
     from lit_qlora.lora import resolve_targets
@@ -282,6 +296,7 @@ def export_final(model, final_dir: Path, checkpoint_dir: Path, quantize: str, dt
         "rslora": lora.rslora, "quantize": quantize, "precision": precision, "base_dtype": DTYPE_NAMES[dtype],
         "lora_dtype": DTYPE_NAMES[dtype], "base_model": str(Path(checkpoint_dir).resolve()),
         "ignore_modules": ignore_modules, "nf4_world_size": world_size,
+        **({"nf4_tensor_parallel": tensor_parallel} if quantize == "nf4" and tensor_parallel > 1 else {}),
     }
     save_adapter(model, final_dir, adapter_config, adapter)
     if is_sharded(model):

@@ -139,9 +139,12 @@ def is_linear_weight(name: str, model: nn.Module) -> bool:
 
 
 def load_nf4_checkpoint(checkpoint_dir: Path | str, dtype: torch.dtype = torch.bfloat16,
-                        ignore_modules: Iterable[str] = (), world_size: int = 1, device="cpu"):
+                        ignore_modules: Iterable[str] = (), world_size: int = 1, device="cpu", shard=None):
     """Stream a HF checkpoint into an NF4 model: each linear weight is quantized as it is read, so the full
-    high-precision model is never resident (peak ~ NF4 model + one tensor)."""
+    high-precision model is never resident (peak ~ NF4 model + one tensor).
+
+    `shard(name, tensor)`, when given, cuts each tensor to this rank's part first (tensor parallelism), so each
+    part is quantized on its own."""
     from lit_qlora.checkpoint import load_checkpoint
     from lit_qlora.config import Config
 
@@ -154,6 +157,8 @@ def load_nf4_checkpoint(checkpoint_dir: Path | str, dtype: torch.dtype = torch.b
     del skeleton
 
     def transform(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if shard is not None:
+            tensor = shard(name, tensor)
         return quantize_weight(tensor, world_size) if name in linear_names else tensor
 
     model = load_checkpoint(checkpoint_dir, dtype=dtype, device=device, transform=transform, config=config)

@@ -153,11 +153,24 @@ class FinetuneModule(L.LightningModule):
         self._last_step_end = None
 
     def configure_model(self) -> None:
-        # Lightning's ModelParallelStrategy (--strategy fsdp) hands over a device mesh: shard with FSDP2.
-        if self.device_mesh is not None:
+        # Lightning's ModelParallelStrategy hands over a device mesh: --strategy tp splits the blocks over its
+        # tensor-parallel dimension, --strategy fsdp shards with FSDP2 over the data-parallel one.
+        if self.tensor_parallel_size > 1:
+            from lit_qlora.tensor_parallel import parallelize
+
+            parallelize(self.model, self.device_mesh["tensor_parallel"])
+        elif self.device_mesh is not None:
             from lit_qlora.distributed import shard_model
 
             shard_model(self.model, self.device_mesh["data_parallel"])
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.device_mesh["tensor_parallel"].size() if self.device_mesh is not None else 1
+
+    def sum_over_data(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum over the ranks that see different data: the ranks of one tensor-parallel group hold the same."""
+        return self.trainer.strategy.reduce(tensor, reduce_op="sum") / self.tensor_parallel_size
 
     def configure_optimizers(self):
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -177,7 +190,7 @@ class FinetuneModule(L.LightningModule):
     def global_target_count(self, micro_batches: list[dict[str, Any]]) -> torch.Tensor:
         count = torch.tensor(float(sum(target_count(mb["labels"]) for mb in micro_batches)), device=self.device,
                              dtype=torch.float32)
-        return self.trainer.strategy.reduce(count, reduce_op="sum")
+        return self.sum_over_data(count)
 
     def training_step(self, micro_batches: list[dict[str, Any]], batch_idx: int) -> torch.Tensor:
         # A step's time runs from the previous step's end, so data loading counts too.
@@ -188,14 +201,18 @@ class FinetuneModule(L.LightningModule):
         targets = self.global_target_count(micro_batches).clamp(min=1)
         # Explicit fp32: the precision plugin makes bf16 the default dtype inside steps.
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
-        # DDP and FSDP2 average gradients over ranks; scaling by the world size makes that average the sum over
-        # all ranks' tokens / global target count: the same gradient as one process on the whole global batch.
-        world_size = self.trainer.world_size
+        # DDP and FSDP2 average gradients over ranks; scaling by the number of data-parallel ranks makes that
+        # average the sum over all ranks' tokens / global target count: one process's gradient on the global batch.
+        data_ranks = self.trainer.world_size // self.tensor_parallel_size
         for mb in micro_batches:
             mb_loss = self.micro_loss_sum(mb)
-            self.manual_backward(mb_loss * world_size / targets)
+            self.manual_backward(mb_loss * data_ranks / targets)
             loss_sum += mb_loss.detach()
-        loss = self.trainer.strategy.reduce(loss_sum, reduce_op="sum") / targets
+        if self.tensor_parallel_size > 1:
+            from lit_qlora.tensor_parallel import average_over_data
+
+            average_over_data(self.model, self.device_mesh["data_parallel"])
+        loss = self.sum_over_data(loss_sum) / targets
         step = self.step + 1
         problem = self.nonfinite_problem(loss, optimizer)
         if problem:
@@ -220,9 +237,8 @@ class FinetuneModule(L.LightningModule):
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()
-        tokens = self.trainer.strategy.reduce(
-            torch.tensor(float(sum(mb["num_tokens"] for mb in micro_batches)), device=self.device, dtype=torch.float64),
-            reduce_op="sum")
+        tokens = self.sum_over_data(
+            torch.tensor(float(sum(mb["num_tokens"] for mb in micro_batches)), device=self.device, dtype=torch.float64))
         self._last_step_end = time.perf_counter()
         row = {"step": step, "loss": None if problem else loss.item(), "lr": lr, "grad_norm": grad_norm,
                "tokens": int(tokens.item()), "seconds": self._last_step_end - started,

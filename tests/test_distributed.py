@@ -56,6 +56,20 @@ def cli_run(tiny_llama_dir, out_dir, data, strategy, *extra, devices=2, timeout=
     return proc
 
 
+def assert_same_final(ref_dir, out):
+    """The final adapter (whole tensors) and the merged export (rebuilt from disk under FSDP and tp) equal the
+    one-process run's, and the adapter did train."""
+    a = load_file(str(ref_dir / "final" / "adapter.safetensors"))
+    b = load_file(str(out / "final" / "adapter.safetensors"))
+    assert a.keys() == b.keys() and all(a[k].shape == b[k].shape for k in a)
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-4
+    assert any(b[k].abs().max() > 1e-3 for k in b if k.endswith("lora_B"))
+    ma = load_file(str(ref_dir / "final" / "merged" / "model.safetensors"))
+    mb = load_file(str(out / "final" / "merged" / "model.safetensors"))
+    assert ma.keys() == mb.keys()
+    assert all(torch.allclose(ma[k].float(), mb[k].float(), rtol=1e-2, atol=1e-4) for k in ma)
+
+
 def metrics(out_dir):
     return [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
 
@@ -88,16 +102,7 @@ def test_two_processes_equal_one_process(strategy, tiny_llama_dir, one_process, 
     # Gradients equal one process's: DDP/FSDP average over ranks, so unscaled they would be half as large.
     assert got[0]["grad_norm"] == pytest.approx(ref[0]["grad_norm"], rel=1e-4)
     assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in ref], rel=1e-5)
-    a = load_file(str(ref_dir / "final" / "adapter.safetensors"))
-    b = load_file(str(out / "final" / "adapter.safetensors"))
-    assert a.keys() == b.keys()
-    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-4
-    assert any(b[k].abs().max() > 1e-3 for k in b if k.endswith("lora_B"))  # it did train
-    # The merged export (rebuilt from disk under FSDP) matches the one-process one.
-    ma = load_file(str(ref_dir / "final" / "merged" / "model.safetensors"))
-    mb = load_file(str(out / "final" / "merged" / "model.safetensors"))
-    assert ma.keys() == mb.keys()
-    assert all(torch.allclose(ma[k].float(), mb[k].float(), rtol=1e-2, atol=1e-4) for k in ma)
+    assert_same_final(ref_dir, out)
     assert (out / "final" / "peft" / "adapter_model.safetensors").is_file()
     summary = json.loads((out / "summary.json").read_text())
     assert summary["quantized_linears"] == summary["total_linears"] == 15  # FSDP's DTensor shards count as NF4
