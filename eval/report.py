@@ -145,7 +145,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
     values = [runs[n]["peak_memory_bytes"] / GIB for n in names]
     drawn = bars.bar(["LoRA", "QLoRA"], values, color=["tab:blue", "tab:orange"])
     bars.bar_label(drawn, fmt="%.2f GiB")
-    bars.set(ylabel="GiB", title=runs["qlora"]["peak_memory_kind"].capitalize())
+    kind = runs["qlora"]["peak_memory_kind"]
+    bars.set(ylabel="GiB", title=kind[0].upper() + kind[1:])
     fig.tight_layout()
     tmp = path.with_name(path.name + ".tmp.png")
     fig.savefig(tmp, dpi=100)
