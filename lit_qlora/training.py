@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader, Sampler
 from lit_qlora.data.module import DataArgs, SFTDataModule
 from lit_qlora.data.sampler import epoch_order
 from lit_qlora.loss import chunked_cross_entropy_sum, target_count
+from lit_qlora.memory import release_free_memory
 from lit_qlora.model import Transformer
 
 
@@ -206,6 +207,7 @@ class FinetuneModule(L.LightningModule):
         data_ranks = self.trainer.world_size // self.tensor_parallel_size
         for mb in micro_batches:
             mb_loss = self.micro_loss_sum(mb)
+            self.release_host_heap()  # the forward's freed temporaries, before backward's peak
             self.manual_backward(mb_loss * data_ranks / targets)
             loss_sum += mb_loss.detach()
         if self.tensor_parallel_size > 1:
@@ -237,6 +239,7 @@ class FinetuneModule(L.LightningModule):
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()
+        self.release_host_heap()
         tokens = self.sum_over_data(
             torch.tensor(float(sum(mb["num_tokens"] for mb in micro_batches)), device=self.device, dtype=torch.float64))
         self._last_step_end = time.perf_counter()
@@ -249,6 +252,16 @@ class FinetuneModule(L.LightningModule):
         if self.on_step is not None:
             self.on_step(row)
         return loss
+
+    def release_host_heap(self) -> None:
+        """On CPU, hand the heap that freed activations leave behind back to the OS (glibc's malloc_trim).
+
+        glibc keeps freed blocks below its (dynamic, up to 32 MB) mmap threshold in the heap: on a 1.1B model at
+        1x512 (checkpointing on) a QLoRA step left ~0.5 GB of freed activations resident, and the next backward
+        stacked its own peak on top: peak RSS after 2 steps 2.05 GB without this, 1.71 GB with it (same script).
+        Costs re-faulting those pages once per step; a no-op on GPUs and outside Linux."""
+        if self.device.type == "cpu":
+            release_free_memory()
 
     def nonfinite_problem(self, loss: torch.Tensor, optimizer) -> Optional[str]:
         """'The loss became nan' / 'The gradients became non-finite', or None for a healthy step."""

@@ -76,6 +76,15 @@ def test_accumulated_step_equals_one_large_batch(tiny_llama_dir, tmp_path):
     assert loss_a == pytest.approx(loss_b, rel=1e-5)
 
 
+def test_cpu_step_returns_freed_heap_before_backward_and_after_the_update(tiny_llama_dir, tmp_path, monkeypatch):
+    import lit_qlora.training as training
+
+    calls = []
+    monkeypatch.setattr(training, "release_free_memory", lambda: calls.append(torch.is_grad_enabled()))
+    run(tiny_llama_dir, tmp_path / "run", small_data(tmp_path), max_steps=2)  # 2 micro-batches per step
+    assert len(calls) == 2 * (2 + 1)  # before each micro-batch's backward, and once after each optimizer step
+
+
 def test_lr_schedule_warms_up_then_decays_to_zero():
     assert lr_multiplier(0, 4, 20) == pytest.approx(0.25)
     assert lr_multiplier(3, 4, 20) == pytest.approx(1.0)
