@@ -113,12 +113,31 @@ def run_stage(name: str, argv: list[str], out_dir: Path) -> None:
                            "fine-tune resumes from its last checkpoint.")
 
 
+def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def same_recipe(before: str, now: str) -> bool:
+    """Equal recipes, where a setting only one side names (a finetune option added since) is at its default."""
+    import yaml
+
+    a, b = flatten(yaml.safe_load(before) or {}), flatten(yaml.safe_load(now) or {})
+    defaults = flatten(yaml.safe_load(finetune_parser().dump(finetune_parser().get_defaults())) or {})
+    return all(a.get(k, defaults.get(k)) == b.get(k, defaults.get(k)) for k in a.keys() | b.keys())
+
+
 def check_settings(out_dir: Path, settings: dict[str, Any]) -> None:
     """Refuse to mix runs of another recipe into OUT_DIR; evaluation settings may change (evals rerun)."""
     path = out_dir / "compare.json"
     if path.is_file():
         before = json.loads(path.read_text())
-        if before.get("recipe") != settings["recipe"] and any((out_dir / run).exists() for run in RUNS):
+        if not same_recipe(before.get("recipe", ""), settings["recipe"]) and any((out_dir / run).exists() for run in RUNS):
             raise ValueError(f"{out_dir} holds a comparison fine-tuned with another recipe (see {out_dir}/recipe.yaml)."
                              " Use a new --out_dir, or delete that directory to start over.")
         if before.get("eval") != settings["eval"]:

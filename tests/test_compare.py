@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from lit_qlora.cli import expand_positional
-from lit_qlora.eval.compare import check_settings, compare, resolve_recipe
+from lit_qlora.eval.compare import check_settings, compare, resolve_recipe, same_recipe
 from lit_qlora.eval.report import verdict, verdict_line
 
 REPO = Path(__file__).resolve().parents[1]
@@ -77,6 +77,18 @@ def test_settings_guard(tmp_path):
     assert json.loads((tmp_path / "compare.json").read_text())["eval"] == {"limit": 8}
     with pytest.raises(ValueError, match="another recipe"):
         check_settings(tmp_path, {**settings, "recipe": "seed: 2\n"})
+
+
+def test_a_finetune_option_added_since_keeps_an_old_comparison():
+    """A comparison recorded before finetune gained an option (here tensor_parallel) still resumes, as long as the
+    new option is at its default; any real change of recipe is refused."""
+    now = resolve_recipe(None, None, None)
+    assert "tensor_parallel: 1\n" in now
+    older = now.replace("tensor_parallel: 1\n", "")
+    assert same_recipe(older, now) and same_recipe(now, older)
+    assert not same_recipe(older, now.replace("tensor_parallel: 1", "tensor_parallel: 2"))
+    assert not same_recipe(now, now.replace("seed: 1337", "seed: 7"))
+    assert not same_recipe(now, now.replace("max_steps: 20", "max_steps: 21"))
 
 
 @pytest.mark.slow
