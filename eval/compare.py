@@ -128,7 +128,8 @@ def same_recipe(before: str, now: str) -> bool:
     import yaml
 
     a, b = flatten(yaml.safe_load(before) or {}), flatten(yaml.safe_load(now) or {})
-    defaults = flatten(yaml.safe_load(finetune_parser().dump(finetune_parser().get_defaults())) or {})
+    parser = finetune_parser()
+    defaults = flatten(yaml.safe_load(parser.dump(parser.get_defaults())) or {})
     return all(a.get(k, defaults.get(k)) == b.get(k, defaults.get(k)) for k in a.keys() | b.keys())
 
 

@@ -156,9 +156,10 @@ def finetune(
     dm.setup("fit")
     total_steps = total_steps_for(train, len(dm.train_set))
     resume_path = resolve_resume(resume, out_dir)
-    start_step = read_state(resume_path)["step"] if resume_path else 0
+    resume_state = read_state(resume_path) if resume_path else {}
+    start_step = resume_state["step"] if resume_path else 0
     if resume_path and nf4_shards is None and strategy != "tp":  # keep the NF4 bits on another number of devices
-        saved = read_state(resume_path).get("run", {}).get("nf4_shards")
+        saved = resume_state.get("run", {}).get("nf4_shards")
         nf4_shards = saved if saved and (strategy != "fsdp" or saved % world_size == 0) else None
     layout_shards = nf4_shards_for(strategy, world_size, nf4_shards)
 

@@ -267,10 +267,11 @@ class FinetuneModule(L.LightningModule):
         """'The loss became nan' / 'The gradients became non-finite', or None for a healthy step."""
         if not torch.isfinite(loss):
             return f"The loss became {loss.item()}"
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        from lit_qlora.distributed import full
+
+        grads = self.gradients()
         # The largest |gradient| is finite exactly when all are (a 2-norm could overflow in fp16 on its own).
-        norm = torch.nn.utils.get_total_norm(grads, norm_type=float("inf")) if grads else torch.zeros(())
-        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP: sharded gradients
+        norm = full(torch.nn.utils.get_total_norm(grads, norm_type=float("inf"))) if grads else torch.zeros(())
         norm = self.trainer.strategy.reduce(norm.float(), reduce_op="sum")  # any rank's inf/nan reaches all
         if not torch.isfinite(norm):
             return f"The gradients became non-finite (loss {loss.item():.4f})"
@@ -280,8 +281,12 @@ class FinetuneModule(L.LightningModule):
         """Global L2 norm of the (rank-reduced) gradients before clipping."""
         from lit_qlora.distributed import full
 
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        grads = self.gradients()
         return full(torch.nn.utils.get_total_norm(grads)).item() if grads else 0.0
+
+    def gradients(self) -> list[torch.Tensor]:
+        """The adapters' gradients (DTensor shards under FSDP2 / tensor parallelism)."""
+        return [p.grad for p in self.model.parameters() if p.grad is not None]
 
     def on_validation_epoch_start(self) -> None:
         self._val = [0.0, 0]
