@@ -187,6 +187,8 @@ def compare(
     check_truthfulqa_file(data_file)
     if limit is not None and limit <= 0:
         raise ValueError(f"--limit must be positive, got {limit}")
+    if eval_batch_size < 1:  # checked here, not hours later in the evaluation stages
+        raise ValueError(f"--eval_batch_size must be at least 1, got {eval_batch_size}")
     recipe_yaml = resolve_recipe(recipe, train, checkpoint_dir)
     import yaml
 

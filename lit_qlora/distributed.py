@@ -43,6 +43,8 @@ def nf4_shards_for(strategy: str, world_size: int, requested: Union[int, None] =
     DDP and one process need no split, so they quantize exactly like an ordinary single-device run. `requested`
     overrides it, e.g. to quantize a 1-process run to the same bits as an FSDP run of `requested` processes.
     """
+    if requested is not None and requested < 1:
+        raise ValueError(f"--nf4_shards must be at least 1, got {requested}.")
     if strategy == "tp" and requested not in (None, 1):
         raise ValueError("--nf4_shards does not apply to --strategy tp: every rank quantizes its own shards.")
     shards = requested or (world_size if strategy == "fsdp" else 1)
