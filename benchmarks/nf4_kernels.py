@@ -42,7 +42,8 @@ from torchao.quantization import to_nf4  # noqa: E402
 from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import linear_nf4  # noqa: E402
 
 from lit_qlora import nf4 as nf4_mod  # noqa: E402
-from lit_qlora.nf4 import dequantize_nf4, nf4_backend, nf4_layout, nf4_linear, quantize_nf4  # noqa: E402
+from lit_qlora.nf4 import dequantize_nf4, nf4_backend, nf4_layout, quantize_nf4  # noqa: E402
+from lit_qlora.nf4_linear import nf4_linear  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 SPEED_SHAPES = [(5632, 2048), (4096, 4096)]

@@ -36,7 +36,7 @@ def is_nf4(t: torch.Tensor) -> bool:
 def frozen_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """The base projection: our fast NF4 kernel for NF4 weights, F.linear otherwise."""
     if is_nf4(weight):
-        from lit_qlora.nf4 import nf4_linear
+        from lit_qlora.nf4_linear import nf4_linear
 
         return nf4_linear(x, weight, bias)
     return F.linear(x, weight, bias)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -16,17 +16,28 @@ def _head_ce_sum(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Ten
     return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
+# Logit elements per chunk: 16 MB of fp32 logits (131 tokens of a 32k vocabulary, 85 of SmolLM2's 49k). A chunk's
+# logits exist about four times over (bf16, fp32, log-softmax, its gradient), so this bounds the loss's transient
+# near 60 MB: with 1024-token chunks the loss was the whole run's memory peak (1.1B model at 1x512: 1674 -> 1425
+# MiB with the per-block heap release; SmolLM2 4x512 QLoRA: 1372 -> 1222 MiB). More chunks mean more
+# dequantizations of an NF4 lm_head, but SmolLM2 4x512 QLoRA steps took the same time (benchmarks/README.md).
+LOGITS_CHUNK_ELEMS = 1 << 22
+
+
 def chunked_cross_entropy_sum(
     head: Callable[[torch.Tensor], torch.Tensor],
     hidden: torch.Tensor,
     labels: torch.Tensor,
-    chunk_tokens: int = 1024,
+    chunk_tokens: Optional[int] = None,
 ) -> torch.Tensor:
     """Sum of CE(head(hidden[:, t]), labels[:, t + 1]) over non-ignored targets.
 
     `labels` are aligned with the inputs (not shifted); position t predicts token t + 1. Each chunk's logits are
     recomputed in backward (checkpointed) rather than stored, so memory holds one chunk of fp32 logits.
+    `chunk_tokens` defaults to LOGITS_CHUNK_ELEMS / vocabulary size (the head's `out_features`).
     """
+    if chunk_tokens is None:
+        chunk_tokens = max(1, LOGITS_CHUNK_ELEMS // getattr(head, "out_features", 8192))
     hidden = hidden[:, :-1].reshape(-1, hidden.size(-1))
     targets = labels[:, 1:].reshape(-1)
     keep = targets != IGNORE_INDEX  # masked prompt and padding positions need no logits at all

@@ -9,8 +9,8 @@ state-dict handling keep working); only the hot paths are ours (CPU numbers: ben
   the input's size is ever materialized (row chunks on the fallback).
 * :func:`dequantize_nf4` returns exactly ``NF4Tensor.get_original_weight()`` (same bits), 15-20x faster on
   CPU (8-10x on the PyTorch fallback).
-* :func:`nf4_linear` is ``F.linear(x, dequantize_nf4(w), bias)`` as an autograd Function that re-dequantizes
-  in backward instead of keeping the dequantized weight alive.
+* ``rows=`` dequantizes a block-aligned slice of rows, which :mod:`lit_qlora.nf4_linear` uses to keep the
+  dense copy of a large weight (an lm_head) small.
 * :func:`nf4_layout` picks a ``scaler_block_size`` that makes any real layer shape quantizable (torchao needs
   ``numel % (block_size * scaler_block_size) == 0``) and shardable along dim 0 by FSDP2.
 
@@ -61,7 +61,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple, Optional, Sequence, Tuple
 
 import torch
-import torch.nn.functional as F
 from torchao.quantization import NF4Tensor
 from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import SubclassTensorArgs
 
@@ -857,16 +856,19 @@ def _run_blocks(call, n_blocks: int, work_bytes: int) -> None:
         f.result()
 
 
-def _dequant_native(t: NF4Tensor, out: torch.Tensor) -> None:
+def _dequant_native(t: NF4Tensor, out: torch.Tensor, blocks: Optional[Tuple[int, int]] = None) -> None:
+    """Dequantize all blocks of ``t``, or only ``blocks = (b0, b1)``, into ``out``."""
     lib = _native_state["lib"]
     qdata = t.quantized_data.contiguous()
     scales = _block_scales(t).float().contiguous()
     levels = t.nf4.float().contiguous()
-    n_blocks = scales.numel()
-    hb = qdata.numel() // n_blocks
+    hb = qdata.numel() // scales.numel()
+    b0, b1 = blocks or (0, scales.numel())
+    n_blocks = b1 - b0
     fmt = _FMT[t.dtype]
     fn = lib.nf4_dequant16 if out.dtype != torch.float32 else lib.nf4_dequant32
-    ptrs = (qdata.data_ptr(), scales.data_ptr(), levels.data_ptr(), out.data_ptr())
+    # The kernel indexes blocks from its pointers, so a block range is a shift of the input pointers.
+    ptrs = (qdata.data_ptr() + b0 * hb, scales.data_ptr() + b0 * 4, levels.data_ptr(), out.data_ptr())
 
     def call(b0: int, b1: int) -> None:
         fn(ptrs[0], ptrs[1], ptrs[2], b0, b1, hb, ptrs[3], fmt)
@@ -894,11 +896,16 @@ def _use_native(dtype: Optional[torch.dtype] = None) -> bool:
 @torch.compiler.disable  # raw-pointer kernels: dynamo must not trace (it would lose the writes)
 @torch.no_grad()
 def dequantize_nf4(
-    t: NF4Tensor, dtype: Optional[torch.dtype] = None, out: Optional[torch.Tensor] = None
+    t: NF4Tensor,
+    dtype: Optional[torch.dtype] = None,
+    out: Optional[torch.Tensor] = None,
+    rows: Optional[Tuple[int, int]] = None,
 ) -> torch.Tensor:
     """Dequantize an ``NF4Tensor``: the same values as ``t.get_original_weight().to(dtype)``, much faster.
 
-    ``dtype`` defaults to ``t.dtype``. ``out`` (contiguous, ``t.shape``, ``dtype``) is written in place and
+    ``dtype`` defaults to ``t.dtype``. ``rows = (start, stop)`` dequantizes only those rows of a 2-D tensor
+    (both ends on quantization-block boundaries, see :func:`block_aligned_rows`), so a large weight can be
+    used a slice at a time. ``out`` (contiguous, the result's shape, ``dtype``) is written in place and
     returned. Works on FSDP shards (it uses the inner tensors, not the stale ``n_blocks``). The wrapper's
     strides are ignored, as in torchao's ``get_original_weight`` (the data is row-major).
     """
@@ -907,6 +914,8 @@ def dequantize_nf4(
     dtype = dtype or t.dtype
     if dtype not in _SUPPORTED_DTYPES:
         raise TypeError(f"dequantize_nf4 supports {_SUPPORTED_DTYPES}, got {dtype}")
+    if rows is not None:
+        return _dequantize_rows(t, dtype, out, *rows)
     shape = t.shape
     if out is not None:
         if tuple(out.shape) != tuple(shape) or out.dtype != dtype or not out.is_contiguous():
@@ -932,6 +941,39 @@ def dequantize_nf4(
     return tmp.view(shape).to(dtype)
 
 
+def block_aligned_rows(t: NF4Tensor, max_elems: int) -> int:
+    """The most rows of the 2-D ``t``, at most ``max_elems`` elements (but at least one block), whose slices
+    start and end on quantization-block boundaries."""
+    cols = t.shape[-1]
+    step = t.block_size // math.gcd(cols, t.block_size)  # rows per whole number of blocks
+    return max(step, (max_elems // cols) // step * step)
+
+
+def _dequantize_rows(t: NF4Tensor, dtype: torch.dtype, out: Optional[torch.Tensor], start: int, stop: int):
+    if t.dim() != 2 or not 0 <= start < stop <= t.shape[0]:
+        raise ValueError(f"rows=({start}, {stop}) is not a row range of a 2-D tensor of shape {tuple(t.shape)}")
+    cols, bs = t.shape[1], t.block_size
+    e0, e1 = start * cols, stop * cols
+    if e0 % bs or (e1 % bs and stop != t.shape[0]):
+        raise ValueError(f"rows=({start}, {stop}) do not start and end on {bs}-element quantization blocks")
+    shape = (stop - start, cols)
+    if out is None:
+        out = torch.empty(shape, dtype=dtype, device=t.quantized_data.device)
+    elif tuple(out.shape) != shape or out.dtype != dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {dtype} tensor of shape {shape}")
+    b0, b1 = e0 // bs, -(-e1 // bs)
+    native = out.device.type == "cpu" and (dtype == t.dtype or dtype == torch.float32) and _use_native(t.dtype)
+    if native:
+        _dequant_native(t, out.view(-1), (b0, b1))
+        return out
+    hb = bs // 2
+    flat = out.view(-1) if dtype == t.dtype else torch.empty(out.numel(), dtype=t.dtype, device=out.device)
+    _dequant_eager(t.quantized_data[b0 * hb : b1 * hb], _block_scales(t)[b0:b1], t.nf4, flat)
+    if flat.data_ptr() != out.data_ptr():
+        out.view(-1).copy_(flat)
+    return out
+
+
 def clone_nf4(t: NF4Tensor) -> NF4Tensor:
     """An exact copy of an ``NF4Tensor`` (its inner tensors cloned).
 
@@ -948,72 +990,3 @@ def nf4_nbytes(t: NF4Tensor) -> int:
     """Resident bytes of an ``NF4Tensor`` (its inner tensors)."""
     names, _ = t.__tensor_flatten__()
     return sum(getattr(t, n).numel() * getattr(t, n).element_size() for n in names)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Linear
-# ----------------------------------------------------------------------------------------------------------
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    device_type = x.device.type
-    if torch.is_autocast_enabled(device_type):
-        return torch.get_autocast_dtype(device_type)
-    return x.dtype
-
-
-_scratch = threading.local()
-
-
-def _dense_weight(weight: NF4Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The dequantized weight for one matmul. On CPU it is written into a per-thread scratch buffer that is
-    reused across calls: a fresh multi-MB allocation costs more in page faults (~2.5 GB/s on small VMs) than
-    the dequantization itself. The buffer is as large as the largest weight seen, a dense copy that exists
-    transiently anyway; ``LIT_QLORA_NF4_SCRATCH=0`` turns it off. Only valid until the next call."""
-    device = weight.quantized_data.device
-    if device.type != "cpu" or os.environ.get("LIT_QLORA_NF4_SCRATCH", "1") == "0":
-        return dequantize_nf4(weight, dtype)
-    buffers = getattr(_scratch, "buffers", None)
-    if buffers is None:
-        buffers = _scratch.buffers = {}
-    numel = weight.numel()
-    # A buffer made under inference_mode (generation, evaluation) is an inference tensor that autograd code
-    # may not write to later, so each mode keeps its own.
-    key = (dtype, torch.is_inference_mode_enabled())
-    buf = buffers.get(key)
-    if buf is None or buf.numel() < numel:
-        buffers.pop(key, None)
-        buf = buffers[key] = torch.empty(numel, dtype=dtype)
-    return dequantize_nf4(weight, dtype, out=buf[:numel].view(weight.shape))
-
-
-class NF4Linear(torch.autograd.Function):
-    """``y = x @ dequant(W).T + b`` with a frozen NF4 ``W``; backward re-dequantizes (saves only the NF4)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: NF4Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        dtype = _compute_dtype(x)
-        w = _dense_weight(weight, dtype if dtype in _SUPPORTED_DTYPES else x.dtype)
-        ctx.save_for_backward(weight)
-        ctx.has_bias = bias is not None
-        return F.linear(x, w, bias)
-
-    @staticmethod
-    def backward(ctx, grad_output: torch.Tensor):
-        (weight,) = ctx.saved_tensors
-        grad_x = grad_bias = None
-        if ctx.needs_input_grad[0]:
-            w = _dense_weight(weight, grad_output.dtype)
-            grad_x = grad_output @ w
-            del w
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(0)
-        return grad_x, None, grad_bias
-
-
-@torch.compiler.disable
-def nf4_linear(x: torch.Tensor, weight: NF4Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``F.linear(x, dequantize_nf4(weight).to(x.dtype), bias)``; gradients flow to ``x`` and ``bias`` only.
-
-    Under autocast the weight is dequantized straight to the autocast dtype. Under ``torch.compile`` this is a
-    graph break (the kernels write through raw pointers, which dynamo cannot trace): it runs eagerly.
-    """
-    return NF4Linear.apply(x, weight, bias)

@@ -18,10 +18,10 @@ from lit_qlora.nf4 import (
     dequantize_nf4,
     nf4_backend,
     nf4_layout,
-    nf4_linear,
     nf4_nbytes,
     quantize_nf4,
 )
+from lit_qlora.nf4_linear import nf4_linear
 
 INNER = ("quantized_data", "quantized_scalers", "quantization_factor", "scaler_mean", "nf4")
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -430,3 +430,53 @@ def test_nf4_linear_after_inference_mode_still_trains():
         nf4_linear(x.detach(), w)
     nf4_linear(x, w).sum().backward()
     assert x.grad is not None and torch.isfinite(x.grad.float()).all()
+
+
+# ------------------------------------------------------------------------------------ row slices (lm_head)
+@backend_param
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_dequantize_rows_equals_the_slice_of_the_whole(dtype, backend):
+    t = quantize_nf4(weight((200, 72), torch.bfloat16))  # 72 columns: a block spans rows, rows step 8
+    whole = dequantize_nf4(t, dtype)
+    step = nf4_mod.block_aligned_rows(t, 8 * 72 * 3)
+    assert step == 24 and (step * 72) % t.block_size == 0
+    assert nf4_mod.block_aligned_rows(t, 1) == 8  # never less than one whole number of blocks
+    for start in range(0, 200, step):
+        stop = min(200, start + step)
+        assert torch.equal(dequantize_nf4(t, dtype, rows=(start, stop)), whole[start:stop])
+    with pytest.raises(ValueError, match="quantization blocks"):
+        dequantize_nf4(t, dtype, rows=(3, 24))
+    with pytest.raises(ValueError, match="row range"):
+        dequantize_nf4(t, dtype, rows=(0, 201))
+
+
+@backend_param
+def test_large_weight_runs_in_row_slices_with_a_small_dense_copy(monkeypatch, backend):
+    """A weight over DENSE_CHUNK_ELEMS is multiplied a block-aligned slice of rows at a time (ragged last slice):
+    same outputs and gradients as one dense matmul, and the CPU scratch never holds more than one slice."""
+    from lit_qlora import nf4_linear as lin
+
+    monkeypatch.setattr(lin, "DENSE_CHUNK_ELEMS", 64 * 576)
+    monkeypatch.setattr(lin, "_scratch", __import__("threading").local())
+    t = quantize_nf4(weight((200, 576), torch.bfloat16))
+    assert lin._row_slices(t) == [(0, 64), (64, 128), (128, 192), (192, 200)]
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 9, 576, generator=g).bfloat16().requires_grad_()
+    b = torch.randn(200, generator=g).bfloat16().requires_grad_()
+    y = lin.nf4_linear(x, t, b)
+    grad = torch.randn(y.shape, generator=g).bfloat16()
+    y.backward(grad)
+    assert max(buf.numel() for buf in lin._scratch.buffers.values()) == 64 * 576
+
+    x2, b2 = x.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()
+    y2 = F.linear(x2, t.get_original_weight(), b2)
+    y2.backward(grad)
+    # Against fp32 math: forward is one bf16 rounding as in the dense matmul; in backward each slice's bf16
+    # partial product is rounded once more before the fp32 sum (CPU has no bf16 x bf16 -> fp32 matmul), so the
+    # error may be up to ~2x the dense one; a wrong slice or offset would be off by the values themselves.
+    w32 = t.get_original_weight().float()
+    for got, dense, exact in ((y, y2, F.linear(x2.detach().float(), w32, b2.detach().float())),
+                              (x.grad, x2.grad, grad.float() @ w32)):
+        err, dense_err = (got.float() - exact).abs(), (dense.float() - exact).abs()
+        assert err.max() <= 2 * dense_err.max() and err.mean() <= 2 * dense_err.mean()
+    assert torch.equal(b.grad, b2.grad)

@@ -1,0 +1,111 @@
+"""The frozen NF4 linear: ``y = x @ dequant(W).T + b``, with gradients to ``x`` and ``b`` only.
+
+The dense weight exists only for the matmul that needs it: backward re-dequantizes instead of saving it.
+A weight larger than ``DENSE_CHUNK_ELEMS`` is used a slice of rows at a time, so the transient dense copy stays
+at 32 MB (bf16) however large the weight: a 32000x2048 lm_head would need 131 MB, Llama-3's 128256x4096 1 GB.
+On CPU the dense slice is written into a per-thread scratch buffer reused across calls: a fresh multi-MB
+allocation costs more in page faults (~2.5 GB/s on small VMs) than the dequantization itself
+(benchmarks/results/nf4_kernels.md). ``LIT_QLORA_NF4_SCRATCH=0`` turns the buffer off.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torchao.quantization import NF4Tensor
+
+from lit_qlora.nf4 import _SUPPORTED_DTYPES, block_aligned_rows, dequantize_nf4
+
+DENSE_CHUNK_ELEMS = 1 << 24
+
+_scratch = threading.local()
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return x.dtype
+
+
+def _row_slices(weight: NF4Tensor) -> list[tuple[int, int]]:
+    rows = weight.shape[0]
+    if weight.numel() <= DENSE_CHUNK_ELEMS:
+        return [(0, rows)]
+    step = block_aligned_rows(weight, DENSE_CHUNK_ELEMS)
+    return [(r, min(rows, r + step)) for r in range(0, rows, step)]
+
+
+def _dense_rows(weight: NF4Tensor, dtype: torch.dtype, start: int, stop: int) -> torch.Tensor:
+    """Rows ``start:stop`` of the dequantized weight, valid only until the next call on this thread."""
+    whole = (start, stop) == (0, weight.shape[0])
+    device = weight.quantized_data.device
+    if device.type != "cpu" or os.environ.get("LIT_QLORA_NF4_SCRATCH", "1") == "0":
+        return dequantize_nf4(weight, dtype, rows=None if whole else (start, stop))
+    buffers = getattr(_scratch, "buffers", None)
+    if buffers is None:
+        buffers = _scratch.buffers = {}
+    numel = (stop - start) * weight.shape[1]
+    # A buffer made under inference_mode (generation, evaluation) is an inference tensor that autograd code
+    # may not write to later, so each mode keeps its own.
+    key = (dtype, torch.is_inference_mode_enabled())
+    buf = buffers.get(key)
+    if buf is None or buf.numel() < numel:
+        buffers.pop(key, None)
+        buf = buffers[key] = torch.empty(numel, dtype=dtype)
+    out = buf[:numel].view(stop - start, weight.shape[1])
+    return dequantize_nf4(weight, dtype, out=out, rows=None if whole else (start, stop))
+
+
+class NF4Linear(torch.autograd.Function):
+    """``y = x @ dequant(W).T + b`` with a frozen NF4 ``W``; backward re-dequantizes (saves only the NF4)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: NF4Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        dtype = _compute_dtype(x)
+        dtype = dtype if dtype in _SUPPORTED_DTYPES else x.dtype
+        ctx.save_for_backward(weight)
+        ctx.has_bias = bias is not None
+        slices = _row_slices(weight)
+        if len(slices) == 1:
+            return F.linear(x, _dense_rows(weight, dtype, 0, weight.shape[0]), bias)
+        x = x.to(dtype)
+        y = x.new_empty(*x.shape[:-1], weight.shape[0])
+        for start, stop in slices:
+            y[..., start:stop] = F.linear(x, _dense_rows(weight, dtype, start, stop),
+                                          None if bias is None else bias[start:stop])
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        (weight,) = ctx.saved_tensors
+        grad_x = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            dtype = grad_output.dtype
+            slices = _row_slices(weight)
+            if len(slices) == 1:
+                grad_x = grad_output @ _dense_rows(weight, dtype, 0, weight.shape[0])
+            else:
+                # The slices contract over different rows: their bf16 partial products are summed in fp32.
+                grad_x = torch.zeros(*grad_output.shape[:-1], weight.shape[1], dtype=torch.float32,
+                                     device=grad_output.device)
+                for start, stop in slices:
+                    grad_x += grad_output[..., start:stop] @ _dense_rows(weight, dtype, start, stop)
+                grad_x = grad_x.to(dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(0)
+        return grad_x, None, grad_bias
+
+
+@torch.compiler.disable
+def nf4_linear(x: torch.Tensor, weight: NF4Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``F.linear(x, dequantize_nf4(weight).to(x.dtype), bias)``; gradients flow to ``x`` and ``bias`` only.
+
+    Under autocast the weight is dequantized straight to the autocast dtype. Under ``torch.compile`` this is a
+    graph break (the kernels write through raw pointers, which dynamo cannot trace): it runs eagerly.
+    """
+    return NF4Linear.apply(x, weight, bias)
