@@ -45,6 +45,11 @@ def child(args: argparse.Namespace) -> None:
     from lit_qlora.training import FinetuneModule, TrainArgs
 
     before = peak_rss_bytes()
+    if args.batches:  # peers.py's token file: the same batches for every side; its shape sets steps x batch x seq
+        from safetensors.torch import load_file
+
+        batches = load_file(args.batches)["input_ids"]
+        args.steps, args.batch, args.seq = batches.shape
     L.seed_everything(0, verbose=False)
     model = load_base(Path(args.checkpoint_dir), "nf4" if args.child == "nf4" else "none", torch.bfloat16)
     if args.child == "full":
@@ -53,13 +58,14 @@ def child(args: argparse.Namespace) -> None:
         apply_lora(model, r=8, alpha=16, dropout=0.0, targets="all", dtype=torch.bfloat16)
     model.checkpoint_blocks = model.config.n_layer if args.checkpointing else 0
     train = TrainArgs(max_steps=args.steps, micro_batch_size=args.batch, global_batch_size=args.batch,
-                      max_seq_length=args.seq, warmup_steps=1, activation_checkpointing=args.checkpointing)
+                      max_seq_length=args.seq, warmup_steps=1, activation_checkpointing=args.checkpointing,
+                      lr=args.lr or TrainArgs.lr)
     module = FinetuneModule(model, train, total_steps=args.steps)
-    gen = torch.Generator().manual_seed(0)
-    steps = []
-    for _ in range(args.steps):
-        ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq), generator=gen)
-        steps.append([{"input_ids": ids, "labels": ids.clone(), "num_tokens": ids.numel()}])
+    if not args.batches:
+        gen = torch.Generator().manual_seed(0)
+        batches = [torch.randint(0, model.config.vocab_size, (args.batch, args.seq), generator=gen)
+                   for _ in range(args.steps)]
+    steps = [[{"input_ids": ids, "labels": ids.clone(), "num_tokens": ids.numel()}] for ids in batches]
     loader = DataLoader(steps, batch_size=None, collate_fn=lambda x: x)
     plugin = NF4Precision("bf16-true") if args.child == "nf4" else None
     trainer = L.Trainer(accelerator="cpu", devices=1, precision=None if plugin else "bf16-true",
@@ -89,6 +95,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--no_checkpointing", dest="checkpointing", action="store_false")
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--lr", type=float, help="with --child: peak learning rate (default: TrainArgs')")
+    parser.add_argument("--batches", help="with --child: read the token batches (steps x batch x seq) from this "
+                        "safetensors file (peers.py writes it) instead of drawing them")
     args = parser.parse_args()
     if args.child:
         return child(args)
