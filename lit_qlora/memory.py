@@ -7,7 +7,6 @@ import ctypes.util
 import resource
 import sys
 from functools import lru_cache
-from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -63,35 +62,14 @@ def _libc():
         return None
 
 
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
-                 "keepcost")]
-
-
-def heap_free_bytes() -> Optional[int]:
-    """Bytes glibc holds in free heap chunks over all arenas (mallinfo2's fordblks); None where unknown."""
-    libc = _libc()
-    if libc is None or not hasattr(libc, "mallinfo2"):
-        return None
-    libc.mallinfo2.restype = _MallInfo2
-    return libc.mallinfo2().fordblks
-
-
-def release_free_memory(min_free_bytes: int = 0) -> None:
+def release_free_memory() -> None:
     """Hand freed heap pages back to the OS (glibc's malloc_trim; a no-op elsewhere).
 
     Streaming a checkpoint frees one large high-precision tensor after another while small NF4 results stay:
     glibc keeps the holes between them (its dynamic mmap threshold moves large blocks onto the heap), so RSS
     drifts up by hundreds of MB from run to run. Trimming after each large tensor keeps the peak at the model
-    plus one tensor. With ``min_free_bytes``, trim only when glibc holds at least that much free heap: a trim
-    costs ~10 ms even when there is little to return.
+    plus one tensor.
     """
     libc = _libc()
-    if libc is None:
-        return
-    if min_free_bytes > 0:
-        free = heap_free_bytes()
-        if free is not None and free < min_free_bytes:
-            return
-    libc.malloc_trim(0)
+    if libc is not None:
+        libc.malloc_trim(0)

@@ -127,27 +127,22 @@ class MicroBatches:
         return out
 
 
-# A per-block trim returns memory only once glibc holds this much free heap: a trim costs ~10 ms even when there
-# is little to return (62 unconditional trims were 7.6% of a SmolLM2 4x512 step).
-BLOCK_TRIM_MIN_FREE = 32 << 20
-
-
 def _release_heap_around_block(block: torch.nn.Module, args, output) -> None:
     """CPU training: return freed heap to the OS after each block's forward and before its backward.
 
     glibc serves the blocks' multi-MB temporaries from the heap (its mmap threshold rises to 32 MB) and cannot
     reuse the holes that the longer-lived checkpointed block inputs leave between them, so RSS climbed by ~200 MB
     over a forward and ~300 MB over a backward of a 1.1B model at 1x512 (benchmarks/README.md). Trimming once per
-    block keeps RSS near what is live: whole-run peak 1569 -> ~1440 MiB."""
+    block keeps RSS near what is live: whole-run peak 1569 -> 1395 MiB, at ~11 ms per trim."""
     if not (block.training and torch.is_grad_enabled()):
         return
-    release_free_memory(BLOCK_TRIM_MIN_FREE)
+    release_free_memory()
     if isinstance(output, torch.Tensor) and output.requires_grad:
         output.register_hook(_release_before_backward)
 
 
 def _release_before_backward(grad: torch.Tensor) -> None:
-    release_free_memory(BLOCK_TRIM_MIN_FREE)
+    release_free_memory()
 
 
 class FinetuneModule(L.LightningModule):

@@ -80,7 +80,7 @@ def test_cpu_step_returns_freed_heap_around_blocks_before_backward_and_after_the
     import lit_qlora.training as training
 
     calls = []
-    monkeypatch.setattr(training, "release_free_memory", lambda *a: calls.append(torch.is_grad_enabled()))
+    monkeypatch.setattr(training, "release_free_memory", lambda: calls.append(torch.is_grad_enabled()))
     run(tiny_llama_dir, tmp_path / "run", small_data(tmp_path), max_steps=2)  # 2 micro-batches per step
     n_layer = json.loads((tiny_llama_dir / "config.json").read_text())["num_hidden_layers"]
     # Per micro-batch: after each block's forward and before its backward, and before the backward starts; once
@@ -120,33 +120,3 @@ def test_real_smollm2_qlora_lowers_validation_loss(smollm2_dir, tmp_path):
                                        lr=1e-3, warmup_steps=1), data=data)
     assert summary["quantized_linears"] == summary["total_linears"] == 211
     assert summary["val_loss"] < summary["initial_val_loss"] - 0.05
-
-
-def test_release_free_memory_trims_only_above_the_free_heap_threshold(monkeypatch):
-    import sys
-    import types
-
-    from lit_qlora import memory
-
-    def fake_libc(free_bytes):
-        libc = types.SimpleNamespace(trims=0)
-
-        def mallinfo2():
-            return types.SimpleNamespace(fordblks=free_bytes)
-
-        libc.mallinfo2 = mallinfo2
-        libc.malloc_trim = lambda pad: setattr(libc, "trims", libc.trims + 1)
-        return libc
-
-    small, large = fake_libc(10 << 20), fake_libc(64 << 20)
-    monkeypatch.setattr(memory, "_libc", lambda: small)
-    memory.release_free_memory(32 << 20)
-    assert small.trims == 0  # little to return: skip the ~10 ms trim
-    memory.release_free_memory()
-    assert small.trims == 1  # no threshold: always trim
-    monkeypatch.setattr(memory, "_libc", lambda: large)
-    memory.release_free_memory(32 << 20)
-    assert large.trims == 1
-    monkeypatch.undo()
-    if sys.platform.startswith("linux") and memory._libc() is not None and hasattr(memory._libc(), "mallinfo2"):
-        assert memory.heap_free_bytes() >= 0  # the real glibc answers
