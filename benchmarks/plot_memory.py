@@ -49,6 +49,7 @@ def main() -> None:
     stack.set_xticks([0, 1], ["QLoRA", "LoRA"])
     stack.set_ylabel("whole-run peak RSS (GiB)")
     stack.set_title("1.1B shape, 1x512, checkpointing on")
+    stack.set_ylim(0, 4.4)  # room for the legend above the bars
     stack.legend(fontsize=7, loc="upper left")
 
     rows = sorted(train.values(), key=lambda r: (r["checkpoint"], r["batch"], not r["checkpointing"], r["config"]))

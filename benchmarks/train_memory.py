@@ -85,6 +85,24 @@ def child(args: argparse.Namespace) -> None:
     }))
 
 
+def write_markdown(record: dict) -> None:
+    gib = 1024**3
+    lines = [f"# Training peak memory, whole run (CPU RSS), {record['machine']}, torch {record['torch']}", "",
+             "Peak RSS = the child's VmHWM after its last step (load, Trainer setup and all steps included). tokens/s "
+             "excludes the first step; the machine is shared, so it is only comparable within one session (same "
+             "`started`). `vs LoRA` = ratio to the `none` row of the same session.", "",
+             "| checkpoint | BxS | act. ckpt | config | peak RSS GiB | vs LoRA | tokens/s | vs LoRA | loadavg (1 min, "
+             "before/after) | started | reproduce |", "|---|---|---|---|---:|---:|---:|---:|---|---|---|"]
+    for r in record["rows"].values():
+        loads = ", ".join(f"{x['loadavg_before'][0]}/{x['loadavg_after'][0]}" for x in r["runs"])
+        lines.append(f"| {r['checkpoint']} | {r['batch']}x{r['seq']} | {'on' if r['checkpointing'] else 'off'} | "
+                     f"{ {'nf4': 'QLoRA', 'none': 'LoRA', 'full': 'full FT'}[r['config']]} | "
+                     f"{r['peak_rss_bytes'] / gib:.2f} | {r.get('peak_rss_vs_lora', '-')} | "
+                     f"{r['tokens_per_sec']:.1f} | {r.get('tokens_per_sec_vs_lora', '-')} | {loads} | {r['started']} | "
+                     f"`{r['command']}` |")
+    (RESULTS / "train_memory.md").write_text("\n".join(lines) + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint_dir", default=str(DEFAULT_CKPT))
@@ -98,9 +116,12 @@ def main() -> None:
     parser.add_argument("--lr", type=float, help="with --child: peak learning rate (default: TrainArgs')")
     parser.add_argument("--batches", help="with --child: read the token batches (steps x batch x seq) from this "
                         "safetensors file (peers.py writes it) instead of drawing them")
+    parser.add_argument("--render", action="store_true", help="only rewrite results/train_memory.md from the JSON")
     args = parser.parse_args()
     if args.child:
         return child(args)
+    if args.render:
+        return write_markdown(json.loads((RESULTS / "train_memory.json").read_text()))
 
     import torch
 
@@ -140,21 +161,7 @@ def main() -> None:
             row["tokens_per_sec_vs_lora"] = round(m["tokens_per_sec"] / med["none"]["tokens_per_sec"], 3)
         record["rows"][f"{name} {config}"] = row
     path.write_text(json.dumps(record, indent=2) + "\n")
-    gib = 1024**3
-    lines = [f"# Training peak memory, whole run (CPU RSS), {record['machine']}, torch {record['torch']}", "",
-             "Peak RSS = the child's VmHWM after its last step (load, Trainer setup and all steps included). tokens/s "
-             "excludes the first step; the machine is shared, so it is only comparable within one session (same "
-             "`started`). `vs LoRA` = ratio to the `none` row of the same session.", "",
-             "| checkpoint | BxS | act. ckpt | config | peak RSS GiB | vs LoRA | tokens/s | vs LoRA | loadavg (1 min, "
-             "before/after) | started | reproduce |", "|---|---|---|---|---:|---:|---:|---:|---|---|---|"]
-    for r in record["rows"].values():
-        loads = ", ".join(f"{x['loadavg_before'][0]}/{x['loadavg_after'][0]}" for x in r["runs"])
-        lines.append(f"| {r['checkpoint']} | {r['batch']}x{r['seq']} | {'on' if r['checkpointing'] else 'off'} | "
-                     f"{ {'nf4': 'QLoRA', 'none': 'LoRA', 'full': 'full FT'}[r['config']]} | "
-                     f"{r['peak_rss_bytes'] / gib:.2f} | {r.get('peak_rss_vs_lora', '-')} | "
-                     f"{r['tokens_per_sec']:.1f} | {r.get('tokens_per_sec_vs_lora', '-')} | {loads} | {r['started']} | "
-                     f"`{r['command']}` |")
-    (RESULTS / "train_memory.md").write_text("\n".join(lines) + "\n")
+    write_markdown(record)
 
 
 if __name__ == "__main__":
