@@ -3,8 +3,8 @@
     python benchmarks/step_profile.py --checkpoint_dir checkpoints/SmolLM2-135M-Instruct --quantize nf4
 
 Loads the base (NF4 or bf16), adds LoRA (r=8, every linear), registers the same per-block heap release as
-FinetuneModule on CPU, runs one warm-up step and profiles the next (FinetuneModule.micro_loss_sum with activation
-checkpointing, backward, clipping, fused AdamW). Prints the wall time, the number and total time of the
+FinetuneModule on CPU, runs one warm-up step and profiles the next (FinetuneModule.micro_loss_sum, activation checkpointing
+unless --no_checkpointing, backward, clipping, fused AdamW). Prints the wall time, the number and total time of the
 malloc_trim calls (not torch ops, so invisible to the profiler) and the top ops by self CPU time.
 """
 
@@ -28,6 +28,7 @@ def main() -> None:
     parser.add_argument("--quantize", choices=["nf4", "none"], default="nf4")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--no_checkpointing", dest="checkpointing", action="store_false")
     args = parser.parse_args()
 
     trims = [0, 0.0]
@@ -42,9 +43,9 @@ def main() -> None:
     training.release_free_memory = timed_release
     model = load_base(Path(args.checkpoint_dir), args.quantize, torch.bfloat16)
     apply_lora(model, r=8, alpha=16, dropout=0.0, targets="all", dtype=torch.bfloat16)
-    model.checkpoint_blocks = model.config.n_layer
+    model.checkpoint_blocks = model.config.n_layer if args.checkpointing else 0
     train = training.TrainArgs(max_steps=2, micro_batch_size=args.batch, global_batch_size=args.batch,
-                               max_seq_length=args.seq, activation_checkpointing=True)
+                               max_seq_length=args.seq, activation_checkpointing=args.checkpointing)
     module = training.FinetuneModule(model, train, total_steps=2)
     model.train()
     for block in model.blocks:
@@ -68,7 +69,8 @@ def main() -> None:
         t0 = time.perf_counter()
         step()
         wall = time.perf_counter() - t0
-    print(f"{Path(args.checkpoint_dir).name} {args.batch}x{args.seq} {args.quantize}: wall {wall:.2f} s, "
+    print(f"{Path(args.checkpoint_dir).name} {args.batch}x{args.seq} ckpt={'on' if args.checkpointing else 'off'} "
+          f"{args.quantize}: wall {wall:.2f} s, "
           f"{trims[0]} heap releases taking {trims[1]:.3f} s ({100 * trims[1] / wall:.1f}%)")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=45))
 
