@@ -914,31 +914,28 @@ def dequantize_nf4(
     dtype = dtype or t.dtype
     if dtype not in _SUPPORTED_DTYPES:
         raise TypeError(f"dequantize_nf4 supports {_SUPPORTED_DTYPES}, got {dtype}")
-    if rows is not None:
-        return _dequantize_rows(t, dtype, out, *rows)
-    shape = t.shape
+    shape, blocks = (t.shape, None) if rows is None else _row_blocks(t, *rows)
+    device = t.quantized_data.device
     if out is not None:
         if tuple(out.shape) != tuple(shape) or out.dtype != dtype or not out.is_contiguous():
             raise ValueError(f"out must be a contiguous {dtype} tensor of shape {tuple(shape)}")
-        if out.device != t.device:
-            raise ValueError(f"out is on {out.device}, the NF4 tensor on {t.device}")
-    numel = t.quantized_data.numel() * 2
-    device = t.quantized_data.device
-    native = device.type == "cpu" and (dtype == t.dtype or dtype == torch.float32) and _use_native(t.dtype)
-    if native:
-        result = out if out is not None else torch.empty(shape, dtype=dtype, device=device)
-        _dequant_native(t, result.view(-1))
+        if out.device != device:
+            raise ValueError(f"out is on {out.device}, the NF4 tensor on {device}")
+    result = out if out is not None else torch.empty(shape, dtype=dtype, device=device)
+    if device.type == "cpu" and (dtype == t.dtype or dtype == torch.float32) and _use_native(t.dtype):
+        _dequant_native(t, result.view(-1), blocks)
         return result
+    qdata, scales = t.quantized_data, _block_scales(t)
+    if blocks is not None:
+        hb = qdata.numel() // scales.numel()
+        qdata, scales = qdata[blocks[0] * hb : blocks[1] * hb], scales[blocks[0] : blocks[1]]
     if dtype == t.dtype:
-        result = out if out is not None else torch.empty(shape, dtype=dtype, device=device)
-        _dequant_eager(t.quantized_data, _block_scales(t), t.nf4, result.view(-1))
-        return result
-    tmp = torch.empty(numel, dtype=t.dtype, device=device)
-    _dequant_eager(t.quantized_data, _block_scales(t), t.nf4, tmp)
-    if out is not None:
-        out.view(-1).copy_(tmp)
-        return out
-    return tmp.view(shape).to(dtype)
+        _dequant_eager(qdata, scales, t.nf4, result.view(-1))
+    else:
+        tmp = torch.empty(result.numel(), dtype=t.dtype, device=device)
+        _dequant_eager(qdata, scales, t.nf4, tmp)
+        result.view(-1).copy_(tmp)
+    return result
 
 
 def block_aligned_rows(t: NF4Tensor, max_elems: int) -> int:
@@ -949,29 +946,15 @@ def block_aligned_rows(t: NF4Tensor, max_elems: int) -> int:
     return max(step, (max_elems // cols) // step * step)
 
 
-def _dequantize_rows(t: NF4Tensor, dtype: torch.dtype, out: Optional[torch.Tensor], start: int, stop: int):
+def _row_blocks(t: NF4Tensor, start: int, stop: int) -> Tuple[Tuple[int, int], Tuple[int, int]]:
+    """The shape of rows ``start:stop`` of the 2-D ``t`` and the quantization blocks ``(b0, b1)`` they span."""
     if t.dim() != 2 or not 0 <= start < stop <= t.shape[0]:
         raise ValueError(f"rows=({start}, {stop}) is not a row range of a 2-D tensor of shape {tuple(t.shape)}")
     cols, bs = t.shape[1], t.block_size
     e0, e1 = start * cols, stop * cols
     if e0 % bs or (e1 % bs and stop != t.shape[0]):
         raise ValueError(f"rows=({start}, {stop}) do not start and end on {bs}-element quantization blocks")
-    shape = (stop - start, cols)
-    if out is None:
-        out = torch.empty(shape, dtype=dtype, device=t.quantized_data.device)
-    elif tuple(out.shape) != shape or out.dtype != dtype or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous {dtype} tensor of shape {shape}")
-    b0, b1 = e0 // bs, -(-e1 // bs)
-    native = out.device.type == "cpu" and (dtype == t.dtype or dtype == torch.float32) and _use_native(t.dtype)
-    if native:
-        _dequant_native(t, out.view(-1), (b0, b1))
-        return out
-    hb = bs // 2
-    flat = out.view(-1) if dtype == t.dtype else torch.empty(out.numel(), dtype=t.dtype, device=out.device)
-    _dequant_eager(t.quantized_data[b0 * hb : b1 * hb], _block_scales(t)[b0:b1], t.nf4, flat)
-    if flat.data_ptr() != out.data_ptr():
-        out.view(-1).copy_(flat)
-    return out
+    return (stop - start, cols), (e0 // bs, -(-e1 // bs))
 
 
 def clone_nf4(t: NF4Tensor) -> NF4Tensor:
