@@ -32,13 +32,6 @@ CATEGORIES = ["parameter", "optimizer_state", "input", "temporary", "activation"
               "unknown"]
 
 
-def current_rss_bytes() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
 def resident(model, optimizer) -> dict[str, int]:
     from lit_qlora.memory import tensor_bytes
     from lit_qlora.nf4_linear import _scratch
@@ -60,43 +53,19 @@ def resident(model, optimizer) -> dict[str, int]:
 
 
 def child(args: argparse.Namespace) -> None:
-    import torch
     from torch.profiler import ProfilerActivity, profile
     from torch.profiler._memory_profiler import MemoryProfileTimeline
 
-    from lit_qlora.export import load_base
-    from lit_qlora.lora import apply_lora
-    from lit_qlora.memory import peak_rss_bytes
-    from lit_qlora.training import FinetuneModule, TrainArgs
+    from lit_qlora.memory import peak_rss_bytes, rss_bytes
+    from one_step import build_step
 
-    rss_libraries = current_rss_bytes()
-    torch.manual_seed(0)
-    model = load_base(Path(args.checkpoint_dir), args.child, torch.bfloat16)
-    apply_lora(model, r=8, alpha=16, dropout=0.0, targets="all", dtype=torch.bfloat16)
-    rss_loaded = current_rss_bytes()
-    model.checkpoint_blocks = model.config.n_layer if args.checkpointing else 0
-    train = TrainArgs(max_steps=2, micro_batch_size=args.batch, global_batch_size=args.batch,
-                      max_seq_length=args.seq, activation_checkpointing=args.checkpointing)
-    module = FinetuneModule(model, train, total_steps=2)
-    model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), fused=True)
-    ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
-    batch = {"input_ids": ids, "labels": ids.clone()}
-
-    def step() -> None:  # the FinetuneModule step without the Trainer around it
-        module.release_host_heap()
-        (module.micro_loss_sum(batch) / ids.numel()).backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
-        parts = resident(model, optimizer)  # gradients still present
-        optimizer.zero_grad(set_to_none=True)
-        module.release_host_heap()
-        return parts
+    rss_libraries = rss_bytes()
+    model, optimizer, step = build_step(args.checkpoint_dir, args.child, args.batch, args.seq, args.checkpointing)
+    rss_loaded = rss_bytes()
 
     step()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
-        parts = step()
+        parts = step(lambda: resident(model, optimizer))  # gradients still present
     times, sizes = MemoryProfileTimeline(prof._memory_profile())._coalesce_timeline("cpu")
     totals = [sum(s) for s in sizes]
     at = max(range(len(totals)), key=totals.__getitem__)
@@ -109,7 +78,7 @@ def child(args: argparse.Namespace) -> None:
         "profiled_peak_ms": step_ms[at], "timeline": {"ms": [round(step_ms[i], 1) for i in keep],
                                                       "bytes": [sizes[i] for i in keep]},
         "rss_libraries_bytes": rss_libraries, "rss_loaded_bytes": rss_loaded, "rss_peak_bytes": peak_rss_bytes(),
-        "vocab_size": model.config.vocab_size, "tokens": ids.numel(),
+        "vocab_size": model.config.vocab_size, "tokens": args.batch * args.seq,
     }))
 
 

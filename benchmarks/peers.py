@@ -43,6 +43,8 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from train_memory import loadavg  # stdlib only: also importable in the peers' venvs
+
 HERE = Path(__file__).resolve().parent
 WORK = HERE / "_work"
 PYTHONS = {"peft": sys.executable, "litgpt": str(WORK / "venv-litgpt/bin/python"),
@@ -52,10 +54,6 @@ DISTS = {"ours": ["torch", "lightning", "torchao", "lit-qlora"], "peft": ["torch
 SKIP_QUANTIZED = {"peft": "4-bit peft needs bitsandbytes, which has no CPU path here",
                   "litgpt": "LitGPT's QLoRA (--quantize bnb.nf4) needs bitsandbytes, which has no CPU path here"}
 HF_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
-
-
-def loadavg() -> list[float]:
-    return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
 
 
 def vmhwm_bytes() -> int:

@@ -2,9 +2,8 @@
 
     python benchmarks/step_profile.py --checkpoint_dir checkpoints/SmolLM2-135M-Instruct --quantize nf4
 
-Loads the base (NF4 or bf16), adds LoRA (r=8, every linear), registers the same per-block heap release as
-FinetuneModule on CPU, runs one warm-up step and profiles the next (FinetuneModule.micro_loss_sum, activation checkpointing
-unless --no_checkpointing, backward, clipping, fused AdamW). Prints the wall time, the number and total time of the
+Runs one warm-up step of one_step.py's `litqlora finetune` step (activation checkpointing unless
+--no_checkpointing) and profiles the next. Prints the wall time, the number and total time of the
 malloc_trim calls (not torch ops, so invisible to the profiler) and the top ops by self CPU time.
 """
 
@@ -14,12 +13,10 @@ import argparse
 import time
 from pathlib import Path
 
-import torch
 from torch.profiler import ProfilerActivity, profile
 
 import lit_qlora.training as training
-from lit_qlora.export import load_base
-from lit_qlora.lora import apply_lora
+from one_step import build_step
 
 
 def main() -> None:
@@ -41,28 +38,7 @@ def main() -> None:
         trims[1] += time.perf_counter() - t
 
     training.release_free_memory = timed_release
-    model = load_base(Path(args.checkpoint_dir), args.quantize, torch.bfloat16)
-    apply_lora(model, r=8, alpha=16, dropout=0.0, targets="all", dtype=torch.bfloat16)
-    model.checkpoint_blocks = model.config.n_layer if args.checkpointing else 0
-    train = training.TrainArgs(max_steps=2, micro_batch_size=args.batch, global_batch_size=args.batch,
-                               max_seq_length=args.seq, activation_checkpointing=args.checkpointing)
-    module = training.FinetuneModule(model, train, total_steps=2)
-    model.train()
-    for block in model.blocks:
-        block.register_forward_hook(training._release_heap_around_block)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), fused=True)
-    ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
-    batch = {"input_ids": ids, "labels": ids.clone()}
-
-    def step() -> None:
-        module.release_host_heap()
-        (module.micro_loss_sum(batch) / ids.numel()).backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        module.release_host_heap()
-
+    _, _, step = build_step(args.checkpoint_dir, args.quantize, args.batch, args.seq, args.checkpointing)
     step()
     trims[:] = [0, 0.0]
     with profile(activities=[ProfilerActivity.CPU]) as prof:

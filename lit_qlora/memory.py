@@ -7,6 +7,7 @@ import ctypes.util
 import resource
 import sys
 from functools import lru_cache
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -34,21 +35,34 @@ def module_bytes(module: nn.Module) -> int:
     return total
 
 
+def _proc_status_bytes(field: str) -> Optional[int]:
+    """A size field of /proc/self/status (Linux), in bytes; None where it is not available."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def peak_rss_bytes() -> int:
     """This process's peak resident set size so far, from the OS.
 
     On Linux this is VmHWM: getrusage's ru_maxrss survives exec, so a child started from a big parent would
     report the parent's peak.
     """
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    peak = _proc_status_bytes("VmHWM")
+    if peak is not None:
+        return peak
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB, macOS bytes
+
+
+def rss_bytes() -> Optional[int]:
+    """This process's resident set size now (VmRSS); None outside Linux."""
+    return _proc_status_bytes("VmRSS")
 
 
 @lru_cache(maxsize=1)

@@ -171,8 +171,7 @@ class FinetuneModule(L.LightningModule):
         if self.on_train_start_hook is not None:
             self.on_train_start_hook()
         self._last_step_end = None
-        if self.device.type == "cpu" and not self._heap_hooks:
-            self._heap_hooks = [block.register_forward_hook(_release_heap_around_block) for block in self.model.blocks]
+        self.release_heap_around_blocks()
 
     def configure_model(self) -> None:
         # Lightning's ModelParallelStrategy hands over a device mesh: --strategy tp splits the blocks over its
@@ -273,6 +272,11 @@ class FinetuneModule(L.LightningModule):
         if self.on_step is not None:
             self.on_step(row)
         return loss
+
+    def release_heap_around_blocks(self) -> None:
+        """On CPU, release freed heap after each block's forward and before its backward (once per module)."""
+        if self.device.type == "cpu" and not self._heap_hooks:
+            self._heap_hooks = [block.register_forward_hook(_release_heap_around_block) for block in self.model.blocks]
 
     def release_host_heap(self) -> None:
         """On CPU, hand the heap that freed activations leave behind back to the OS (glibc's malloc_trim).
