@@ -121,6 +121,8 @@ def main() -> None:
     if args.child:
         return child(args)
     if args.render:
+        if not (RESULTS / "train_memory.json").is_file():
+            parser.error(f"--render needs {RESULTS / 'train_memory.json'}; run a measurement first")
         return write_markdown(json.loads((RESULTS / "train_memory.json").read_text()))
 
     import torch
