@@ -27,7 +27,7 @@ WORLD = 2
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
-    from lit_qlora.distributed import local_tensor
+    from lit_qlora.parallel.distributed import local_tensor
 
     t = local_tensor(t)
     if hasattr(t, "__tensor_flatten__"):  # NF4Tensor: its inner tensors
@@ -49,7 +49,7 @@ def worker(rank: int, checkpoint_dir: str, init_file: str, queue) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from lit_qlora.distributed import shard_model
+    from lit_qlora.parallel.distributed import shard_model
     from lit_qlora.lora import apply_lora
     from lit_qlora.quantize import load_nf4_checkpoint
 

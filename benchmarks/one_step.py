@@ -14,7 +14,7 @@ import torch
 
 from lit_qlora.export import load_base
 from lit_qlora.lora import apply_lora
-from lit_qlora.training import FinetuneModule, TrainArgs  # imported here so callers' RSS baselines include Lightning
+from lit_qlora.train.module import FinetuneModule, TrainArgs  # imported here so callers' RSS baselines include Lightning
 
 
 def build_step(checkpoint_dir: str, quantize: str, batch: int, seq: int, checkpointing: bool):

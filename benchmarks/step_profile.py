@@ -15,7 +15,7 @@ from pathlib import Path
 
 from torch.profiler import ProfilerActivity, profile
 
-import lit_qlora.training as training
+import lit_qlora.train.module as training
 from one_step import build_step
 
 

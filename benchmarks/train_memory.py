@@ -42,7 +42,7 @@ def child(args: argparse.Namespace) -> None:
     from lit_qlora.lora import apply_lora
     from lit_qlora.memory import peak_rss_bytes
     from lit_qlora.quantize import NF4Precision
-    from lit_qlora.training import FinetuneModule, TrainArgs
+    from lit_qlora.train.module import FinetuneModule, TrainArgs
 
     before = peak_rss_bytes()
     if args.batches:  # peers.py's token file: the same batches for every side; its shape sets steps x batch x seq

@@ -29,7 +29,7 @@ def child(args: argparse.Namespace) -> None:
 
     from lit_qlora.export import load_base
     from lit_qlora.lora import apply_lora
-    from lit_qlora.loss import chunked_cross_entropy_sum
+    from lit_qlora.train.loss import chunked_cross_entropy_sum
     from lit_qlora.memory import peak_rss_bytes
 
     torch.manual_seed(0)

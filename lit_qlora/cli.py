@@ -11,7 +11,7 @@ import re
 import sys
 import warnings
 
-from lit_qlora.signals import TrainingStopped
+from lit_qlora.train.signals import TrainingStopped
 
 
 def commands() -> dict:

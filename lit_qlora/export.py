@@ -56,7 +56,7 @@ def load_base(checkpoint_dir: Path, quantize: str, dtype: torch.dtype = torch.bf
     """The base model an adapter trained on: NF4-quantized from `dtype` weights (with the same layout), or plain
     `dtype` weights. After `--strategy tp` with NF4 the split linears hold the dequantized per-shard NF4 weights."""
     if quantize == "nf4" and tensor_parallel > 1:
-        from lit_qlora.tensor_parallel import load_tp_layout_model
+        from lit_qlora.parallel.tensor_parallel import load_tp_layout_model
 
         return load_tp_layout_model(checkpoint_dir, dtype, ignore_modules, tensor_parallel)
     if quantize == "nf4":

@@ -14,15 +14,15 @@ import torch
 
 from lit_qlora.checkpoint import atomic_write_text
 from lit_qlora.data.module import DataArgs, SFTDataModule
-from lit_qlora.distributed import build_strategy, is_sharded, keep_frozen_out_of_ddp, nf4_shards_for
+from lit_qlora.parallel.distributed import build_strategy, is_sharded, keep_frozen_out_of_ddp, nf4_shards_for
 from lit_qlora.guards import oom_advice
 from lit_qlora.lora import apply_lora, full_lora_state_dict, load_adapter, save_adapter
 from lit_qlora.memory import peak_rss_bytes, release_free_memory
 from lit_qlora.quantize import PRECISION_DTYPES, NF4Precision, count_linears
-from lit_qlora.signals import StopSignals, TrainingStopped
-from lit_qlora.train_state import (collect_training_state, latest_checkpoint, load_training_state, read_state,
+from lit_qlora.train.signals import StopSignals, TrainingStopped
+from lit_qlora.train.state import (collect_training_state, latest_checkpoint, load_training_state, read_state,
                                    save_training_state, step_dir)
-from lit_qlora.training import FinetuneModule, LoRAArgs, TrainArgs, total_steps_for, train_loader
+from lit_qlora.train.module import FinetuneModule, LoRAArgs, TrainArgs, total_steps_for, train_loader
 
 DEFAULT_CHECKPOINT = Path("checkpoints/SmolLM2-135M-Instruct")
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
@@ -81,7 +81,7 @@ class RunLog:
 def build_model(checkpoint_dir: Path, quantize: str, dtype: torch.dtype, ignore_modules: list[str], world_size: int,
                 tp_rank: int = 0, tensor_parallel: int = 1):
     if tensor_parallel > 1:  # this rank's shard of every split weight, quantized on its own
-        from lit_qlora.tensor_parallel import load_sharded
+        from lit_qlora.parallel.tensor_parallel import load_sharded
 
         return load_sharded(checkpoint_dir, quantize, dtype, ignore_modules, tp_rank, tensor_parallel)
     if quantize == "nf4":

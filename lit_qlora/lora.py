@@ -138,7 +138,7 @@ def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def full_lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Whole adapter tensors, gathered from every rank under FSDP2 (a collective then: call it on every rank)."""
-    from lit_qlora.distributed import full, is_sharded, reshard
+    from lit_qlora.parallel.distributed import full, is_sharded, reshard
 
     if not is_sharded(model):
         return lora_state_dict(model)
@@ -196,7 +196,7 @@ def _trained_on(adapter_dir: Path) -> str:
 def load_adapter(model: nn.Module, adapter_dir: Path) -> None:
     """Copy the adapter's tensors into the LoRA layers of `model`; a mismatch is a clear error, not a warning."""
     from lit_qlora.checkpoint import iter_safetensors
-    from lit_qlora.distributed import shard_like
+    from lit_qlora.parallel.distributed import shard_like
 
     path = Path(adapter_dir) / ADAPTER_WEIGHTS
     if not path.is_file():

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from lit_qlora.data.errors import DataError
-from lit_qlora.data.make_demo import make_rows
 from lit_qlora.data.module import DataArgs, SFTDataModule, split_rows
 from lit_qlora.data.prompts import get_prompt_style
 from lit_qlora.data.sampler import ResumableSampler
@@ -334,7 +333,11 @@ def test_hf_dataset_offline_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) ->
 def test_demo_dataset_is_regenerable_and_loads(tok: Tokenizer) -> None:
     rows = load_json_rows(DEMO_DATASET)
     assert len(rows) >= 300
-    regenerated = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in make_rows())
+    # The generator is a script beside the package, not part of it: run it as a user would.
+    script = Path(__file__).resolve().parents[1] / "scripts" / "make_demo.py"
+    out = subprocess.run([sys.executable, str(script), "--stdout"], capture_output=True, text=True, check=True,
+                         encoding="utf-8")
+    regenerated = out.stdout
     assert DEMO_DATASET.read_text(encoding="utf-8") == regenerated
     dm = SFTDataModule(DataArgs(), tok, max_seq_length=256, micro_batch_size=4, seed=0)
     dm.setup()

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from lit_qlora.distributed import build_strategy, nf4_shards_for
+from lit_qlora.parallel.distributed import build_strategy, nf4_shards_for
 
 from test_finetune import small_data  # tests/ is on sys.path (pytest's rootdir-relative import)
 
@@ -81,7 +81,7 @@ def one_process(tiny_llama_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("one")
     data = small_data(tmp)
     from lit_qlora.finetune import finetune
-    from lit_qlora.training import LoRAArgs, TrainArgs
+    from lit_qlora.train.module import LoRAArgs, TrainArgs
 
     finetune(checkpoint_dir=tiny_llama_dir, out_dir=tmp / "run", precision="32-true", accelerator="cpu",
              nf4_shards=2, lora=LoRAArgs(r=4, alpha=8, dropout=0.0), data=data, train=TrainArgs(**TRAIN))
@@ -137,7 +137,7 @@ def _init_worker(rank: int, init_file: str, queue) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     from lit_qlora.config import Config
-    from lit_qlora.distributed import keep_frozen_out_of_ddp, shard_model
+    from lit_qlora.parallel.distributed import keep_frozen_out_of_ddp, shard_model
     from lit_qlora.lora import apply_lora, full_lora_state_dict, lora_state_dict
     from lit_qlora.model import Transformer
     from lit_qlora.nf4 import dequantize_nf4

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lit_qlora.cli import main
-from lit_qlora.training import FinetuneModule
+from lit_qlora.train.module import FinetuneModule
 
 ROWS = [{"instruction": f"Add {i} and {i + 3}.", "output": f"{i} + {i + 3} = {2 * i + 3}."} for i in range(24)]
 

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from lit_qlora.data.module import DataArgs
 from lit_qlora.finetune import finetune
-from lit_qlora.training import LoRAArgs, TrainArgs, lr_multiplier
+from lit_qlora.train.module import LoRAArgs, TrainArgs, lr_multiplier
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -77,7 +77,7 @@ def test_accumulated_step_equals_one_large_batch(tiny_llama_dir, tmp_path):
 
 
 def test_cpu_step_returns_freed_heap_around_blocks_before_backward_and_after_the_update(tiny_llama_dir, tmp_path, monkeypatch):
-    import lit_qlora.training as training
+    import lit_qlora.train.module as training
 
     calls = []
     monkeypatch.setattr(training, "release_free_memory", lambda: calls.append(torch.is_grad_enabled()))

@@ -18,10 +18,10 @@ import torch.nn as nn
 from safetensors.torch import load_file
 
 from lit_qlora.cli import main
-from lit_qlora.loss import chunked_cross_entropy_sum
+from lit_qlora.train.loss import chunked_cross_entropy_sum
 from lit_qlora.lora import LoRALinear, lora_state_dict
-from lit_qlora.train_state import latest_checkpoint, load_training_state, save_training_state
-from lit_qlora.training import FinetuneModule
+from lit_qlora.train.state import latest_checkpoint, load_training_state, save_training_state
+from lit_qlora.train.module import FinetuneModule
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 4
@@ -88,7 +88,7 @@ def test_reference_keeps_the_last_k_checkpoints_as_safetensors_and_json(referenc
 KILL_DURING_CHECKPOINT_3 = """
 import time
 from pathlib import Path
-import lit_qlora.train_state as ts
+import lit_qlora.train.state as ts
 real = ts.write_safetensors
 def write(path, specs, metadata=None):
     if path.parent.name == "step-000003.tmp" and path.name == "optimizer.safetensors":
@@ -128,7 +128,7 @@ def test_kill_9_mid_checkpoint_then_resume_auto_is_bit_exact(tiny_llama_dir, row
 
 SIGNAL_IN_STEP_2 = """
 import os, signal
-from lit_qlora.training import FinetuneModule
+from lit_qlora.train.module import FinetuneModule
 real = FinetuneModule.training_step
 def step(self, batch, batch_idx):
     if self.step == 1:  # the signal arrives at the start of the second optimizer step

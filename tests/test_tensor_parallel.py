@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lit_qlora.tensor_parallel import shard_tensor, tp_style
+from lit_qlora.parallel.tensor_parallel import shard_tensor, tp_style
 
 needs_gloo = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs gloo")
 
@@ -26,7 +26,7 @@ def test_layout_splits_rows_of_column_and_columns_of_row_parallel_weights():
 def test_tp_strategy_is_a_data_by_tensor_mesh():
     from lightning.pytorch.strategies import ModelParallelStrategy
 
-    from lit_qlora.distributed import build_strategy, nf4_shards_for
+    from lit_qlora.parallel.distributed import build_strategy, nf4_shards_for
 
     strategy = build_strategy("tp", 4, tensor_parallel=2)
     assert isinstance(strategy, ModelParallelStrategy)
@@ -56,7 +56,7 @@ def _step(model, idx):
 def _worker(rank: int, ckpt: str, quantize: str, init_file: str, queue) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
-    import lit_qlora.tensor_parallel as tp
+    import lit_qlora.parallel.tensor_parallel as tp
     from lit_qlora.checkpoint import load_checkpoint
     from lit_qlora.lora import apply_lora, full_lora_state_dict, lora_modules
     from lit_qlora.nf4 import dequantize_nf4
@@ -178,7 +178,7 @@ def test_finetune_tensor_parallel_equals_one_process(tiny_llama_dir, tmp_path):
     from test_finetune import small_data
 
     from lit_qlora.finetune import finetune
-    from lit_qlora.training import LoRAArgs, TrainArgs
+    from lit_qlora.train.module import LoRAArgs, TrainArgs
 
     data = small_data(tmp_path)
     ref_dir, out = tmp_path / "one", tmp_path / "tp"

@@ -21,7 +21,7 @@ from lit_qlora.data.prompts import PromptStyle, Segment
 
 IGNORE_INDEX = -100
 ROLES = ("system", "user", "assistant")
-# The instruction dataset shipped with the package (see make_demo.py), found from any working directory.
+# The instruction dataset shipped with the package (see scripts/make_demo.py), found from any working directory.
 DEMO_DATASET = Path(str(files("lit_qlora.data").joinpath("demo.jsonl")))
 
 FORMAT_HELP = (

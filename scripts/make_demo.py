@@ -1,6 +1,7 @@
 """Write `demo.jsonl`, the small instruction set shipped with lit-qlora (the fine-tuning demo).
 
-    python -m lit_qlora.data.make_demo            # rewrites lit_qlora/data/demo.jsonl, byte for byte the same
+    python scripts/make_demo.py            # rewrites lit_qlora/data/demo.jsonl, byte for byte the same
+    python scripts/make_demo.py --stdout   # prints it instead
 
 Every row is generated here from short hand-written word lists: formulaic tasks (unit conversions, arithmetic
 word problems with the working shown, capitals, opposites, plurals, sorting, parity, comparisons, days and
@@ -12,11 +13,12 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 from pathlib import Path
 from typing import Callable, Iterator
 
 SEED = 20240611
-OUT = Path(__file__).with_name("demo.jsonl")
+OUT = Path(__file__).resolve().parents[1] / "lit_qlora" / "data" / "demo.jsonl"
 
 CAPITALS = {
     "France": "Paris", "Germany": "Berlin", "Italy": "Rome", "Spain": "Madrid", "Portugal": "Lisbon",
@@ -256,7 +258,11 @@ def make_rows(seed: int = SEED) -> list[dict]:
 
 def main() -> None:
     rows = make_rows()
-    OUT.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8")
+    text = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+    if "--stdout" in sys.argv[1:]:  # lets a test compare without touching the shipped file
+        sys.stdout.write(text)
+        return
+    OUT.write_text(text, encoding="utf-8")
     print(f"wrote {len(rows)} rows to {OUT}")
 
 

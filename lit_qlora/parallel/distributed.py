@@ -1,5 +1,5 @@
 """Several processes through Lightning strategies: `ddp` replicates the NF4 base, `fsdp` shards it with FSDP2,
-`tp` splits every block's weights over `--tensor_parallel N` ranks (lit_qlora/tensor_parallel.py).
+`tp` splits every block's weights over `--tensor_parallel N` ranks (lit_qlora/parallel/tensor_parallel.py).
 
 Lightning launches and connects the processes; nothing here starts one. `build_strategy` turns `--strategy fsdp`
 into Lightning's `ModelParallelStrategy` (data-parallel size = devices x nodes, tensor-parallel size 1), and

@@ -66,7 +66,7 @@ def rng_tensors() -> dict[str, torch.Tensor]:
 
 def collect_training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """Adapter and optimizer state as whole CPU tensors. Under FSDP2 this gathers the shards: every rank calls it."""
-    from lit_qlora.distributed import full
+    from lit_qlora.parallel.distributed import full
 
     opt_tensors, groups = _optimizer_tensors(optimizer)
     return {"adapter": full_lora_state_dict(model), "param_groups": groups,
@@ -122,7 +122,7 @@ def read_state(path: Path) -> dict[str, Any]:
 
 def load_training_state(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """Restore adapters, optimizer and RNG from checkpoint `path`; returns its JSON state."""
-    from lit_qlora.distributed import shard_like
+    from lit_qlora.parallel.distributed import shard_like
 
     state = read_state(path)
     load_adapter(model, path)  # a checkpoint holds adapter.safetensors, like a fine-tune's final/

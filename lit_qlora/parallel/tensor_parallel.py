@@ -211,7 +211,7 @@ def parallelize(model: nn.Module, tp_mesh) -> None:
     Idempotent: Lightning calls `configure_model` for every validate/fit."""
     from torch.distributed.tensor import Replicate, Shard
 
-    from lit_qlora.distributed import broadcast_trainable
+    from lit_qlora.parallel.distributed import broadcast_trainable
 
     if is_parallel(model):
         return

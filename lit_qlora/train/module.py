@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, Sampler
 
 from lit_qlora.data.module import DataArgs, SFTDataModule
 from lit_qlora.data.sampler import epoch_order
-from lit_qlora.loss import chunked_cross_entropy_sum, target_count
+from lit_qlora.train.loss import chunked_cross_entropy_sum, target_count
 from lit_qlora.memory import release_free_memory
 from lit_qlora.model import Transformer
 
@@ -177,11 +177,11 @@ class FinetuneModule(L.LightningModule):
         # Lightning's ModelParallelStrategy hands over a device mesh: --strategy tp splits the blocks over its
         # tensor-parallel dimension, --strategy fsdp shards with FSDP2 over the data-parallel one.
         if self.tensor_parallel_size > 1:
-            from lit_qlora.tensor_parallel import parallelize
+            from lit_qlora.parallel.tensor_parallel import parallelize
 
             parallelize(self.model, self.device_mesh["tensor_parallel"])
         elif self.device_mesh is not None:
-            from lit_qlora.distributed import shard_model
+            from lit_qlora.parallel.distributed import shard_model
 
             shard_model(self.model, self.device_mesh["data_parallel"])
 
@@ -231,7 +231,7 @@ class FinetuneModule(L.LightningModule):
             self.manual_backward(mb_loss * data_ranks / targets)
             loss_sum += mb_loss.detach()
         if self.tensor_parallel_size > 1:
-            from lit_qlora.tensor_parallel import average_over_data
+            from lit_qlora.parallel.tensor_parallel import average_over_data
 
             average_over_data(self.model, self.device_mesh["data_parallel"])
         loss = self.sum_over_data(loss_sum) / targets
@@ -292,7 +292,7 @@ class FinetuneModule(L.LightningModule):
         """'The loss became nan' / 'The gradients became non-finite', or None for a healthy step."""
         if not torch.isfinite(loss):
             return f"The loss became {loss.item()}"
-        from lit_qlora.distributed import full
+        from lit_qlora.parallel.distributed import full
 
         grads = self.gradients()
         # The largest |gradient| is finite exactly when all are (a 2-norm could overflow in fp16 on its own).
@@ -304,7 +304,7 @@ class FinetuneModule(L.LightningModule):
 
     def grad_norm(self) -> float:
         """Global L2 norm of the (rank-reduced) gradients before clipping."""
-        from lit_qlora.distributed import full
+        from lit_qlora.parallel.distributed import full
 
         grads = self.gradients()
         return full(torch.nn.utils.get_total_norm(grads)).item() if grads else 0.0

@@ -1,0 +1,1 @@
+"""Several processes: DDP/FSDP2 helpers (`distributed`) and tensor parallelism (`tensor_parallel`)."""

@@ -1,0 +1,2 @@
+"""Training: the LightningModule (`module`), resumable train state (`state`), the chunked loss (`loss`) and
+stopping on signals (`signals`)."""
