@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 
 from lit_qlora.config import Config, require_checkpoint_dir
+from lit_qlora.errors import UserError
 from lit_qlora.memory import release_free_memory
 from lit_qlora.model import Transformer
 
@@ -34,7 +35,7 @@ TOKENIZER_FILES = (
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError, ValueError):
     """A checkpoint directory or file that cannot be used, with what to do about it."""
 
 

@@ -5,11 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
+from lit_qlora.errors import UserError
+
 # What a fine-tune needs; skips other frameworks' weights and large extras.
 ALLOW_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.txt"]
 
 
-class DownloadError(RuntimeError):
+class DownloadError(UserError, RuntimeError):
     """Raised with a one-line explanation when the Hub cannot be reached or refuses the request."""
 
 

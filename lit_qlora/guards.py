@@ -7,8 +7,10 @@ from typing import Callable, Iterator, Mapping
 
 import torch
 
+from lit_qlora.errors import UserError
 
-class OutOfMemory(RuntimeError):
+
+class OutOfMemory(UserError, RuntimeError):
     """Training ran out of GPU or CPU memory; the message names the settings that lower it."""
 
 

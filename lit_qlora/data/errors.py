@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from lit_qlora.errors import UserError
 
-class DataError(ValueError):
+
+class DataError(UserError, ValueError):
     """A dataset or prompt-style problem the user can fix; the message says what is wrong and what to do.
 
-    A `ValueError`, so the CLI prints it without a traceback."""
+    A `UserError`, so the CLI prints it without a traceback (and a `ValueError`, as bad input)."""
