@@ -59,7 +59,7 @@ def timed_requests(lm, seconds: list[float]):
 def run_once(lm, seconds: list[float], task: str, include: Path, batch_size: int, limit) -> dict:
     from lm_eval import simple_evaluate
 
-    from lit_qlora.evaluate import task_manager
+    from lit_qlora.eval.evaluate import task_manager
 
     seconds[0] = 0.0
     load_before = load1()
@@ -88,7 +88,9 @@ def main() -> None:
     from lm_eval.models.huggingface import HFLM
 
     from lit_qlora.checkpoint import load_checkpoint
-    from lit_qlora.evaluate import SAMPLE_DATA_FILE, LitQLoRALM, check_truthfulqa_file, prepare_local_tasks
+    from lit_qlora.eval import SAMPLE_DATA_FILE
+    from lit_qlora.eval.lm import LitQLoRALM
+    from lit_qlora.eval.truthfulqa import check_truthfulqa_file, prepare_local_tasks
     from lit_qlora.finetune import ensure_default_checkpoint
     from lit_qlora.tokenizer import Tokenizer
 

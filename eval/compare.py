@@ -24,8 +24,16 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any, Literal, Optional
 
+import yaml
+from jsonargparse import ArgumentError, ArgumentParser
+
 from lit_qlora.checkpoint import atomic_write_text
+from lit_qlora.errors import UserError
 from lit_qlora.eval import SAMPLE_DATA_FILE
+from lit_qlora.eval.report import write_report
+from lit_qlora.eval.truthfulqa import check_truthfulqa_file
+from lit_qlora.finetune import ensure_default_checkpoint, finetune
+from lit_qlora.train.module import TrainArgs
 
 TASK = "truthfulqa_mc2"
 RUNS = {"lora": "none", "qlora": "nf4"}
@@ -37,11 +45,11 @@ BUILTIN_RECIPE = {"train": {"max_steps": 20, "micro_batch_size": 4, "global_batc
 `litqlora finetune`'s defaults: bundled SmolLM2-135M-Instruct, shipped dataset, bf16-true, seed 1337."""
 
 
-def finetune_parser():
-    from jsonargparse import ArgumentParser
+class StageFailed(UserError):
+    """A stage's own `litqlora` process failed; its output (message or traceback) is in the stage's log."""
 
-    from lit_qlora.finetune import finetune
 
+def finetune_parser() -> ArgumentParser:
     parser = ArgumentParser(exit_on_error=False)
     parser.add_argument("--config", action="config")
     parser.add_function_arguments(finetune, fail_untyped=False)
@@ -59,10 +67,6 @@ def flag_args(prefix: str, values: dict[str, Any]) -> list[str]:
 def resolve_recipe(recipe: Optional[Path], train: Optional[dict[str, Any]], checkpoint_dir: Optional[Path]) -> str:
     """The fine-tune recipe as YAML: `recipe` (or the built-in one), then the --train.* overrides and
     --checkpoint_dir. Checked by `litqlora finetune`'s own parser, so a bad key fails here, before any run."""
-    from jsonargparse import ArgumentError
-
-    from lit_qlora.train.module import TrainArgs
-
     known = {f.name for f in fields(TrainArgs)}
     unknown = sorted(set(train or {}) - known)
     if unknown:
@@ -108,7 +112,7 @@ def run_stage(name: str, argv: list[str], out_dir: Path) -> None:
         {"command": argv, "exit_code": proc.returncode, "load_average_1min": [load_before, os.getloadavg()[0]],
          "cpu_count": os.cpu_count()}) + "\n")
     if proc.returncode:
-        raise RuntimeError(f"compare: stage {name!r} failed (exit {proc.returncode}); its output is in {log_path}. "
+        raise StageFailed(f"compare: stage {name!r} failed (exit {proc.returncode}); its output is in {log_path}. "
                            "Fix the cause and run the same command again: finished stages are kept and a "
                            "fine-tune resumes from its last checkpoint.")
 
@@ -125,8 +129,6 @@ def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
 
 def same_recipe(before: str, now: str) -> bool:
     """Equal recipes, where a setting only one side names (a finetune option added since) is at its default."""
-    import yaml
-
     a, b = flatten(yaml.safe_load(before) or {}), flatten(yaml.safe_load(now) or {})
     parser = finetune_parser()
     defaults = flatten(yaml.safe_load(parser.dump(parser.get_defaults())) or {})
@@ -178,10 +180,6 @@ def compare(
         eval_precision: Evaluation dtype. 32-true keeps batch-shape rounding out of a small comparison.
         eval_batch_size: Sequences per forward pass in evaluation.
     """
-    from lit_qlora.eval.report import write_report
-    from lit_qlora.evaluate import check_truthfulqa_file
-    from lit_qlora.finetune import ensure_default_checkpoint
-
     out_dir = Path(out_dir)
     data_file = Path(data_file) if data_file is not None else SAMPLE_DATA_FILE
     check_truthfulqa_file(data_file)
@@ -190,8 +188,6 @@ def compare(
     if eval_batch_size < 1:  # checked here, not hours later in the evaluation stages
         raise ValueError(f"--eval_batch_size must be at least 1, got {eval_batch_size}")
     recipe_yaml = resolve_recipe(recipe, train, checkpoint_dir)
-    import yaml
-
     base_dir = Path(yaml.safe_load(recipe_yaml)["checkpoint_dir"])
     ensure_default_checkpoint(base_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

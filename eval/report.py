@@ -127,7 +127,7 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
-    import matplotlib
+    import matplotlib  # imported here: only compare's last step plots, and matplotlib is slow to import
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -17,7 +17,7 @@ from lit_qlora.train.signals import TrainingStopped
 def commands() -> dict:
     from lit_qlora.download import download
     from lit_qlora.eval.compare import compare
-    from lit_qlora.evaluate import evaluate
+    from lit_qlora.eval.evaluate import evaluate
     from lit_qlora.export import export_peft, merge
     from lit_qlora.finetune import finetune
     from lit_qlora.generate import generate_command

@@ -12,8 +12,10 @@ import pytest
 import torch
 
 from lit_qlora.checkpoint import load_checkpoint
-from lit_qlora.evaluate import (SAMPLE_DATA_FILE, TASKS_DIR, LitQLoRALM, check_task_names, check_truthfulqa_file,
-                                rolling_windows)
+from lit_qlora.eval import SAMPLE_DATA_FILE, TASKS_DIR
+from lit_qlora.eval.evaluate import check_task_names
+from lit_qlora.eval.lm import LitQLoRALM, rolling_windows
+from lit_qlora.eval.truthfulqa import check_truthfulqa_file
 from lit_qlora.tokenizer import Tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -244,7 +246,7 @@ def test_evaluate_with_adapter_and_parquet(tiny_llama_dir, tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from lit_qlora.evaluate import evaluate
+    from lit_qlora.eval.evaluate import evaluate
     from lit_qlora.lora import apply_lora, save_adapter
     from lit_qlora.quantize import load_nf4_checkpoint
 

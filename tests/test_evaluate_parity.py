@@ -23,8 +23,10 @@ import pytest
 import torch
 
 from lit_qlora.checkpoint import copy_tokenizer_files, load_checkpoint, save_hf_checkpoint
-from lit_qlora.evaluate import (SAMPLE_DATA_FILE, LitQLoRALM, evaluate, prepare_local_tasks, task_manager,
-                                to_jsonable)
+from lit_qlora.eval import SAMPLE_DATA_FILE
+from lit_qlora.eval.evaluate import evaluate, task_manager, to_jsonable
+from lit_qlora.eval.lm import LitQLoRALM
+from lit_qlora.eval.truthfulqa import prepare_local_tasks
 from lit_qlora.tokenizer import Tokenizer
 
 REPO = Path(__file__).resolve().parents[1]

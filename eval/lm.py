@@ -1,0 +1,272 @@
+"""The lm-eval model over a lit-qlora `Transformer`: `LitQLoRALM` (an `lm_eval.api.model.LM`).
+
+Tokenization follows lm-eval's convention for causal models (the one its Hugging Face backend uses), so numbers
+are comparable with `lm_eval --model hf` on the same checkpoint:
+
+- loglikelihood(context, continuation): trailing whitespace of the context moves to the continuation; then
+  context+continuation is encoded as one string and split after len(encode(context)) tokens. The word-boundary
+  space therefore lands in the continuation's first token, as it would in running text (encoding the two
+  parts separately would give the continuation a leading-space token the model never sees in practice).
+  An empty context is replaced by one prefix token: BOS, or EOS when the tokenizer has none.
+- BOS: contexts are encoded with the checkpoint's own rule (`Tokenizer.add_bos`, from tokenizer_config.json /
+  tokenizer.json: Llama 2/3, Mistral and TinyLlama prepend BOS; SmolLM2 and Qwen2 do not), which is what a
+  Hugging Face tokenizer does with its default add_special_tokens=True. A BOS is never doubled.
+- loglikelihood_rolling(text): the text is encoded without BOS and scored conditioned on the prefix token, in
+  windows of at most `max_length` inputs: every token is predicted exactly once, and the last window still
+  gets a full context (lm-eval's `get_rolling_token_windows(..., context_len=1)` + `make_disjoint_window`).
+- generate_until(context, gen_kwargs): the context is encoded like a loglikelihood context, left-truncated to
+  leave room for `max_gen_toks`; decoding is greedy (temperature sampling only with do_sample=True) with the
+  KV cache, and stops at EOS / end-of-turn tokens or at the first `until` string, which is cut off.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable, Optional, Sequence
+
+import torch
+from lm_eval.api.model import LM
+from tqdm import tqdm
+
+from lit_qlora.generate import generate
+from lit_qlora.model import Transformer
+from lit_qlora.tokenizer import Tokenizer
+
+HEAD_CHUNK = 1024
+"""Output-head rows computed at once: bounds the float32 logits of long continuations (rolling windows)."""
+
+
+Pair = tuple[list[int], list[int]]
+
+
+def rolling_windows(tokens: Sequence[int], prefix_token: int, max_length: int) -> list[Pair]:
+    """(context, continuation) token pairs that score every token of `tokens` exactly once, conditioned on
+    `prefix_token` and as much preceding text as fits: continuation i is tokens[i*L:(i+1)*L], and its context is
+    the L - len(continuation) + 1 tokens before it (the prefix token standing in front of the text)."""
+    if max_length < 1:
+        raise ValueError(f"max_length must be at least 1, got {max_length}")
+    full = [prefix_token, *tokens]  # full[j + 1] is tokens[j]
+    windows = []
+    for start in range(0, len(tokens), max_length):
+        end = min(start + max_length, len(tokens))
+        windows.append((full[max(0, end - max_length):start + 1], list(tokens[start:end])))
+    return windows
+
+
+def first_stop(text: str, stops: Iterable[str]) -> Optional[int]:
+    """Index of the earliest stop string in `text`, or None."""
+    found = [i for i in (text.find(s) for s in stops if s) if i >= 0]
+    return min(found) if found else None
+
+
+class LitQLoRALM(LM):
+    """An lm-eval model over a lit-qlora `Transformer` (plain, NF4, or NF4/plain base + LoRA adapter).
+
+    Args:
+        model: The model, already on its device and in eval mode.
+        tokenizer: The checkpoint's tokenizer.
+        batch_size: Sequences per forward pass in loglikelihood requests.
+        max_length: Longest input in tokens (default: the model's context length); longer inputs are
+            left-truncated.
+        max_gen_toks: Default generation budget of generate_until when a task does not set one.
+        share_context: Run a context shared by several requests (multiple-choice options) once.
+    """
+
+    def __init__(self, model: Transformer, tokenizer: Tokenizer, batch_size: int = 8,
+                 max_length: Optional[int] = None, max_gen_toks: int = 256, share_context: bool = True) -> None:
+        super().__init__()
+        if batch_size < 1:
+            raise ValueError(f"--batch_size must be at least 1, got {batch_size}")
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.batch_size = batch_size
+        self.max_length = max_length or model.config.max_seq_length
+        self.max_gen_toks = max_gen_toks
+        self.share_context = share_context
+        self._device = next(model.parameters()).device
+        prefix = tokenizer.bos_id if tokenizer.bos_id is not None else tokenizer.eos_id
+        if prefix is None:
+            raise ValueError(f"The tokenizer in {tokenizer.checkpoint_dir} has neither a BOS nor an EOS token; "
+                             "lm-eval needs one to condition texts that have no context.")
+        self.prefix_token_id: int = prefix
+        self.pad_id = tokenizer.eos_id if tokenizer.eos_id is not None else 0
+
+    # -- tokenization ------------------------------------------------------------------------------------------
+    def encode_pair(self, context: str, continuation: str) -> Pair:
+        """(context tokens, continuation tokens) per lm-eval's convention (see the module docstring)."""
+        stripped = context.rstrip()
+        continuation = context[len(stripped):] + continuation
+        if not stripped:
+            tokens = self.tokenizer.encode(continuation, bos=False)
+            if tokens[:1] == [self.prefix_token_id]:
+                return tokens[:1], tokens[1:]
+            return [self.prefix_token_id], tokens
+        whole = self.tokenizer.encode(stripped + continuation)
+        context_ids = self.tokenizer.encode(stripped)
+        return context_ids, whole[len(context_ids):]
+
+    # -- scoring -----------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def loglikelihood_tokens(self, pairs: Sequence[Pair], disable_tqdm: bool = True) -> list[tuple[float, bool]]:
+        """(sum of log p(continuation token), is every continuation token the argmax) per (context, continuation)
+        pair, in the order given.
+
+        Requests run in batches of `batch_size`, longest first (a batch that does not fit in memory fails at
+        once), right-padded: under causal attention padding after a sequence cannot change its logits. Requests
+        that share their context (the choices of a multiple-choice question) run it once: the context goes
+        through the model once into the KV cache, then all continuations run as one batch on top of it, and the
+        next group reuses whatever prefix it shares with the previous one (a few-shot preamble). Same numbers
+        as running every sequence whole, up to float rounding; `share_context=False` turns it off.
+        """
+        results: list[Optional[tuple[float, bool]]] = [None] * len(pairs)
+        plain: list[tuple[int, list[int], list[int]]] = []
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for i, (context, continuation) in enumerate(pairs):
+            if not continuation:
+                results[i] = (0.0, True)
+                continue
+            if not context:
+                raise ValueError("a loglikelihood request needs at least one context token")
+            if len(continuation) > self.max_length:
+                raise ValueError(f"a continuation of {len(continuation)} tokens does not fit in max_length "
+                                 f"{self.max_length}")
+            tokens = (list(context) + list(continuation))[-(self.max_length + 1):]
+            if self.share_context and len(context) + len(continuation) <= self.max_length + 1:
+                groups.setdefault(tuple(context), []).append(i)
+            else:
+                plain.append((i, tokens[:-1], list(continuation)))
+        shared = []
+        for context, members in groups.items():
+            if len(members) == 1:
+                (i,) = members
+                plain.append((i, [*context, *pairs[i][1]][:-1], list(pairs[i][1])))
+            else:
+                for start in range(0, len(members), self.batch_size):
+                    shared.append((list(context), members[start:start + self.batch_size]))
+        plain.sort(key=lambda item: -len(item[1]))  # stable: equal lengths keep request order
+        shared.sort(key=lambda group: -(len(group[0]) + max(len(pairs[i][1]) for i in group[1])))
+        steps = math.ceil(len(plain) / self.batch_size) + len(shared)
+        with tqdm(total=steps, disable=disable_tqdm, desc="loglikelihood") as bar:
+            for start in range(0, len(plain), self.batch_size):
+                batch = plain[start:start + self.batch_size]
+                x = self._right_padded([inputs for _, inputs, _ in batch])
+                hidden = self.model.forward_hidden(x)
+                # Only the positions that predict continuation tokens go through the head.
+                selected = [hidden[row, len(inputs) - len(cont):len(inputs)]
+                            for row, (_, inputs, cont) in enumerate(batch)]
+                self._score(selected, [(i, cont) for i, _, cont in batch], results)
+                bar.update()
+            if shared:
+                self._score_shared(shared, pairs, results, bar)
+        return results  # type: ignore[return-value]
+
+    def _right_padded(self, rows: Sequence[Sequence[int]]) -> torch.Tensor:
+        x = torch.full((len(rows), max(len(r) for r in rows)), self.pad_id, dtype=torch.long)
+        for i, row in enumerate(rows):
+            x[i, :len(row)] = torch.tensor(row)
+        return x.to(self._device)
+
+    def _score(self, hidden_rows: list[torch.Tensor], items: list[tuple[int, list[int]]],
+               results: list) -> None:
+        """Head + log-softmax (float32) over the hidden states that predict each item's continuation."""
+        selected = torch.cat(hidden_rows)
+        targets = torch.tensor([t for _, cont in items for t in cont], device=self._device)
+        logprobs, greedy = [], []
+        for h, t in zip(selected.split(HEAD_CHUNK), targets.split(HEAD_CHUNK)):  # bounds float32 logits
+            logits = self.model.lm_head(h).float()
+            logprobs.append(logits.log_softmax(-1).gather(-1, t[:, None]).squeeze(-1))
+            greedy.append(logits.argmax(-1) == t)
+        logprob, is_greedy = torch.cat(logprobs).double().cpu(), torch.cat(greedy).cpu()
+        offset = 0
+        for i, cont in items:
+            n = len(cont)
+            results[i] = (float(logprob[offset:offset + n].sum()), bool(is_greedy[offset:offset + n].all()))
+            offset += n
+
+    def _score_shared(self, groups: list[tuple[list[int], list[int]]], pairs: Sequence[Pair], results: list,
+                      bar) -> None:
+        """Each group: context[:-1] into row 0 of the KV cache (reusing the prefix it shares with the previous
+        group's), copied to the other rows, then [context[-1], *continuation[:-1]] for every member at once."""
+        model = self.model
+        batch = max(len(members) for _, members in groups)
+        tails = max(max(len(pairs[i][1]) for i in members) for _, members in groups)
+        model.set_kv_cache(batch, max(len(context) for context, _ in groups) + tails, device=self._device)
+        caches = [block.self_attn.kv_cache for block in model.blocks]
+        cached: list[int] = []  # the tokens whose keys/values row 0 of the cache holds, from position 0
+        try:
+            for context, members in groups:
+                prefix = context[:-1]
+                keep = 0
+                while keep < min(len(cached), len(prefix)) and cached[keep] == prefix[keep]:
+                    keep += 1
+                if keep < len(prefix):
+                    model.forward_hidden(torch.tensor([prefix[keep:]], device=self._device),
+                                         input_pos=torch.arange(keep, len(prefix), device=self._device))
+                for cache in caches:
+                    cache.k[1:len(members), :, :len(prefix)] = cache.k[:1, :, :len(prefix)]
+                    cache.v[1:len(members), :, :len(prefix)] = cache.v[:1, :, :len(prefix)]
+                conts = [list(pairs[i][1]) for i in members]
+                x = self._right_padded([[context[-1], *cont[:-1]] for cont in conts])
+                hidden = model.forward_hidden(x, input_pos=torch.arange(len(prefix), len(prefix) + x.size(1),
+                                                                         device=self._device))
+                self._score([hidden[row, :len(cont)] for row, cont in enumerate(conts)],
+                            list(zip(members, conts)), results)
+                cached = prefix  # row 0 beyond the prefix now holds this group's first continuation
+                bar.update()
+        finally:
+            model.clear_kv_cache()
+
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        pairs = [self.encode_pair(*req.args) for req in requests]
+        results = self.loglikelihood_tokens(pairs, disable_tqdm)
+        for req, result in zip(requests, results):
+            self.cache_hook.add_partial("loglikelihood", req.args, result)
+        return results
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        pairs: list[Pair] = []
+        owners: list[int] = []
+        for r, req in enumerate(requests):
+            (text,) = req.args
+            windows = rolling_windows(self.tokenizer.encode(text, bos=False), self.prefix_token_id, self.max_length)
+            pairs += windows
+            owners += [r] * len(windows)
+        totals = [0.0] * len(requests)
+        for r, (logprob, _) in zip(owners, self.loglikelihood_tokens(pairs, disable_tqdm)):
+            totals[r] += logprob
+        for req, total in zip(requests, totals):
+            self.cache_hook.add_partial("loglikelihood_rolling", req.args, total)
+        return totals
+
+    # -- generation --------------------------------------------------------------------------------------------
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        outputs = []
+        for req in tqdm(requests, disable=disable_tqdm, desc="generate_until"):
+            context, gen_kwargs = req.args
+            kwargs = dict(gen_kwargs or {})
+            until = kwargs.pop("until", None) or []
+            until = [until] if isinstance(until, str) else list(until)
+            max_new = int(kwargs.pop("max_gen_toks", self.max_gen_toks))
+            temperature = float(kwargs.pop("temperature", 0.0) or 0.0) if kwargs.pop("do_sample", False) else 0.0
+            budget = self.max_length - max_new
+            if budget < 1:
+                raise ValueError(f"max_gen_toks={max_new} leaves no room for a prompt in max_length {self.max_length}")
+            prompt = self.tokenizer.encode(context)[-budget:]
+            tokens: list[int] = []
+            text = ""
+            for token in generate(self.model, prompt, max_new, temperature=temperature,
+                                  stop_ids=self.tokenizer.eos_ids):
+                tokens.append(token)
+                text = self.tokenizer.decode(tokens)
+                cut = first_stop(text, until)
+                if cut is not None:
+                    text = text[:cut]
+                    break
+            self.cache_hook.add_partial("generate_until", req.args, text)
+            outputs.append(text)
+        return outputs
+
+    def get_model_info(self) -> dict[str, Any]:
+        """Merged into lm-eval's results["config"]."""
+        return {"model_name": str(self.tokenizer.checkpoint_dir), "max_length": self.max_length,
+                "model_dtype": str(self.model.lm_head.weight.dtype).replace("torch.", "")}
