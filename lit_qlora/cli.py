@@ -1,4 +1,13 @@
-"""`litqlora` entry point: jsonargparse subcommands over plain functions; help text comes from their docstrings."""
+"""`litqlora` entry point: jsonargparse subcommands over plain functions; help text comes from their docstrings.
+
+Two kinds of failure end a command with one paragraph on stderr and no traceback (unless --debug):
+- a command line jsonargparse rejects (exit 2). What is wrong is found from the structure of the input, never
+  from jsonargparse's wording: the command name against the command table, each option given on the command
+  line or in a --config file against the command's typed signature, each value against its type. Only when none
+  of these checks names the problem is jsonargparse's own message shown.
+- a user error raised by a command (exit 1): our `UserError`s and the few built-in errors that are about the
+  user's input or machine (see USER_ERRORS). Any other exception is a bug and keeps its traceback.
+"""
 
 from __future__ import annotations
 
@@ -7,14 +16,25 @@ import difflib
 import inspect
 import logging
 import os
-import re
 import sys
+import typing
 import warnings
+from pathlib import Path
+from types import UnionType
+from typing import Any, Callable, Literal, Optional
 
+import yaml
+from jsonargparse import ArgumentError, ArgumentParser, Namespace, auto_parser, set_parsing_settings
+
+from lit_qlora.errors import UserError
+from lit_qlora.guards import is_oom
 from lit_qlora.train.signals import TrainingStopped
 
+Command = Callable[..., Any]
 
-def commands() -> dict:
+
+def commands() -> dict[str, Command]:
+    # Imported here, after main() has quieted the libraries' loggers: torchao logs warnings while it is imported.
     from lit_qlora.download import download
     from lit_qlora.eval.compare import compare
     from lit_qlora.eval.evaluate import evaluate
@@ -35,10 +55,12 @@ def commands() -> dict:
     }
 
 
-# Errors whose message is the whole story for a user: print it, exit 1, no traceback (unless --debug).
-def user_errors() -> tuple[type[BaseException], ...]:
-    # RuntimeError includes torch.OutOfMemoryError; FloatingPointError is a non-finite loss or gradient.
-    return (ValueError, FileNotFoundError, NotADirectoryError, PermissionError, RuntimeError, FloatingPointError)
+# Errors a command raises whose message is the whole story for a user: besides our own, a file or directory the
+# user named that is missing or unreadable, a ValueError from the checks of argument values (ours and those of
+# the libraries we hand them to), and a non-finite loss or weight (FloatingPointError: only our training guards
+# raise it). Out-of-memory errors are user errors too (`guards.is_oom`).
+USER_ERRORS: tuple[type[Exception], ...] = (UserError, ValueError, FileNotFoundError, NotADirectoryError,
+                                            PermissionError, FloatingPointError)
 
 
 def quiet_library_logs() -> None:
@@ -65,6 +87,9 @@ RENAMED = {"compare": {"--config": "--recipe"}}
 
 CONFIG_HELP = "A YAML file of this command's arguments (compare: a `litqlora finetune` recipe, see --recipe)."
 
+BUILTIN_OPTIONS = ("config", "print_config", "help")
+"""Options jsonargparse gives every command."""
+
 
 def expand_positional(argv: list[str]) -> list[str]:
     if len(argv) > 1 and argv[0] in POSITIONAL and not argv[1].startswith("-"):
@@ -87,8 +112,6 @@ def debug_requested(argv: list[str]) -> bool:
     """--debug on the command line, LITQLORA_DEBUG=1, or `debug: true` in a --config file."""
     if "--debug" in argv or os.environ.get("LITQLORA_DEBUG") == "1":
         return True
-    import yaml
-
     for file in config_files(argv):
         try:
             with open(file, encoding="utf-8") as f:
@@ -100,85 +123,235 @@ def debug_requested(argv: list[str]) -> bool:
     return False
 
 
-def option_names(command) -> list[str]:
-    """Every option of a command, nested dataclass fields as `group.field`."""
-    names = ["config", "print_config"]
-    for name, param in inspect.signature(command).parameters.items():
-        default = param.default
-        if dataclasses.is_dataclass(default):
-            names += [f"{name}.{f.name}" for f in dataclasses.fields(default)]
+# -- what a command accepts --------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """A command's options, read from its typed signature (as jsonargparse reads it to build the parser)."""
+
+    types: dict[str, Any]
+    """Option key (`lr`, or `train.lr` for a field of a dataclass parameter) -> its type."""
+    groups: frozenset[str]
+    """Dataclass parameters: their fields are given as `--train.lr` or nested in a YAML file."""
+    required: tuple[str, ...]
+    """Parameters without a default."""
+
+    @classmethod
+    def of(cls, command: Command) -> Options:
+        hints = typing.get_type_hints(command)
+        found: dict[str, Any] = {}
+        groups, required = set(), []
+        for name, param in inspect.signature(command).parameters.items():
+            hint = hints.get(name, Any)
+            if dataclasses.is_dataclass(hint):
+                groups.add(name)
+                fields = typing.get_type_hints(hint)
+                found.update({f"{name}.{f.name}": fields[f.name] for f in dataclasses.fields(hint)})
+                continue
+            found[name] = hint
+            if param.default is inspect.Parameter.empty:
+                required.append(name)
+        return cls(found, frozenset(groups), tuple(required))
+
+    def names(self) -> list[str]:
+        return [*BUILTIN_OPTIONS, *self.types]
+
+    def knows(self, key: str) -> bool:
+        if key in self.types or key in self.groups or key in BUILTIN_OPTIONS:
+            return True
+        # `--train.max_steps 3` sets one entry of a dict-valued option (compare's --train).
+        parent = key.rpartition(".")[0]
+        while parent:
+            if parent in self.types and takes_mapping(self.types[parent]):
+                return True
+            parent = parent.rpartition(".")[0]
+        return False
+
+
+def union_arms(hint: Any) -> tuple[Any, ...]:
+    return typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, UnionType) else (hint,)
+
+
+def takes_mapping(hint: Any) -> bool:
+    return any(typing.get_origin(arm) in (dict, typing.Mapping) or arm is dict for arm in union_arms(hint))
+
+
+def describe(hint: Any) -> str:
+    """A type as a user reads it: `bool or int`, `one of 'nf4', 'none'`, `float or null`."""
+    if typing.get_origin(hint) is Literal:
+        return "one of " + ", ".join(map(repr, typing.get_args(hint)))
+    names: list[str] = []
+    for arm in union_arms(hint):
+        if typing.get_origin(arm) is Literal:
+            names += map(repr, typing.get_args(arm))
+        elif arm is type(None):
+            names.append("null")
+        elif isinstance(arm, type):
+            names.append(arm.__name__)
         else:
-            names.append(name)
-    return names
+            names.append(str(arm).replace("typing.", ""))
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
 
 
-def usage_error(message: str, argv: list[str]) -> str:
-    """One paragraph for a jsonargparse error: the bad key or value, the closest valid option, where to look."""
-    message = " ".join(message.split())
-    name = argv[0] if argv and argv[0] in commands() else None
-    prefix = f"{name}: " if name else ""
-    help_hint = f"`litqlora {name} --help`" if name else "`litqlora --help`"
-    group = re.search(r"Group '([\w.]+)' does not accept option '([\w.]+)'", message)
-    unknown = ([f"{group[1]}.{group[2]}"] if group else
-               re.findall(r"does not accept option '([\w.]+)'", message) or
-               [a[2:].partition("=")[0] for a in re.findall(r"--[\w.=-]+", message.partition("unrecognized arguments:")[2])])
-    if name and unknown and ("does not accept option" in message or "unrecognized arguments" in message):
-        key = unknown[0]
-        on_command_line = any(a == f"--{key}" or a.startswith(f"--{key}=") for a in argv)
-        where = "" if on_command_line or not config_files(argv) else f" in {', '.join(config_files(argv))}"
-        close = difflib.get_close_matches(key, option_names(commands()[name]), n=1, cutoff=0.6)
-        suggestion = f"; did you mean `{close[0]}`?" if close else "."
-        return f"{prefix}unknown option `{key}`{where}{suggestion} {help_hint} lists every option."
-    choice = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
-    if choice:
-        close = difflib.get_close_matches(choice[1], list(commands()), n=1)
+def accepts(hint: Any, value: Any, from_file: bool) -> bool:
+    """Whether jsonargparse takes `value` (a command-line string, or a value read from a YAML file) for an option
+    of type `hint`: asked of a parser holding that one option, judged by whether it raises."""
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_argument("--value", type=hint)
+    try:
+        if from_file:
+            parser.parse_object({"value": value})
+        else:
+            parser.parse_args(["--value"] if value is None else ["--value", value])
+    except ArgumentError:
+        return False
+    return True
+
+
+# -- what was given ----------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Given:
+    """One option as the user gave it."""
+
+    key: str
+    value: Any
+    """A string from the command line (None: no value followed the flag), a YAML value from a file."""
+    source: Optional[str] = None
+    """The --config file it came from; None: the command line."""
+
+    def label(self) -> str:
+        return f"`{self.key}` in {self.source}" if self.source else f"--{self.key}"
+
+
+def command_line_options(args: list[str]) -> list[Given]:
+    out = []
+    for i, arg in enumerate(args):
+        if not arg.startswith("--"):
+            continue
+        key, eq, value = arg[2:].partition("=")
+        if not eq:
+            follows = args[i + 1] if i + 1 < len(args) else None
+            value = follows if follows is not None and not follows.startswith("--") else None
+        out.append(Given(key, value))
+    return out
+
+
+def read_config(path: str) -> tuple[dict, Optional[str]]:
+    """(the file's options, None), or ({}, what is wrong with the file)."""
+    if not Path(path).is_file():
+        return {}, f"--config {path} does not exist."
+    try:
+        with open(path, encoding="utf-8") as f:
+            tree = yaml.safe_load(f)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        return {}, f"{path} is not a valid YAML mapping of options: {' '.join(str(e).split())}."
+    if tree is not None and not isinstance(tree, dict):
+        return {}, f"{path} is not a valid YAML mapping of options: it holds a {type(tree).__name__}."
+    return tree or {}, None
+
+
+def file_options(tree: dict, groups: frozenset[str], source: str, prefix: str = "") -> list[Given]:
+    """The options of a YAML mapping, the fields of a dataclass parameter as `group.field`."""
+    out = []
+    for key, value in tree.items():
+        key = f"{prefix}{key}"
+        if key in groups and isinstance(value, dict):
+            out += file_options(value, groups, source, f"{key}.")
+        else:
+            out.append(Given(key, value, source))
+    return out
+
+
+def usage_error(argv: list[str], table: dict[str, Command]) -> Optional[str]:
+    """What is wrong with a command line that jsonargparse rejected, found by checking it against the command
+    table, the command's signature and its --config files; None when no check finds the problem."""
+    quoted = ", ".join(map(repr, table))
+    if not argv:
+        return f"no command given; the commands are {quoted}. `litqlora --help` describes them."
+    name = argv[0]
+    if name.startswith("-"):
+        return None
+    if name not in table:
+        close = difflib.get_close_matches(name, list(table), n=1)
         suggestion = f" Did you mean `{close[0]}`?" if close else ""
-        return f"unknown command {choice[1]!r}: the commands are {choice[2]}.{suggestion}"
-    if message.startswith(("Problems parsing config", "Unexpected config")) and config_files(argv):
-        message = f"{', '.join(config_files(argv))} is not a valid YAML mapping of options: {message}"
-    message = re.sub(r'Parser key "([\w.]+)":', r"--\1:", message)
-    union = re.search(r"Union subtypes.*?Errors: (.*) Given value type: .* Given value: (.*)$", message)
-    if union:  # jsonargparse lists each subtype's failure: keep the expected types and the value
-        expected = " or ".join(re.findall(r"Expected an? ([^-]+?)(?= -|$)", union[1]))
-        message = f"{message.partition(' Does not')[0]} expected {expected}, got {union[2]!r}"
-    message = re.sub(r"<class '(\w+)'>", r"\1", message).replace(' in "<unicode string>",', "")
-    return f"{prefix}{message.rstrip('.')}. {help_hint} lists every option."
+        return f"unknown command {name!r}: the commands are {quoted}.{suggestion}"
+
+    options = Options.of(table[name])
+    help_hint = f"`litqlora {name} --help` lists every option."
+    given = command_line_options(argv[1:])
+    for path in config_files(argv[1:]):
+        tree, problem = read_config(path)
+        if problem:
+            return f"{name}: {problem} {help_hint}"
+        given += file_options(tree, options.groups, path)
+    for option in given:
+        if not options.knows(option.key):
+            close = difflib.get_close_matches(option.key, options.names(), n=1, cutoff=0.6)
+            where = f" in {option.source}" if option.source else ""
+            suggestion = f"; did you mean `{close[0]}`?" if close else "."
+            return f"{name}: unknown option `{option.key}`{where}{suggestion} {help_hint}"
+    for option in given:
+        hint = options.types.get(option.key)
+        if hint is not None and not accepts(hint, option.value, from_file=option.source is not None):
+            got = "no value" if option.value is None and not option.source else repr(option.value)
+            return f"{name}: {option.label()}: expected {describe(hint)}, got {got}. {help_hint}"
+    missing = [key for key in options.required if key not in {option.key for option in given}]
+    if missing:
+        return f"{name}: --{missing[0]} is required. {help_hint}"
+    return None
+
+
+def jsonargparse_message(error: ArgumentError, argv: list[str], table: dict[str, Command]) -> str:
+    """jsonargparse's own message, on one line, for the problems the checks of `usage_error` do not name."""
+    name = argv[0] if argv and argv[0] in table else None
+    prefix, help_hint = (f"{name}: ", f"`litqlora {name} --help`") if name else ("", "`litqlora --help`")
+    return f"{prefix}{' '.join(str(error).split()).rstrip('.')}. {help_hint} lists every option."
+
+
+# -- running -----------------------------------------------------------------------------------------------------
+def run(parser: ArgumentParser, table: dict[str, Command], cfg: Namespace) -> None:
+    init = parser.instantiate(cfg)  # dataclass groups become their dataclasses
+    name = init.subcommand
+    arguments = init[name]
+    arguments.pop("config", None)
+    table[name](**arguments)
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = debug_requested(argv)
-    argv = [a for a in argv if a != "--debug"]
+    argv = expand_positional([a for a in argv if a != "--debug"])
     if not debug:
         quiet_library_logs()
-    from jsonargparse import ArgumentError, auto_cli, set_parsing_settings
-
     set_parsing_settings(docstring_parse_attribute_docstrings=True)  # dataclass field docstrings become --help
-
-    argv = expand_positional(argv)
+    table = commands()
+    # exit_on_error=False: a bad command line raises ArgumentError (explained below in one paragraph) instead of
+    # printing the whole usage; allow_abbrev=False: a typo must not silently become the option it abbreviates.
+    parser = auto_parser(table, as_positional=False, config_help=CONFIG_HELP, exit_on_error=False,
+                         allow_abbrev=False)
     try:
-        # exit_on_error=False: a bad option raises ArgumentError (printed below as one paragraph) instead of
-        # printing the whole usage.
-        auto_cli(commands(), args=argv, as_positional=False, config_help=CONFIG_HELP, exit_on_error=False,
-                 allow_abbrev=False)  # a typo must not silently become the option it abbreviates
+        cfg = parser.parse_args(argv)
     except ArgumentError as e:
         if debug:
             raise
-        print(f"litqlora: error: {usage_error(str(e), argv)}", file=sys.stderr)
+        print(f"litqlora: error: {usage_error(argv, table) or jsonargparse_message(e, argv, table)}",
+              file=sys.stderr)
         sys.exit(2)
+
+    try:
+        run(parser, table, cfg)
     except TrainingStopped as e:
         print(f"litqlora: {e}", file=sys.stderr)
         sys.exit(e.exit_code)
-    except user_errors() as e:
-        if debug:
-            raise
-        print(f"litqlora: error: {e}", file=sys.stderr)
-        sys.exit(1)
     except MemoryError:
         if debug:
             raise
         print("litqlora: error: out of CPU memory. Free memory, or load the base as NF4 (--quantize nf4).",
               file=sys.stderr)
+        sys.exit(1)
+    except Exception as e:
+        if debug or not (isinstance(e, USER_ERRORS) or is_oom(e)):
+            raise  # a bug: the traceback is what its report needs
+        print(f"litqlora: error: {e}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:
         print("litqlora: interrupted", file=sys.stderr)

@@ -63,3 +63,45 @@ def test_generate_with_nf4_base_answers_paris(smollm2_dir):
     assert out.returncode == 0, out.stderr
     assert "Paris" in out.stdout
     assert "Failed to load" not in out.stderr  # torchao's CUDA-kernel noise is silenced
+
+
+# A command table of one command that raises the error it is asked for, run as `litqlora fail --kind KIND`.
+FAILING_COMMAND = """
+import sys
+
+import torch
+
+import lit_qlora.cli as cli
+from lit_qlora.download import DownloadError
+from lit_qlora.errors import UserError
+
+ERRORS = {"bug": RuntimeError("boom: an invariant broke"), "user": UserError("the file is wrong; fix it"),
+          "download": DownloadError("offline; copy a model here"), "oom": torch.OutOfMemoryError("CUDA out of memory")}
+
+
+def fail(kind: str = "bug") -> None:
+    \"\"\"Fail with one kind of error.\"\"\"
+    raise ERRORS[kind]
+
+
+cli.commands = lambda: {"fail": fail}
+cli.main(sys.argv[1:])
+"""
+
+
+def test_a_runtime_error_is_a_bug_and_keeps_its_traceback():
+    out = subprocess.run([sys.executable, "-c", FAILING_COMMAND, "fail", "--kind", "bug"], capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 1
+    assert "Traceback" in out.stderr and "RuntimeError: boom: an invariant broke" in out.stderr
+    assert "litqlora: error:" not in out.stderr
+
+
+@pytest.mark.parametrize("kind, message", [("user", "the file is wrong; fix it"),
+                                           ("download", "offline; copy a model here"),  # a typed RuntimeError
+                                           ("oom", "CUDA out of memory")])
+def test_a_user_error_is_one_line_without_traceback(kind, message):
+    out = subprocess.run([sys.executable, "-c", FAILING_COMMAND, "fail", "--kind", kind], capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 1
+    assert out.stderr.strip() == f"litqlora: error: {message}"

@@ -40,6 +40,9 @@ def ctx(tmp_path_factory, tiny_llama_dir):
                                      .encode("latin-1"))
     (d / "good.json").write_text(text)
     (d / "typo.yaml").write_text(f"checkpoint_dir: {tiny_llama_dir}\ntrain:\n  max_step: 3\n")
+    (d / "broken.yaml").write_text("train:\n  lr: [0.1\n")
+    (d / "list.yaml").write_text("- lr\n- 0.1\n")
+    (d / "bad_value.yaml").write_text("train:\n  lr: fast\n")
     (d / "wrong_shape.jsonl").write_text(json.dumps({"question": "Is it?", "answer": "yes"}) + "\n")
 
     (d / "no_weights").mkdir()
@@ -113,6 +116,21 @@ CASES = [
     ("bad-value", lambda c: finetune_args(c, "--train.activation_checkpointing", "maybe"),
      ["--train.activation_checkpointing", "expected bool or int", "'maybe'"], None),
     ("unknown-command", lambda c: ["finetun"], ["unknown command 'finetun'", "Did you mean `finetune`"], None),
+    ("no-command", lambda c: [], ["no command given", "'finetune', 'download'"], None),
+    ("bad-choice", lambda c: finetune_args(c, "--precision", "bf17"),
+     ["--precision: expected one of 'bf16-true', '16-true', '32-true', got 'bf17'"], None),
+    ("no-value", lambda c: finetune_args(c, "--resume"), ["--resume: expected bool, 'auto' or Path, got no value"],
+     None),
+    ("missing-required", lambda c: ["generate", "--checkpoint_dir", c.base], ["generate: --prompt is required"],
+     None),
+    ("yaml-syntax", lambda c: ["finetune", "--config", c.dir / "broken.yaml"],
+     ["broken.yaml is not a valid YAML mapping of options", "line 2, column 7"], None),
+    ("yaml-not-mapping", lambda c: ["finetune", "--config", c.dir / "list.yaml"],
+     ["list.yaml is not a valid YAML mapping of options: it holds a list"], None),
+    ("yaml-bad-value", lambda c: ["finetune", "--config", c.dir / "bad_value.yaml"],
+     ["`train.lr` in", "bad_value.yaml: expected float, got 'fast'"], None),
+    ("missing-config", lambda c: ["finetune", "--config", c.dir / "nowhere.yaml"],
+     ["--config", "nowhere.yaml does not exist"], None),
     ("missing-checkpoint", lambda c: ["generate", "--checkpoint_dir", c.dir / "nowhere", "--prompt", "hi"],
      ["nowhere does not exist", "litqlora download"], None),
     ("no-weights", lambda c: ["generate", "--checkpoint_dir", c.dir / "no_weights", "--prompt", "hi"],
@@ -196,3 +214,68 @@ def test_debug_in_the_yaml_shows_the_traceback(ctx, tmp_path, capsys):
     config.write_text(f"checkpoint_dir: {ctx.dir / 'nowhere'}\ndebug: true\n")
     with pytest.raises(FileNotFoundError, match="nowhere does not exist"):
         main(["finetune", "--config", str(config)])
+
+
+USAGE = [  # argv from ctx, the message (same as in CASES)
+    (lambda c: ["finetun"], "unknown command 'finetun'"),
+    (lambda c: finetune_args(c, "--lora.rnk", "4"), "unknown option `lora.rnk`; did you mean `lora.r`?"),
+    (lambda c: ["finetune", "--config", c.dir / "typo.yaml"], "did you mean `train.max_steps`?"),
+    (lambda c: finetune_args(c, "--train.activation_checkpointing", "maybe"), "expected bool or int, got 'maybe'"),
+    (lambda c: ["generate", "--checkpoint_dir", c.base], "--prompt is required"),
+    (lambda c: ["finetune", "--config", c.dir / "list.yaml"], "it holds a list"),
+]
+
+
+@pytest.mark.parametrize("argv, message", USAGE)
+def test_usage_errors_come_from_the_input_not_from_jsonargparse_wording(argv, message, ctx, capsys, monkeypatch):
+    """The explanation does not depend on what jsonargparse's message says: reworded, the same one comes out."""
+    import lit_qlora.cli as cli
+    from jsonargparse import ArgumentError
+
+    def reworded_parser(*args, **kwargs):
+        parser = real_auto_parser(*args, **kwargs)
+        parse_args = parser.parse_args
+
+        def parse(argv):
+            try:
+                return parse_args(argv)
+            except ArgumentError:
+                raise ArgumentError(None, "jsonargparse put it in other words") from None
+
+        parser.parse_args = parse
+        return parser
+
+    real_auto_parser = cli.auto_parser
+    monkeypatch.setattr(cli, "auto_parser", reworded_parser)
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(a) for a in argv(ctx)])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert message in err and "other words" not in err
+
+
+def test_an_unexplained_rejection_shows_jsonargparse_message(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--no_such_global_option"])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2
+    assert err.startswith("litqlora: error: ") and "\n" not in err and "--no_such_global_option" in err
+
+
+def test_options_and_types_as_a_user_reads_them():
+    from pathlib import Path
+    from typing import Literal, Optional, Union
+
+    from lit_qlora.cli import Options, commands, describe
+
+    assert describe(Union[bool, int]) == "bool or int"
+    assert describe(Union[bool, Literal["auto"], Path]) == "bool, 'auto' or Path"
+    assert describe(Optional[float]) == "float or null"
+    assert describe(Literal["nf4", "none"]) == "one of 'nf4', 'none'"
+    assert describe(Optional[list[str]]) == "list[str] or null"
+    table = commands()
+    finetune, compare = Options.of(table["finetune"]), Options.of(table["compare"])
+    assert finetune.knows("train.max_steps") and finetune.knows("train") and not finetune.knows("train.max_stepz")
+    assert not finetune.knows("train.lr.x") and finetune.knows("print_config")
+    assert compare.knows("train.max_stepz")  # compare's --train is a dict: compare checks its keys itself
+    assert Options.of(table["generate"]).required == ("prompt",)
