@@ -36,13 +36,14 @@ from lm_eval.api.model import LM
 from tqdm import tqdm
 
 from lit_qlora.eval import SAMPLE_DATA_FILE, TASKS_DIR  # noqa: F401 (SAMPLE_DATA_FILE: re-exported)
+from lit_qlora.loading import load_model, resolve_quantize
+from lit_qlora.lora import read_adapter_config
 from lit_qlora.model import Transformer
 from lit_qlora.tokenizer import Tokenizer
 
 LOCAL_TASKS = ("truthfulqa_mc1", "truthfulqa_mc2")
 """Tasks that `--data_file` points at a local file."""
 DATA_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
-PRECISION_DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16, "32-true": torch.float32}
 HEAD_CHUNK = 1024
 """Output-head rows computed at once: bounds the float32 logits of long continuations (rolling windows)."""
 
@@ -441,24 +442,6 @@ def package_version(name: str) -> Optional[str]:
         return None
 
 
-def load_model(checkpoint_dir: Path, adapter_dir: Optional[Path], quantize: Optional[str], precision: str,
-               device: torch.device) -> tuple[Transformer, str, Optional[dict]]:
-    """(model on `device`, the quantize mode used, adapter config or None)."""
-    from lit_qlora.export import load_adapted_model, load_base
-
-    dtype = PRECISION_DTYPES[precision]
-    if adapter_dir is not None:
-        model, acfg = load_adapted_model(checkpoint_dir, adapter_dir, quantize, dtype)
-        quantize = quantize or acfg.get("quantize", "none")
-    else:
-        acfg = None
-        quantize = quantize or "none"
-        model = load_base(Path(checkpoint_dir), quantize, dtype).eval()
-    if device.type != "cpu":
-        model = model.to(device)
-    return model.eval(), quantize, acfg
-
-
 def evaluate(
     checkpoint_dir: Path,
     tasks: str,
@@ -523,7 +506,9 @@ def evaluate(
                              "uses none of them.")
 
         tokenizer = Tokenizer(checkpoint_dir)
-        model, quantize, acfg = load_model(checkpoint_dir, adapter_dir, quantize, precision, run_device)
+        acfg = read_adapter_config(adapter_dir) if adapter_dir is not None else None
+        quantize = resolve_quantize(quantize, acfg)
+        model = load_model(checkpoint_dir, quantize, precision, adapter_dir, device=run_device)
         loaded = time.perf_counter()
         if run_device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(run_device)
@@ -545,7 +530,7 @@ def evaluate(
     results["lit_qlora"] = {
         "checkpoint_dir": str(checkpoint_dir.resolve()),
         "adapter_dir": str(Path(adapter_dir).resolve()) if adapter_dir is not None else None,
-        "quantize": quantize,
+        "quantize": quantize.value,
         "precision": precision,
         "device": str(run_device),
         "tasks": names,
