@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import site as site_module
 import subprocess
 import sys
 from pathlib import Path
@@ -224,7 +225,7 @@ def test_smollm2_scores_equal_hflm(smollm2_dir, tmp_path):
 
 
 # Top-level entries of the repository that a wheel build does not need (large, generated or user data).
-NOT_FOR_WHEEL = {".git", "checkpoints", "out", "data", "benchmarks", "build", "dist", ".pytest_cache"}
+NOT_FOR_WHEEL = {".git", ".venv", "checkpoints", "out", "data", "benchmarks", "build", "dist", ".pytest_cache"}
 
 
 @pytest.mark.slow
@@ -248,9 +249,14 @@ def test_wheel_install_evaluates_from_outside_the_repo(tiny_llama_dir, tmp_path)
     run(sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", source, "-w", tmp_path / "wheels")
     (wheel,) = (tmp_path / "wheels").glob("lit_qlora-*.whl")
     venv = tmp_path / "venv"
-    run(sys.executable, "-m", "venv", "--system-site-packages", venv)
+    run(sys.executable, "-m", "venv", venv)
     python, litqlora = venv / "bin" / "python", venv / "bin" / "litqlora"
-    # The system site-packages hold an editable install pointing at the repository; the venv's own copy must win.
+    # The new venv borrows the dependencies of the environment running the tests (a venv or the base interpreter:
+    # `--system-site-packages` would expose the base interpreter's, not this venv's). A .pth line appends that
+    # site-packages after the venv's own, and .pth files are not processed there, so the editable install of the
+    # repository stays out and the wheel's copy is the one imported.
+    own_site = run(python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))").strip()
+    Path(own_site, "borrowed_dependencies.pth").write_text("".join(p + "\n" for p in site_module.getsitepackages()))
     run(python, "-m", "pip", "install", "-q", "--no-deps", "--force-reinstall", wheel)
 
     where = json.loads(run(python, "-c", "import json, lit_qlora, lit_qlora.eval as e; "
