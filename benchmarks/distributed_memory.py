@@ -37,7 +37,7 @@ def tensor_bytes(t: torch.Tensor) -> int:
 
 
 def held(model: torch.nn.Module) -> dict[str, int]:
-    from lit_qlora.lora import is_nf4
+    from lit_qlora.nf4 import is_nf4
 
     params = list(model.parameters())
     return {"nf4_base": sum(tensor_bytes(p) for p in params if is_nf4(p)),
@@ -50,13 +50,14 @@ def worker(rank: int, checkpoint_dir: str, init_file: str, queue) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from lit_qlora.parallel.distributed import shard_model
+    from lit_qlora.loading import load_model
     from lit_qlora.lora import apply_lora
-    from lit_qlora.quantize import load_nf4_checkpoint
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     try:
         torch.manual_seed(0)
-        model = apply_lora(load_nf4_checkpoint(checkpoint_dir, world_size=WORLD), 8, 16.0, dtype=torch.bfloat16)
+        model = apply_lora(load_model(checkpoint_dir, "nf4", "bf16-true", nf4_world_size=WORLD).train(), 8, 16.0,
+                           dtype=torch.bfloat16)
         ddp = held(model)
         rss_loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         shard_model(model, init_device_mesh("cpu", (WORLD,)))

@@ -49,18 +49,14 @@ def child(checkpoint_dir: str, quantize: str) -> None:
     """Runs in its own process: load, then report peak RSS and the model's resident bytes."""
     import torch
 
-    from lit_qlora.checkpoint import load_checkpoint
+    from lit_qlora.loading import load_model
     from lit_qlora.memory import module_bytes, peak_rss_bytes
     from lit_qlora.nf4 import nf4_backend
-    from lit_qlora.quantize import load_nf4_checkpoint
 
     nf4_backend()  # libraries imported and the NF4 kernel built: the baseline holds code, not weights
     base_rss = peak_rss_bytes()
     t0 = time.perf_counter()
-    if quantize == "nf4":
-        model = load_nf4_checkpoint(checkpoint_dir, dtype=torch.bfloat16)
-    else:
-        model = load_checkpoint(checkpoint_dir, dtype=torch.bfloat16)
+    model = load_model(checkpoint_dir, quantize, "bf16-true")
     # safetensors may hand out memory-mapped tensors: touch every byte so the weights are really resident.
     # Touch in 1M-element pieces so the touching itself adds no transient.
     with torch.no_grad():

@@ -34,7 +34,7 @@ CATEGORIES = ["parameter", "optimizer_state", "input", "temporary", "activation"
 
 def resident(model, optimizer) -> dict[str, int]:
     from lit_qlora.memory import tensor_bytes
-    from lit_qlora.nf4_linear import _scratch
+    from lit_qlora.nf4.linear import _scratch
 
     parts = {"base_linear_weights": 0, "embeddings_and_norms": 0, "lora_adapters": 0, "lora_gradients": 0}
     for name, p in model.named_parameters():

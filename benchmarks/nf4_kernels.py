@@ -41,9 +41,10 @@ import torchao  # noqa: E402
 from torchao.quantization import to_nf4  # noqa: E402
 from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import linear_nf4  # noqa: E402
 
-from lit_qlora import nf4 as nf4_mod  # noqa: E402
-from lit_qlora.nf4 import dequantize_nf4, nf4_backend, nf4_layout, quantize_nf4  # noqa: E402
-from lit_qlora.nf4_linear import nf4_linear  # noqa: E402
+from lit_qlora.nf4 import (dequantize_nf4, nf4_backend, nf4_layout, nf4_linear, nf4_nbytes,  # noqa: E402
+                           quantize_nf4)
+from lit_qlora.nf4.codec import block_scales  # noqa: E402
+from lit_qlora.nf4.native import native_error  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 SPEED_SHAPES = [(5632, 2048), (4096, 4096)]
@@ -152,7 +153,7 @@ def bench_speed(shape, rounds: int) -> dict:
     # compiled variant of the dequantize (measured, not used: slower than both of ours on this CPU)
     fn = compiled_dequant()
     q2 = ref.quantized_data.view(-1, ref.block_size // 2)
-    scales = nf4_mod._block_scales(ref)
+    scales = block_scales(ref)
     pairs = torch.stack([ref.nf4.repeat_interleave(16), ref.nf4.repeat(16)], dim=1).contiguous()
     t0 = time.perf_counter()
     got = fn(q2, scales, pairs)
@@ -240,7 +241,7 @@ def child_memory(variant: str, rows: int, cols: int) -> dict:
     seconds = time.perf_counter() - t0
     peak = _status_kb("VmHWM") * 1024 if reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     tensor_bytes = w.numel() * w.element_size()
-    nf4_bytes = nf4_mod.nf4_nbytes(t)
+    nf4_bytes = nf4_nbytes(t)
     return {
         "variant": variant,
         "shape": [rows, cols],
@@ -397,7 +398,7 @@ def main() -> None:
             "mem_total_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
         },
         "backend": nf4_backend(),
-        "native_error": nf4_mod._native_state["error"],
+        "native_error": native_error(),
     }
     if args.skip_speed:
         for key in ("speed_run", "speed"):

@@ -7,19 +7,18 @@ its optimizer and `step()`: FinetuneModule.micro_loss_sum on fixed random tokens
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
 
-from lit_qlora.export import load_base
+from lit_qlora.loading import load_model
 from lit_qlora.lora import apply_lora
 from lit_qlora.train.module import FinetuneModule, TrainArgs  # imported here so callers' RSS baselines include Lightning
 
 
 def build_step(checkpoint_dir: str, quantize: str, batch: int, seq: int, checkpointing: bool):
     torch.manual_seed(0)
-    model = load_base(Path(checkpoint_dir), quantize, torch.bfloat16)
+    model = load_model(checkpoint_dir, quantize, "bf16-true")
     apply_lora(model, r=8, alpha=16, dropout=0.0, targets="all", dtype=torch.bfloat16)
     model.checkpoint_blocks = model.config.n_layer if checkpointing else 0
     train = TrainArgs(max_steps=2, micro_batch_size=batch, global_batch_size=batch, max_seq_length=seq,

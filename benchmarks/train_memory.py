@@ -38,10 +38,10 @@ def child(args: argparse.Namespace) -> None:
     import torch
     from torch.utils.data import DataLoader
 
-    from lit_qlora.export import load_base
+    from lit_qlora.loading import load_model
     from lit_qlora.lora import apply_lora
     from lit_qlora.memory import peak_rss_bytes
-    from lit_qlora.quantize import NF4Precision
+    from lit_qlora.precision import NF4Precision
     from lit_qlora.train.module import FinetuneModule, TrainArgs
 
     before = peak_rss_bytes()
@@ -51,7 +51,7 @@ def child(args: argparse.Namespace) -> None:
         batches = load_file(args.batches)["input_ids"]
         args.steps, args.batch, args.seq = batches.shape
     L.seed_everything(0, verbose=False)
-    model = load_base(Path(args.checkpoint_dir), "nf4" if args.child == "nf4" else "none", torch.bfloat16)
+    model = load_model(args.checkpoint_dir, "nf4" if args.child == "nf4" else "none", "bf16-true").train()
     if args.child == "full":
         model.requires_grad_(True)
     else:

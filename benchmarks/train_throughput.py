@@ -27,13 +27,13 @@ RESULTS = Path(__file__).resolve().parent / "results"
 def child(args: argparse.Namespace) -> None:
     import torch
 
-    from lit_qlora.export import load_base
+    from lit_qlora.loading import load_model
     from lit_qlora.lora import apply_lora
     from lit_qlora.train.loss import chunked_cross_entropy_sum
     from lit_qlora.memory import peak_rss_bytes
 
     torch.manual_seed(0)
-    model = load_base(Path(args.checkpoint_dir), args.quantize, torch.bfloat16)
+    model = load_model(args.checkpoint_dir, args.quantize, "bf16-true")
     apply_lora(model, r=8, alpha=16, dropout=0.0, targets="all", dtype=torch.bfloat16)
     model.checkpoint_blocks = model.config.n_layer if args.activation_checkpointing else 0
     model.train()

@@ -18,12 +18,11 @@ from lit_qlora.checkpoint import atomic_write_text
 from lit_qlora.download import DownloadError
 from lit_qlora.eval.lm import LitQLoRALM
 from lit_qlora.eval.truthfulqa import LOCAL_TASKS, check_truthfulqa_file, prepare_local_tasks
-from lit_qlora.export import load_adapted_model, load_base
+from lit_qlora.loading import load_model, resolve_quantize
+from lit_qlora.lora import read_adapter_config
 from lit_qlora.memory import module_bytes, peak_rss_bytes
-from lit_qlora.model import Transformer
 from lit_qlora.tokenizer import Tokenizer
 
-PRECISION_DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16, "32-true": torch.float32}
 
 # lm-eval's evaluator, task index and utils take over a second to import; they are imported where used, so the
 # other `litqlora` commands (which all import this module for the command table) do not pay for them.
@@ -87,22 +86,6 @@ def package_version(name: str) -> Optional[str]:
         return None
 
 
-def load_model(checkpoint_dir: Path, adapter_dir: Optional[Path], quantize: Optional[str], precision: str,
-               device: torch.device) -> tuple[Transformer, str, Optional[dict]]:
-    """(model on `device`, the quantize mode used, adapter config or None)."""
-    dtype = PRECISION_DTYPES[precision]
-    if adapter_dir is not None:
-        model, acfg = load_adapted_model(checkpoint_dir, adapter_dir, quantize, dtype)
-        quantize = quantize or acfg.get("quantize", "none")
-    else:
-        acfg = None
-        quantize = quantize or "none"
-        model = load_base(Path(checkpoint_dir), quantize, dtype).eval()
-    if device.type != "cpu":
-        model = model.to(device)
-    return model.eval(), quantize, acfg
-
-
 def evaluate(
     checkpoint_dir: Path,
     tasks: str,
@@ -164,7 +147,9 @@ def evaluate(
                              "uses none of them.")
 
         tokenizer = Tokenizer(checkpoint_dir)
-        model, quantize, acfg = load_model(checkpoint_dir, adapter_dir, quantize, precision, run_device)
+        acfg = read_adapter_config(adapter_dir) if adapter_dir is not None else None
+        quantize = resolve_quantize(quantize, acfg)
+        model = load_model(checkpoint_dir, quantize, precision, adapter_dir, device=run_device)
         loaded = time.perf_counter()
         if run_device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(run_device)
@@ -186,7 +171,7 @@ def evaluate(
     results["lit_qlora"] = {
         "checkpoint_dir": str(checkpoint_dir.resolve()),
         "adapter_dir": str(Path(adapter_dir).resolve()) if adapter_dir is not None else None,
-        "quantize": quantize,
+        "quantize": quantize.value,
         "precision": precision,
         "device": str(run_device),
         "tasks": names,

@@ -1,14 +1,43 @@
-"""Model configuration: one dataclass for the Llama family, read from and written to HF `config.json`."""
+"""Model configuration (one dataclass for the Llama family, read from and written to HF `config.json`), the one
+precision/dtype table and the typed quantize choice."""
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
+from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+import torch
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+# The one precision/dtype table: Lightning's precision name, the dtype's name in our files (adapter_config.json's
+# base_dtype / lora_dtype, `convert_gguf --dtype`), the torch dtype. Everything below is a view of it.
+_PRECISION_TABLE = (
+    ("bf16-true", "bfloat16", torch.bfloat16),
+    ("16-true", "float16", torch.float16),
+    ("32-true", "float32", torch.float32),
+)
+Precision = Literal["bf16-true", "16-true", "32-true"]
+PRECISION_DTYPES: dict[str, torch.dtype] = {precision: dtype for precision, _, dtype in _PRECISION_TABLE}
+DTYPES: dict[str, torch.dtype] = {name: dtype for _, name, dtype in _PRECISION_TABLE}
+DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for _, name, dtype in _PRECISION_TABLE}
+
+
+class Quantize(str, Enum):
+    """How the frozen base is stored: NF4 (QLoRA) or plain weights in the compute dtype (LoRA).
+
+    A `str` subclass whose value is the CLI / JSON spelling, so `Quantize("nf4")` parses a flag or a file and
+    the value writes back unchanged."""
+
+    NF4 = "nf4"
+    NONE = "none"
+
+    def __str__(self) -> str:
+        return self.value
 
 
 def require_checkpoint_dir(checkpoint_dir: str | Path, error: type[Exception] = FileNotFoundError) -> None:
@@ -214,8 +243,6 @@ PRESETS: dict[str, Config] = {
 
 def rope_inv_freq(config: Config, device=None):
     """RoPE inverse frequencies, with Llama-3 or linear scaling applied (matches transformers)."""
-    import torch
-
     dim = config.head_dim
     inv_freq = 1.0 / (config.rope_base ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim))
     scaling = config.rope_scaling

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Iterable, Literal, Optional
+from typing import Literal, Optional
 
 import torch
 import torch.nn as nn
 
 from lit_qlora.checkpoint import TensorSpec, atomic_write_text, save_hf_checkpoint, write_safetensors
-from lit_qlora.lora import LoRALinear, apply_lora, is_nf4, load_adapter, lora_modules, read_adapter_config
-
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+from lit_qlora.loading import load_model
+from lit_qlora.lora import LoRALinear, lora_modules, read_adapter_config
+from lit_qlora.nf4 import dequantize_nf4, is_nf4
 
 
 def hf_tensor_specs(model: nn.Module, dtype: torch.dtype = torch.bfloat16, merge: bool = True) -> list[TensorSpec]:
@@ -33,8 +33,6 @@ def hf_tensor_specs(model: nn.Module, dtype: torch.dtype = torch.bfloat16, merge
         if isinstance(module, LoRALinear) and leaf == "weight":
             produce = (lambda m=module: m.merged_weight(dtype)) if merge else (lambda m=module: m.base_weight(dtype))
         elif is_nf4(tensor):
-            from lit_qlora.nf4 import dequantize_nf4
-
             produce = lambda t=tensor: dequantize_nf4(t).to(dtype)  # noqa: E731
         else:
             produce = lambda t=tensor, d=out_dtype: t.detach().to(d)  # noqa: E731
@@ -51,44 +49,6 @@ def export_config(model: nn.Module, merged: bool):
     return config
 
 
-def load_base(checkpoint_dir: Path, quantize: str, dtype: torch.dtype = torch.bfloat16,
-              ignore_modules: Iterable[str] = (), world_size: int = 1, tensor_parallel: int = 1):
-    """The base model an adapter trained on: NF4-quantized from `dtype` weights (with the same layout), or plain
-    `dtype` weights. After `--strategy tp` with NF4 the split linears hold the dequantized per-shard NF4 weights."""
-    if quantize == "nf4" and tensor_parallel > 1:
-        from lit_qlora.parallel.tensor_parallel import load_tp_layout_model
-
-        return load_tp_layout_model(checkpoint_dir, dtype, ignore_modules, tensor_parallel)
-    if quantize == "nf4":
-        from lit_qlora.quantize import load_nf4_checkpoint
-
-        return load_nf4_checkpoint(checkpoint_dir, dtype=dtype, ignore_modules=ignore_modules, world_size=world_size)
-    from lit_qlora.checkpoint import load_checkpoint
-
-    return load_checkpoint(checkpoint_dir, dtype=dtype)
-
-
-def load_adapted_model(checkpoint_dir: Path, adapter_dir: Path, quantize: Optional[str] = None,
-                       dtype: Optional[torch.dtype] = None):
-    """Base (as trained, unless `quantize` or `dtype` override) + adapter; returns (model, adapter_config)."""
-    acfg = read_adapter_config(adapter_dir)
-    quantize = quantize or acfg.get("quantize", "none")
-    trained_dtype = DTYPES[acfg.get("base_dtype", "bfloat16")]
-    # NF4 codes always come from the weights training quantized (bf16 for a float32 checkpoint): quantizing the
-    # float32 originals instead gives other codes, a model that never trained. Only the compute dtype moves.
-    base_dtype = trained_dtype if quantize == "nf4" else (dtype or trained_dtype)
-    model = load_base(Path(checkpoint_dir), quantize, base_dtype, acfg.get("ignore_modules", ()),
-                      acfg.get("nf4_world_size", 1), acfg.get("nf4_tensor_parallel", 1))
-    if dtype is not None and dtype != base_dtype:
-        for param in model.parameters():
-            if not is_nf4(param):  # NF4 weights dequantize to the activations' dtype
-                param.data = param.data.to(dtype)
-    lora_dtype = dtype or DTYPES[acfg.get("lora_dtype", "bfloat16")]
-    apply_lora(model, acfg["r"], acfg["alpha"], 0.0, acfg["targets"], acfg.get("rslora", False), lora_dtype)
-    load_adapter(model, adapter_dir)
-    return model.eval(), acfg
-
-
 def merge(checkpoint_dir: Path, adapter_dir: Path, out_dir: Path,
           quantize: Optional[Literal["nf4", "none"]] = None) -> Path:
     """Merge a LoRA adapter into its base and write a bf16 Hugging Face directory.
@@ -100,7 +60,7 @@ def merge(checkpoint_dir: Path, adapter_dir: Path, out_dir: Path,
         quantize: Base to merge into: nf4 = dequant(NF4(W)), the weights QLoRA trained against; none = the
             original W. Defaults to what the adapter was trained with.
     """
-    model, _ = load_adapted_model(checkpoint_dir, adapter_dir, quantize)
+    model = load_model(checkpoint_dir, quantize, adapter_dir=adapter_dir)
     specs = hf_tensor_specs(model, torch.bfloat16, merge=True)
     return save_hf_checkpoint(out_dir, export_config(model, True), specs, tokenizer_dir=Path(checkpoint_dir),
                               dtype=torch.bfloat16)
@@ -134,7 +94,8 @@ def export_peft(checkpoint_dir: Path, adapter_dir: Path, out_dir: Path, with_deq
         with_dequantized_base: Also write dequant(NF4(W)), the base QLoRA trained against, to OUT_DIR/base/ so
             the adapter applies exactly in other runtimes.
     """
-    model, acfg = load_adapted_model(checkpoint_dir, adapter_dir)
+    model = load_model(checkpoint_dir, adapter_dir=adapter_dir)
+    acfg = read_adapter_config(adapter_dir)
     base_dir = Path(out_dir) / "base" if with_dequantized_base else Path(checkpoint_dir)
     write_peft_adapter(model, acfg, out_dir, str(base_dir.resolve()))
     if with_dequantized_base:

@@ -13,19 +13,22 @@ import lightning as L
 import torch
 
 from lit_qlora.checkpoint import atomic_write_text
+from lit_qlora.config import DTYPE_NAMES, PRECISION_DTYPES, Quantize
 from lit_qlora.data.module import DataArgs, SFTDataModule
 from lit_qlora.parallel.distributed import build_strategy, is_sharded, keep_frozen_out_of_ddp, nf4_shards_for
 from lit_qlora.guards import oom_advice
 from lit_qlora.lora import apply_lora, full_lora_state_dict, load_adapter, save_adapter
 from lit_qlora.memory import peak_rss_bytes, release_free_memory
-from lit_qlora.quantize import PRECISION_DTYPES, NF4Precision, count_linears
+from lit_qlora.loading import load_model
+from lit_qlora.nf4 import count_linears
+from lit_qlora.parallel.tensor_parallel import TensorParallelShard
+from lit_qlora.precision import NF4Precision
 from lit_qlora.train.signals import StopSignals, TrainingStopped
 from lit_qlora.train.state import (collect_training_state, latest_checkpoint, load_training_state, read_state,
                                    save_training_state, step_dir)
 from lit_qlora.train.module import FinetuneModule, LoRAArgs, TrainArgs, total_steps_for, train_loader
 
 DEFAULT_CHECKPOINT = Path("checkpoints/SmolLM2-135M-Instruct")
-DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
 def ensure_default_checkpoint(checkpoint_dir: Path) -> None:
@@ -78,21 +81,6 @@ class RunLog:
         self.logger.log_metrics(numbers, step=row["step"])
 
 
-def build_model(checkpoint_dir: Path, quantize: str, dtype: torch.dtype, ignore_modules: list[str], world_size: int,
-                tp_rank: int = 0, tensor_parallel: int = 1):
-    if tensor_parallel > 1:  # this rank's shard of every split weight, quantized on its own
-        from lit_qlora.parallel.tensor_parallel import load_sharded
-
-        return load_sharded(checkpoint_dir, quantize, dtype, ignore_modules, tp_rank, tensor_parallel)
-    if quantize == "nf4":
-        from lit_qlora.quantize import load_nf4_checkpoint
-
-        return load_nf4_checkpoint(checkpoint_dir, dtype=dtype, ignore_modules=ignore_modules, world_size=world_size)
-    from lit_qlora.checkpoint import load_checkpoint
-
-    return load_checkpoint(checkpoint_dir, dtype=dtype)
-
-
 def finetune(
     checkpoint_dir: Path = DEFAULT_CHECKPOINT,
     out_dir: Path = Path("out/finetune"),
@@ -140,6 +128,7 @@ def finetune(
         debug: Show full tracebacks on errors.
     """
     started = time.perf_counter()
+    quantize = Quantize(quantize)
     out_dir = Path(out_dir)
     ignore_modules = list(ignore_modules or [])
     dtype = PRECISION_DTYPES[precision]
@@ -165,8 +154,8 @@ def finetune(
 
     settings = (f"micro_batch_size={train.micro_batch_size}, max_seq_length={train.max_seq_length}, "
                 f"activation_checkpointing={train.activation_checkpointing}")
-    oom = partial(oom_advice, settings=settings, quantized=quantize == "nf4")
-    plugin = NF4Precision(precision, ignore_modules, layout_shards) if quantize == "nf4" else None
+    oom = partial(oom_advice, settings=settings, quantized=quantize is Quantize.NF4)
+    plugin = NF4Precision(precision, ignore_modules, layout_shards) if quantize is Quantize.NF4 else None
     from lightning.pytorch.loggers import TensorBoardLogger
 
     logger = TensorBoardLogger(save_dir=str(out_dir), name="", version="logs", default_hp_metric=False)
@@ -178,8 +167,10 @@ def finetune(
     )
     # The Trainer knows this process's rank before any process group exists: tensor parallelism loads its shard.
     with oom(lambda: "while loading the base model"):
-        model = build_model(Path(checkpoint_dir), quantize, dtype, ignore_modules, layout_shards,
-                            trainer.global_rank % tensor_parallel, tensor_parallel)
+        tp_rank = trainer.global_rank % tensor_parallel
+        shard = TensorParallelShard(tp_rank, tensor_parallel) if tensor_parallel > 1 else None
+        model = load_model(checkpoint_dir, quantize, precision, shard=shard, ignore_modules=ignore_modules,
+                           nf4_world_size=layout_shards).train()
     apply_lora(model, lora.r, lora.alpha, lora.dropout, lora.targets, lora.rslora, dtype=dtype)
     n_ckpt = train.activation_checkpointing
     model.checkpoint_blocks = model.config.n_layer if n_ckpt is True else int(n_ckpt or 0)
@@ -187,7 +178,7 @@ def finetune(
     keep_frozen_out_of_ddp(module)
     out_dir.mkdir(parents=True, exist_ok=True)
     run_log = RunLog(out_dir, start_step, train.log_interval, logger) if trainer.is_global_zero else None
-    run_config = {"checkpoint_dir": str(checkpoint_dir), "quantize": quantize, "precision": precision,
+    run_config = {"checkpoint_dir": str(checkpoint_dir), "quantize": quantize.value, "precision": precision,
                   "seed": seed, "lora": asdict(lora), "train": asdict(train), "data": json.loads(json.dumps(
                       asdict(data), default=str)), "ignore_modules": ignore_modules, "world_size": world_size,
                   "strategy": strategy, "tensor_parallel": tensor_parallel, "nf4_shards": layout_shards}
@@ -280,7 +271,7 @@ def finetune(
     return summary
 
 
-def export_final(model, final_dir: Path, checkpoint_dir: Path, quantize: str, dtype: torch.dtype, lora: LoRAArgs,
+def export_final(model, final_dir: Path, checkpoint_dir: Path, quantize: Quantize, dtype: torch.dtype, lora: LoRAArgs,
                  ignore_modules: list[str], world_size: int, precision: str,
                  adapter: Optional[dict[str, torch.Tensor]] = None, tensor_parallel: int = 1) -> None:
     """final/adapter.safetensors (+ config), final/merged (HF), final/peft: streamed from the trained model.
@@ -294,16 +285,14 @@ def export_final(model, final_dir: Path, checkpoint_dir: Path, quantize: str, dt
 
     adapter_config = {
         "r": lora.r, "alpha": lora.alpha, "dropout": lora.dropout, "targets": resolve_targets(lora.targets),
-        "rslora": lora.rslora, "quantize": quantize, "precision": precision, "base_dtype": DTYPE_NAMES[dtype],
+        "rslora": lora.rslora, "quantize": quantize.value, "precision": precision, "base_dtype": DTYPE_NAMES[dtype],
         "lora_dtype": DTYPE_NAMES[dtype], "base_model": str(Path(checkpoint_dir).resolve()),
         "ignore_modules": ignore_modules, "nf4_world_size": world_size,
-        **({"nf4_tensor_parallel": tensor_parallel} if quantize == "nf4" and tensor_parallel > 1 else {}),
+        **({"nf4_tensor_parallel": tensor_parallel} if quantize is Quantize.NF4 and tensor_parallel > 1 else {}),
     }
     save_adapter(model, final_dir, adapter_config, adapter)
     if is_sharded(model):
-        from lit_qlora.export import load_adapted_model
-
-        model, _ = load_adapted_model(Path(checkpoint_dir), final_dir)
+        model = load_model(checkpoint_dir, adapter_dir=final_dir)
     model = model.eval()
     save_hf_checkpoint(final_dir / "merged", export_config(model, True), hf_tensor_specs(model, torch.bfloat16),
                        tokenizer_dir=Path(checkpoint_dir), dtype=torch.bfloat16)

@@ -8,6 +8,7 @@ from typing import Iterator, Literal, Optional, Sequence
 
 import torch
 
+from lit_qlora.loading import load_model
 from lit_qlora.model import Transformer
 
 
@@ -84,15 +85,10 @@ def generate_command(
         adapter_dir: A fine-tune's output directory: apply its LoRA adapter on top of the base.
         chat_template: Wrap the prompt in the checkpoint's chat template when it has one.
     """
-    from lit_qlora.export import load_adapted_model, load_base
     from lit_qlora.tokenizer import Tokenizer
 
-    dtype = {"bf16-true": torch.bfloat16, "16-true": torch.float16, "32-true": torch.float32}[precision]
     tokenizer = Tokenizer(checkpoint_dir)
-    if adapter_dir is not None:
-        model, _ = load_adapted_model(checkpoint_dir, adapter_dir, quantize, dtype)
-    else:
-        model = load_base(Path(checkpoint_dir), quantize or "none", dtype).eval()
+    model = load_model(checkpoint_dir, quantize, precision, adapter_dir)
     if chat_template and tokenizer.has_chat_template:
         text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
         ids = tokenizer.encode(text, bos=False)

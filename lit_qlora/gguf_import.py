@@ -19,10 +19,9 @@ import numpy as np
 import torch
 
 from lit_qlora.checkpoint import TensorSpec, atomic_write_text, write_safetensors
-from lit_qlora.config import Config, rope_inv_freq
+from lit_qlora.config import DTYPES, Config, rope_inv_freq
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 
 _TOP_LEVEL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}

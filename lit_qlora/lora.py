@@ -9,7 +9,8 @@ from typing import Iterable, Optional
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
+
+from lit_qlora.nf4 import dequantize_nf4, frozen_linear, is_nf4
 
 # Short target names -> module name suffixes in our (= Hugging Face) naming.
 TARGETS = {
@@ -24,22 +25,6 @@ TARGETS = {
 }
 ADAPTER_WEIGHTS = "adapter.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
-
-
-def is_nf4(t: torch.Tensor) -> bool:
-    """An NF4Tensor, or an FSDP2 shard of one (a DTensor whose local tensor is an NF4Tensor)."""
-    if type(t).__name__ == "DTensor":
-        t = t.to_local()
-    return type(t).__name__ == "NF4Tensor"
-
-
-def frozen_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """The base projection: our fast NF4 kernel for NF4 weights, F.linear otherwise."""
-    if is_nf4(weight):
-        from lit_qlora.nf4_linear import nf4_linear
-
-        return nf4_linear(x, weight, bias)
-    return F.linear(x, weight, bias)
 
 
 class LoRALinear(nn.Linear):
@@ -87,8 +72,6 @@ class LoRALinear(nn.Linear):
     def base_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight the adapter trained against: dequant(NF4(W)) for an NF4 base, W otherwise."""
         if is_nf4(self.weight):
-            from lit_qlora.nf4 import dequantize_nf4
-
             return dequantize_nf4(self.weight).to(dtype)
         return self.weight.detach().to(dtype)
 

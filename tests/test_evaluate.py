@@ -248,9 +248,9 @@ def test_evaluate_with_adapter_and_parquet(tiny_llama_dir, tmp_path):
 
     from lit_qlora.eval.evaluate import evaluate
     from lit_qlora.lora import apply_lora, save_adapter
-    from lit_qlora.quantize import load_nf4_checkpoint
+    from lit_qlora.loading import load_model
 
-    model = load_nf4_checkpoint(tiny_llama_dir)
+    model = load_model(tiny_llama_dir, "nf4")
     apply_lora(model, r=4, alpha=8, targets="all", dtype=torch.bfloat16)
     torch.manual_seed(1)
     for name, p in model.named_parameters():

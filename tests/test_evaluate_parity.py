@@ -45,7 +45,7 @@ def parity(tiny_llama_dir, tmp_path_factory) -> SimpleNamespace:
     LoRA on the NF4 base; merged: `merge(base, adapter)` with its defaults."""
     from lit_qlora.export import hf_tensor_specs, merge
     from lit_qlora.lora import apply_lora, save_adapter
-    from lit_qlora.quantize import load_nf4_checkpoint
+    from lit_qlora.loading import load_model
 
     root = tmp_path_factory.mktemp("parity")
     plain = load_checkpoint(tiny_llama_dir, dtype=torch.bfloat16)
@@ -53,7 +53,7 @@ def parity(tiny_llama_dir, tmp_path_factory) -> SimpleNamespace:
                               dtype=torch.bfloat16)
     copy_tokenizer_files(tiny_llama_dir, base)
 
-    model = load_nf4_checkpoint(base)
+    model = load_model(base, "nf4")
     apply_lora(model, r=4, alpha=8, targets="all", dtype=torch.bfloat16)
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
@@ -282,11 +282,11 @@ def test_wheel_install_evaluates_from_outside_the_repo(tiny_llama_dir, tmp_path)
 def test_online_nf4_at_32_true_keeps_the_trained_nf4_codes(tiny_llama_dir, parity, tmp_path):
     """A float32 checkpoint trains on NF4 codes quantized from its bf16 cast. Evaluating the adapter online at
     32-true must reuse those codes (only activations move to float32), not re-quantize the float32 originals."""
-    from lit_qlora.export import load_adapted_model
+    from lit_qlora.loading import load_model
     from lit_qlora.nf4 import dequantize_nf4
 
-    trained, _ = load_adapted_model(tiny_llama_dir, parity.adapter)  # as QLoRA trained: bf16 -> NF4
-    online, _ = load_adapted_model(tiny_llama_dir, parity.adapter, dtype=torch.float32)
+    trained = load_model(tiny_llama_dir, adapter_dir=parity.adapter)  # as QLoRA trained: bf16 -> NF4
+    online = load_model(tiny_llama_dir, precision="32-true", adapter_dir=parity.adapter)
     weights = dict(trained.named_parameters())
     checked = 0
     for name, param in online.named_parameters():

@@ -11,17 +11,21 @@ import torch
 import torch.nn.functional as F
 from torchao.quantization import NF4Tensor, to_nf4
 
-from lit_qlora import nf4 as nf4_mod
+import lit_qlora.nf4
 from lit_qlora.nf4 import (
     NF4_LEVELS,
+    block_aligned_rows,
     clone_nf4,
     dequantize_nf4,
     nf4_backend,
     nf4_layout,
+    nf4_linear,
     nf4_nbytes,
     quantize_nf4,
 )
-from lit_qlora.nf4_linear import nf4_linear
+from lit_qlora.nf4 import linear as lin
+from lit_qlora.nf4.native import use_native
+from lit_qlora.nf4.reference import thresholds as nf4_thresholds
 
 INNER = ("quantized_data", "quantized_scalers", "quantization_factor", "scaler_mean", "nf4")
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -31,7 +35,7 @@ native_param = pytest.mark.parametrize("native", NATIVE, ids=lambda n: "native" 
 
 
 def skip_unsupported(native: bool, dtype: torch.dtype) -> None:
-    if native and not nf4_mod._use_native(dtype):
+    if native and not use_native(dtype):
         pytest.skip(f"native kernels built without {dtype} support (gcc without _Float16)")
 
 
@@ -218,7 +222,7 @@ def test_every_16bit_value_gets_torchaos_code(dtype, native):
 
 @native_param
 def test_float32_values_next_to_every_threshold(native):
-    thresholds = torch.tensor(nf4_mod._thresholds(torch.float32))
+    thresholds = torch.tensor(nf4_thresholds(torch.float32))
     near = torch.cat([(thresholds.view(torch.int32) + k).view(torch.float32) for k in range(-150, 150)])
     near = torch.cat([near, -near, torch.tensor([0.0, -0.0, 1.0, -1.0])])
     g = torch.Generator().manual_seed(0)
@@ -438,9 +442,9 @@ def test_nf4_linear_after_inference_mode_still_trains():
 def test_dequantize_rows_equals_the_slice_of_the_whole(dtype, backend):
     t = quantize_nf4(weight((200, 72), torch.bfloat16))  # 72 columns: a block spans rows, rows step 8
     whole = dequantize_nf4(t, dtype)
-    step = nf4_mod.block_aligned_rows(t, 8 * 72 * 3)
+    step = block_aligned_rows(t, 8 * 72 * 3)
     assert step == 24 and (step * 72) % t.block_size == 0
-    assert nf4_mod.block_aligned_rows(t, 1) == 8  # never less than one whole number of blocks
+    assert block_aligned_rows(t, 1) == 8  # never less than one whole number of blocks
     for start in range(0, 200, step):
         stop = min(200, start + step)
         assert torch.equal(dequantize_nf4(t, dtype, rows=(start, stop)), whole[start:stop])
@@ -454,8 +458,6 @@ def test_dequantize_rows_equals_the_slice_of_the_whole(dtype, backend):
 def test_large_weight_runs_in_row_slices_with_a_small_dense_copy(monkeypatch, backend):
     """A weight over DENSE_CHUNK_ELEMS is multiplied a block-aligned slice of rows at a time (ragged last slice):
     same outputs and gradients as one dense matmul, and the CPU scratch never holds more than one slice."""
-    from lit_qlora import nf4_linear as lin
-
     monkeypatch.setattr(lin, "DENSE_CHUNK_ELEMS", 64 * 576)
     monkeypatch.setattr(lin, "_scratch", __import__("threading").local())
     t = quantize_nf4(weight((200, 576), torch.bfloat16))
@@ -480,3 +482,39 @@ def test_large_weight_runs_in_row_slices_with_a_small_dense_copy(monkeypatch, ba
         err, dense_err = (got.float() - exact).abs(), (dense.float() - exact).abs()
         assert err.max() <= 2 * dense_err.max() and err.mean() <= 2 * dense_err.mean()
     assert torch.equal(b.grad, b2.grad)
+
+
+def test_star_import_gives_every_public_name():
+    namespace: dict = {}
+    exec("from lit_qlora.nf4 import *", namespace)
+    assert set(lit_qlora.nf4.__all__) <= set(namespace)
+    for name in lit_qlora.nf4.__all__:
+        assert namespace[name] is getattr(lit_qlora.nf4, name)
+    assert {"quantize_nf4", "dequantize_nf4", "is_nf4", "nf4_layout", "nf4_linear", "FrozenNF4Linear",
+            "quantize_linears", "count_linears"} <= set(lit_qlora.nf4.__all__)
+
+
+def test_storage_layer_never_imports_the_adapter_layer():
+    """lit_qlora.nf4 is below LoRA: importing it (in a fresh interpreter) loads no lit_qlora module outside it."""
+    import subprocess
+    import sys
+
+    code = ("import sys, lit_qlora.nf4; print(sorted(m for m in sys.modules if m.startswith('lit_qlora.') "
+            "and not m.startswith('lit_qlora.nf4')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_kernel_source_is_package_data_and_keys_the_build_cache(tmp_path, monkeypatch):
+    """kernels.c ships beside native.py; the cached library's name changes with the source text."""
+    from lit_qlora.nf4 import native
+
+    source = native.kernel_source()
+    assert "void nf4_quantize(" in source and "void nf4_dequant16(" in source
+    if native.native_lib() is None:
+        pytest.skip(f"no native kernels here: {native.native_error()}")
+    monkeypatch.setenv("LIT_QLORA_KERNEL_CACHE", str(tmp_path))
+    native._compile_native()
+    monkeypatch.setattr(native, "kernel_source", lambda: source + "\n/* edited */\n")
+    native._compile_native()
+    assert len(list(tmp_path.glob("nf4_*.so"))) == 2

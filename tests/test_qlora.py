@@ -7,14 +7,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lit_qlora.checkpoint import load_checkpoint, save_hf_checkpoint
+from lit_qlora.checkpoint import save_hf_checkpoint
 from lit_qlora.config import Config
 from lit_qlora.export import export_peft, hf_tensor_specs, merge
-from lit_qlora.lora import LoRALinear, apply_lora, is_nf4, lora_state_dict, save_adapter
+from lit_qlora.loading import load_model
+from lit_qlora.lora import LoRALinear, apply_lora, lora_state_dict, save_adapter
 from lit_qlora.memory import tensor_bytes
 from lit_qlora.model import Transformer
-from lit_qlora.nf4 import dequantize_nf4
-from lit_qlora.quantize import NF4Precision, count_linears, load_nf4_checkpoint
+from lit_qlora.nf4 import count_linears, dequantize_nf4, is_nf4, quantize_nf4
+from lit_qlora.precision import NF4Precision
 
 # Shapes chosen so layers need non-default NF4 layouts (k/v: 64x256 = 16384 / 64 = 256 blocks; up: 352 rows).
 TINY = Config(vocab_size=320, n_layer=2, n_embd=256, n_head=4, n_query_groups=1, intermediate_size=352,
@@ -134,7 +135,7 @@ def write_base(tmp_path, model):
 
 def trained_adapter(tmp_path, base_dir, quantize, targets="all"):
     config = Config.from_checkpoint(base_dir)
-    model = load_nf4_checkpoint(base_dir) if quantize == "nf4" else load_checkpoint(base_dir)
+    model = load_model(base_dir, quantize)
     apply_lora(model, r=4, alpha=8, targets=targets, dtype=torch.bfloat16)
     randomize_lora(model)
     adapter_dir = save_adapter(model, tmp_path / f"adapter-{quantize}", {
@@ -221,6 +222,4 @@ def test_loading_a_state_dict_requantizes_in_place():
     model.load_state_dict(new)
     weight = model.get_parameter(key)
     assert is_nf4(weight)
-    from lit_qlora.nf4 import quantize_nf4
-
     assert torch.equal(dequantize_nf4(weight), dequantize_nf4(quantize_nf4(new[key])))

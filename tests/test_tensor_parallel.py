@@ -57,7 +57,7 @@ def _worker(rank: int, ckpt: str, quantize: str, init_file: str, queue) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     import lit_qlora.parallel.tensor_parallel as tp
-    from lit_qlora.checkpoint import load_checkpoint
+    from lit_qlora.loading import load_model
     from lit_qlora.lora import apply_lora, full_lora_state_dict, lora_modules
     from lit_qlora.nf4 import dequantize_nf4
 
@@ -65,7 +65,7 @@ def _worker(rank: int, ckpt: str, quantize: str, init_file: str, queue) -> None:
     try:
         mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("data_parallel", "tensor_parallel"))
         group = mesh["tensor_parallel"].get_group()
-        model = tp.load_sharded(ckpt, quantize, torch.float32, [], rank, 2)
+        model = load_model(ckpt, quantize, "32-true", shard=tp.TensorParallelShard(rank, 2)).train()
         torch.manual_seed(100 + rank)  # another init per rank: parallelize must start all from rank 0's
         apply_lora(model, 4, 8.0, 0.0, "all", dtype=torch.float32)
         for m in lora_modules(model).values():
@@ -73,10 +73,7 @@ def _worker(rank: int, ckpt: str, quantize: str, init_file: str, queue) -> None:
         tp.parallelize(model, mesh["tensor_parallel"])
         init = full_lora_state_dict(model)
 
-        if quantize == "nf4":
-            ref = tp.load_tp_layout_model(ckpt, torch.float32, [], 2)
-        else:
-            ref = load_checkpoint(ckpt, dtype=torch.float32)
+        ref = load_model(ckpt, quantize, "32-true", nf4_tensor_parallel=2).train()  # NF4: every shard's own bits
         apply_lora(ref, 4, 8.0, 0.0, "all", dtype=torch.float32)
         ref.load_state_dict(init, strict=False)
         out = {"lora_params": len(init)}

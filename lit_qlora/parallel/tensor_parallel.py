@@ -5,7 +5,8 @@ tensor (an NF4Tensor with QLoRA): the rows of q/k/v/gate/up (column-parallel: it
 slice of the MLP's hidden units) and the matching columns of o/down (row-parallel). Embeddings, norms and the
 head are replicated. Every shard is quantized on its own rank, after slicing, so row-parallel weights need no
 dim-1 split of an NF4Tensor (torchao splits those along dim 0 only); the price is that the NF4 bits depend on N
-(the double-quantization statistics are per shard), which `load_tp_layout_model` reproduces in one process.
+(the double-quantization statistics are per shard), which `load_model(..., nf4_tensor_parallel=N)` reproduces in
+one process.
 
 LoRA parameters are DTensors on the tensor-parallel mesh, so gathering them (saves) and cutting them (loads,
 resume) works as under FSDP2:
@@ -22,13 +23,14 @@ Forward computes on the local tensors: a column-parallel layer's input gradient 
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from lit_qlora.lora import LoRALinear, frozen_linear
+from lit_qlora.lora import LoRALinear
+from lit_qlora.nf4 import dequantize_nf4, frozen_linear, quantize_nf4
 
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW = ("o_proj", "down_proj")
@@ -91,6 +93,16 @@ def shard_tensor(name: str, tensor: torch.Tensor, rank: int, size: int) -> torch
     return tensor.chunk(size, dim)[rank].clone(memory_format=torch.contiguous_format)
 
 
+class TensorParallelShard(NamedTuple):
+    """This rank's place in a tensor-parallel group: `load_model(..., shard=...)` keeps only its part."""
+
+    rank: int
+    size: int
+
+    def cut(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        return shard_tensor(name, tensor, self.rank, self.size)
+
+
 def check_divisible(config, size: int) -> None:
     for what, n in (("n_head", config.n_head), ("n_query_groups", config.n_query_groups),
                     ("intermediate_size", config.intermediate_size)):
@@ -99,55 +111,12 @@ def check_divisible(config, size: int) -> None:
                              "whole attention heads, whole kv groups and an equal slice of the MLP.")
 
 
-def load_sharded(checkpoint_dir, quantize: str, dtype: torch.dtype, ignore_modules: Iterable[str], rank: int,
-                 size: int):
-    """Stream the checkpoint keeping only this rank's part of the split weights, each quantized on its own
-    (QLoRA): peak memory is this rank's model plus one full tensor."""
-    from lit_qlora.config import Config
-
-    check_divisible(Config.from_checkpoint(checkpoint_dir), size)
-
-    def shard(name: str, tensor: torch.Tensor) -> torch.Tensor:
-        return shard_tensor(name, tensor, rank, size)
-
-    if quantize == "nf4":
-        from lit_qlora.quantize import load_nf4_checkpoint
-
-        return load_nf4_checkpoint(checkpoint_dir, dtype=dtype, ignore_modules=ignore_modules, shard=shard)
-    from lit_qlora.checkpoint import load_checkpoint
-
-    return load_checkpoint(checkpoint_dir, dtype=dtype, transform=shard)
-
-
 def tp_layout_weight(tensor: torch.Tensor, style: str, size: int) -> torch.Tensor:
     """The whole weight a tensor-parallel QLoRA run of `size` ranks trains against: every rank's shard
     NF4-quantized on its own, dequantized and put back together."""
-    from lit_qlora.nf4 import dequantize_nf4, quantize_nf4
-
     dim = 0 if style == "column" else 1
     parts = [dequantize_nf4(quantize_nf4(p.contiguous())) for p in tensor.chunk(size, dim)]
     return torch.cat(parts, dim)
-
-
-def load_tp_layout_model(checkpoint_dir, dtype: torch.dtype, ignore_modules: Iterable[str], size: int):
-    """One process, the bits of an N-rank tensor-parallel QLoRA run: split linears hold the dequantized
-    per-shard NF4 weights (dense, `dtype`), the head is NF4 as usual. For merging and references."""
-    from lit_qlora.checkpoint import load_checkpoint
-    from lit_qlora.quantize import base_linears, is_ignored, quantize_linears
-
-    ignore_modules = list(ignore_modules)
-
-    def transform(name: str, tensor: torch.Tensor) -> torch.Tensor:
-        module_name, _, leaf = name.rpartition(".")
-        style = tp_style(module_name)
-        if leaf != "weight" or style is None or is_ignored(module_name, ignore_modules):
-            return tensor
-        return tp_layout_weight(tensor, style, size)
-
-    model = load_checkpoint(checkpoint_dir, dtype=dtype, transform=transform)
-    split = [n for n in base_linears(model) if tp_style(n)]
-    quantize_linears(model, ignore_modules + split)
-    return model
 
 
 def _group_of(mesh) -> tuple:
@@ -205,7 +174,7 @@ def is_parallel(model: nn.Module) -> bool:
 
 
 def parallelize(model: nn.Module, tp_mesh) -> None:
-    """Make a model loaded with `load_sharded` (base shards in place) tensor-parallel over `tp_mesh`.
+    """Make a model loaded with `load_model(..., shard=...)` (base shards in place) tensor-parallel over `tp_mesh`.
 
     Rank 0's LoRA init is broadcast to every rank first, then A and B become DTensors (see the module's table).
     Idempotent: Lightning calls `configure_model` for every validate/fit."""
@@ -227,7 +196,7 @@ def parallelize(model: nn.Module, tp_mesh) -> None:
             whole = module.out_features if dim == 0 else module.in_features
             if module.weight.shape[dim] != whole // size:
                 raise ValueError(f"{name}.weight has shape {tuple(module.weight.shape)}: load the base with "
-                                 "`load_sharded` (this rank's shard) before `parallelize`.")
+                                 "`load_model(..., shard=...)` (this rank's shard) before `parallelize`.")
         if isinstance(module, LoRALinear):
             a, b = module.lora_A.detach(), module.lora_B.detach()
             if style == "column":

@@ -1,4 +1,5 @@
-"""The frozen NF4 linear: ``y = x @ dequant(W).T + b``, with gradients to ``x`` and ``b`` only.
+"""The frozen NF4 linear: ``y = x @ dequant(W).T + b``, with gradients to ``x`` and ``b`` only; the frozen base
+projection (NF4 or dense) that LoRA layers and tensor-parallel layers call; the frozen NF4 module.
 
 The dense weight exists only for the matmul that needs it: backward re-dequantizes instead of saving it.
 A weight larger than ``DENSE_CHUNK_ELEMS`` is used a slice of rows at a time, so the transient dense copy stays
@@ -15,10 +16,13 @@ import threading
 from typing import Optional
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 from torchao.quantization import NF4Tensor
 
-from lit_qlora.nf4 import _SUPPORTED_DTYPES, block_aligned_rows, dequantize_nf4
+from lit_qlora.nf4.codec import dequantize_nf4, is_nf4
+from lit_qlora.nf4.layout import block_aligned_rows
+from lit_qlora.nf4.reference import SUPPORTED_DTYPES
 
 DENSE_CHUNK_ELEMS = 1 << 24
 
@@ -67,7 +71,7 @@ class NF4Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: NF4Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         dtype = _compute_dtype(x)
-        dtype = dtype if dtype in _SUPPORTED_DTYPES else x.dtype
+        dtype = dtype if dtype in SUPPORTED_DTYPES else x.dtype
         ctx.save_for_backward(weight)
         ctx.has_bias = bias is not None
         slices = _row_slices(weight)
@@ -109,3 +113,17 @@ def nf4_linear(x: torch.Tensor, weight: NF4Tensor, bias: Optional[torch.Tensor] 
     graph break (the kernels write through raw pointers, which dynamo cannot trace): it runs eagerly.
     """
     return NF4Linear.apply(x, weight, bias)
+
+
+def frozen_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """The base projection: our fast NF4 kernel for NF4 weights, F.linear otherwise."""
+    if is_nf4(weight):
+        return nf4_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+class FrozenNF4Linear(nn.Linear):
+    """A frozen linear whose weight is an NF4Tensor; forward goes through our fast NF4 kernel."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return frozen_linear(x, self.weight, self.bias)

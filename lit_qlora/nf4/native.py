@@ -1,0 +1,256 @@
+"""The native CPU path: kernels.c compiled with ``gcc -O3 -march=native`` on first use, checked against the
+PyTorch path before it is trusted, and run across ``torch.get_num_threads()`` threads through ctypes.
+
+The shared library is cached per source, compiler, flags and CPU under ``~/.cache/lit_qlora/kernels`` (or
+``$LIT_QLORA_KERNEL_CACHE``), so an edited kernels.c or another CPU gets its own build. Without a compiler,
+with a failing self-test, or with ``LIT_QLORA_NF4_BACKEND=eager``, callers fall back to
+:mod:`lit_qlora.nf4.reference` (one warning).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from importlib import resources
+from typing import Callable, Optional
+
+import torch
+
+from lit_qlora.nf4.reference import (SUPPORTED_DTYPES, cached, dequantize_eager, dequantize_scalers,
+                                  double_quantize, level_table, quantize_eager, thresholds)
+
+log = logging.getLogger(__name__)
+
+# Storage formats as kernels.c numbers them.
+_FMT = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+_native_lock = threading.Lock()
+_native_state: dict = {"lib": None, "tried": False, "error": None}
+_pool: Optional[ThreadPoolExecutor] = None
+_pool_lock = threading.Lock()
+
+
+def _forget_pool_after_fork() -> None:
+    # a forked child inherits the executor object but none of its threads: start a fresh one when needed
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool_after_fork)
+
+
+def _cpu_fingerprint() -> str:
+    # -march=native code must never be reused on another CPU (a shared home directory on a cluster)
+    parts = [platform.machine(), sys.platform, torch.__version__]
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "model name", "Features", "CPU part")):
+                    parts.append(line.strip())
+                    if len(parts) > 8:
+                        break
+    except OSError:
+        parts.append(str(torch.backends.cpu.get_cpu_capability()))
+    return "|".join(parts)
+
+
+def kernel_source() -> str:
+    """kernels.c as shipped with the package (package data, so non-editable installs have it too)."""
+    return resources.files(__package__).joinpath("kernels.c").read_text(encoding="utf-8")
+
+
+def _kernel_cache_dir() -> str:
+    cache_dir = os.environ.get("LIT_QLORA_KERNEL_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "lit_qlora", "kernels"
+    )
+    try:
+        os.makedirs(cache_dir, exist_ok=True)
+        if not os.access(cache_dir, os.W_OK):
+            raise PermissionError(cache_dir)
+    except OSError:  # read-only home: a per-user temp directory
+        user = os.getuid() if hasattr(os, "getuid") else 0
+        cache_dir = os.path.join(tempfile.gettempdir(), f"lit_qlora_kernels_{user}")
+        os.makedirs(cache_dir, exist_ok=True)
+    return cache_dir
+
+
+def _compile_native() -> ctypes.CDLL:
+    compiler = os.environ.get("LIT_QLORA_CC") or shutil.which("gcc") or shutil.which("cc")
+    if not compiler:
+        raise RuntimeError("no C compiler (gcc/cc) found")
+    flags = ["-O3", "-march=native", "-std=gnu11", "-shared", "-fPIC"]
+    flags += shlex.split(os.environ.get("LIT_QLORA_CFLAGS", ""))  # extra flags, e.g. for debugging
+    # The text that is hashed is the text compiled (written out below), so the key always names its build.
+    source = kernel_source()
+    key = hashlib.sha256("\n".join([source, compiler, *flags, _cpu_fingerprint()]).encode()).hexdigest()[:16]
+    cache_dir = _kernel_cache_dir()
+    lib_path = os.path.join(cache_dir, f"nf4_{key}.so")
+    if not os.path.exists(lib_path):
+        with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
+            src = os.path.join(tmp, "nf4.c")
+            with open(src, "w") as f:
+                f.write(source)
+            tmp_lib = os.path.join(tmp, "nf4.so")
+            res = subprocess.run(
+                [compiler, *flags, src, "-o", tmp_lib], capture_output=True, text=True, timeout=120
+            )
+            if res.returncode != 0:
+                raise RuntimeError(f"{compiler} failed: {res.stderr.strip()[-2000:]}")
+            os.replace(tmp_lib, lib_path)  # atomic: concurrent processes see a complete file or none
+    lib = ctypes.CDLL(lib_path)
+    argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                ctypes.c_int64, ctypes.c_void_p, ctypes.c_int32]  # fmt: skip
+    for name in ("nf4_dequant16", "nf4_dequant32"):
+        fn = getattr(lib, name)
+        fn.argtypes = argtypes
+        fn.restype = None
+    lib.nf4_quantize.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32]  # fmt: skip
+    lib.nf4_quantize.restype = None
+    lib.nf4_has_f16.restype = ctypes.c_int
+    lib.has_f16 = bool(lib.nf4_has_f16())
+    return lib
+
+
+def native_lib() -> Optional[ctypes.CDLL]:
+    """The compiled, self-tested kernels, or None (the reason: :func:`native_error`). Built once per process."""
+    if _native_state["tried"]:
+        return _native_state["lib"]
+    with _native_lock:
+        if _native_state["tried"]:
+            return _native_state["lib"]
+        lib = None
+        try:
+            lib = _compile_native()
+            _native_state["lib"] = lib  # provisional, for the self-test below
+            _self_test()
+        except Exception as e:  # no compiler, unsupported target, or a wrong result: use the torch path
+            _native_state["error"] = f"{type(e).__name__}: {e}"
+            log.warning("lit_qlora.nf4: native NF4 kernels unavailable (%s); using the PyTorch path", e)
+            lib = None
+        _native_state["lib"] = lib
+        _native_state["tried"] = True
+        return lib
+
+
+def native_error() -> Optional[str]:
+    """Why the native kernels are not used (after :func:`native_lib` failed), else None."""
+    return _native_state["error"]
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal values, NaN matching NaN (NaN bit patterns differ even between PyTorch's own kernels)."""
+    return a.shape == b.shape and a.dtype == b.dtype and bool(((a == b) | (a.isnan() & b.isnan())).all())
+
+
+def _self_test() -> None:
+    """Compare the C kernels with the PyTorch path (tails, zero/inf blocks, every dtype) before using them."""
+    gen = torch.Generator().manual_seed(0)
+    lib = _native_state["lib"]
+    for dtype in SUPPORTED_DTYPES:
+        if dtype == torch.float16 and not lib.has_f16:
+            continue
+        for block_size in (72, 64):  # 72: 36-byte blocks exercise the scalar tails
+            w = torch.randn(8, block_size * 4, generator=gen)
+            w[1, :block_size] = 0.0  # an all-zero block: 0/0 -> NaN -> code 0
+            w[2, 5] = 1e30  # a block dominated by one huge value
+            w = w.to(dtype)
+            n = w.numel()
+            q_ref, s_ref = torch.empty(n // 2, dtype=torch.uint8), torch.empty(n // block_size, dtype=dtype)
+            quantize_eager(w.reshape(-1), block_size, q_ref, s_ref)
+            q_nat, s_nat = torch.empty_like(q_ref), torch.empty_like(s_ref)
+            quantize_blocks(w.reshape(-1), block_size, q_nat, s_nat)
+            if not (torch.equal(q_nat, q_ref) and _same_values(s_nat, s_ref)):
+                raise RuntimeError(f"native quantize self-test mismatch for {dtype}")
+            scales = dequantize_scalers(*double_quantize(s_ref, 4), 4, dtype)  # groups of 4 of the 32 blocks
+            levels = level_table(dtype)
+            ref = torch.empty(n, dtype=dtype)
+            dequantize_eager(q_ref, scales, levels, ref)
+            for out_dtype in {dtype, torch.float32}:
+                got = torch.empty(n, dtype=out_dtype)
+                dequantize_blocks(q_ref, scales, levels, dtype, got)
+                if not _same_values(got, ref.to(out_dtype)):
+                    raise RuntimeError(f"native dequantize self-test mismatch for {dtype} -> {out_dtype}")
+
+
+def _run_blocks(call: Callable[[int, int], None], n_blocks: int, work_bytes: int) -> None:
+    """Run ``call(b0, b1)`` over [0, n_blocks), split across torch.get_num_threads() Python threads (the
+    ctypes call releases the GIL); small jobs run inline."""
+    threads = max(1, min(torch.get_num_threads(), work_bytes >> 20, n_blocks))
+    if threads == 1:
+        call(0, n_blocks)
+        return
+    global _pool
+    if _pool is None:
+        with _pool_lock:
+            if _pool is None:
+                _pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="nf4")
+    per = -(-n_blocks // threads)
+    futures = [_pool.submit(call, b0, min(n_blocks, b0 + per)) for b0 in range(per, n_blocks, per)]
+    call(0, min(n_blocks, per))
+    for f in futures:
+        f.result()
+
+
+def quantize_blocks(src: torch.Tensor, block_size: int, q_out: torch.Tensor, s_out: torch.Tensor) -> None:
+    """C kernel over a contiguous run of whole blocks: absmax -> ``s_out``, packed codes -> ``q_out``."""
+    lib = _native_state["lib"]
+    thr = cached(("thr_tensor", src.dtype), lambda: torch.tensor(thresholds(src.dtype), dtype=torch.float32))
+    fmt = _FMT[src.dtype]
+    n_blocks = s_out.numel()
+    ptrs = (src.data_ptr(), thr.data_ptr(), q_out.data_ptr(), s_out.data_ptr())
+
+    def call(b0: int, b1: int) -> None:
+        lib.nf4_quantize(ptrs[0], b0, b1, block_size, ptrs[1], ptrs[2], ptrs[3], fmt)
+
+    _run_blocks(call, n_blocks, src.numel() * src.element_size())
+
+
+def dequantize_blocks(qdata: torch.Tensor, scales: torch.Tensor, levels: torch.Tensor, dtype: torch.dtype,
+                      out: torch.Tensor, blocks: Optional[tuple[int, int]] = None) -> None:
+    """Dequantize all blocks, or only ``blocks = (b0, b1)``, of data stored in ``dtype`` into ``out`` (flat,
+    ``dtype`` or float32)."""
+    lib = _native_state["lib"]
+    qdata = qdata.contiguous()
+    scales = scales.float().contiguous()
+    levels = levels.float().contiguous()
+    hb = qdata.numel() // scales.numel()
+    b0, b1 = blocks or (0, scales.numel())
+    n_blocks = b1 - b0
+    fmt = _FMT[dtype]
+    fn = lib.nf4_dequant16 if out.dtype != torch.float32 else lib.nf4_dequant32
+    # The kernel indexes blocks from its pointers, so a block range is a shift of the input pointers.
+    ptrs = (qdata.data_ptr() + b0 * hb, scales.data_ptr() + b0 * 4, levels.data_ptr(), out.data_ptr())
+
+    def call(b0: int, b1: int) -> None:
+        fn(ptrs[0], ptrs[1], ptrs[2], b0, b1, hb, ptrs[3], fmt)
+
+    _run_blocks(call, n_blocks, out.numel() * out.element_size())
+
+
+def use_native(dtype: Optional[torch.dtype] = None) -> bool:
+    """Whether CPU tensors of ``dtype`` go through the C kernels (compiling them on the first call)."""
+    if os.environ.get("LIT_QLORA_NF4_BACKEND", "auto").lower() == "eager":
+        return False
+    lib = native_lib()
+    return lib is not None and (dtype != torch.float16 or lib.has_f16)
+
+
+def nf4_backend() -> str:
+    """Which path CPU tensors use: ``"native"`` (the C kernels) or ``"eager"`` (PyTorch ops).
+
+    ``LIT_QLORA_NF4_BACKEND=eager`` forces the PyTorch path. The kernels are compiled with gcc on first use
+    (~1 s, cached under ``~/.cache/lit_qlora/kernels``) and checked against the PyTorch path; without a
+    compiler, or if the check fails, the PyTorch path is used (with one warning).
+    """
+    return "native" if use_native() else "eager"
