@@ -61,7 +61,7 @@ def resolve_recipe(recipe: Optional[Path], train: Optional[dict[str, Any]], chec
     --checkpoint_dir. Checked by `litqlora finetune`'s own parser, so a bad key fails here, before any run."""
     from jsonargparse import ArgumentError
 
-    from lit_qlora.train.module import TrainArgs
+    from lit_qlora.train.args import TrainArgs
 
     known = {f.name for f in fields(TrainArgs)}
     unknown = sorted(set(train or {}) - known)
