@@ -15,8 +15,8 @@ from pathlib import Path
 
 from torch.profiler import ProfilerActivity, profile
 
-import lit_qlora.train.module as training
-from one_step import build_step
+import lit_qlora.train.callbacks as callbacks
+import one_step
 
 
 def main() -> None:
@@ -29,7 +29,7 @@ def main() -> None:
     args = parser.parse_args()
 
     trims = [0, 0.0]
-    release = training.release_free_memory
+    release = callbacks.release_free_memory
 
     def timed_release(*a) -> None:
         t = time.perf_counter()
@@ -37,8 +37,8 @@ def main() -> None:
         trims[0] += 1
         trims[1] += time.perf_counter() - t
 
-    training.release_free_memory = timed_release
-    _, _, step = build_step(args.checkpoint_dir, args.quantize, args.batch, args.seq, args.checkpointing)
+    callbacks.release_free_memory = one_step.release_free_memory = timed_release  # per block; per step
+    _, _, step = one_step.build_step(args.checkpoint_dir, args.quantize, args.batch, args.seq, args.checkpointing)
     step()
     trims[:] = [0, 0.0]
     with profile(activities=[ProfilerActivity.CPU]) as prof:

@@ -42,7 +42,9 @@ def child(args: argparse.Namespace) -> None:
     from lit_qlora.lora import apply_lora
     from lit_qlora.memory import peak_rss_bytes
     from lit_qlora.precision import NF4Precision
-    from lit_qlora.train.module import FinetuneModule, TrainArgs
+    from lit_qlora.train.args import TrainArgs
+    from lit_qlora.train.callbacks import HeapRelease
+    from lit_qlora.train.module import FinetuneModule
 
     before = peak_rss_bytes()
     if args.batches:  # peers.py's token file: the same batches for every side; its shape sets steps x batch x seq
@@ -69,9 +71,9 @@ def child(args: argparse.Namespace) -> None:
     loader = DataLoader(steps, batch_size=None, collate_fn=lambda x: x)
     plugin = NF4Precision("bf16-true") if args.child == "nf4" else None
     trainer = L.Trainer(accelerator="cpu", devices=1, precision=None if plugin else "bf16-true",
-                        plugins=[plugin] if plugin else None, max_epochs=1, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                        use_distributed_sampler=False)
+                        plugins=[plugin] if plugin else None, callbacks=[HeapRelease()], max_epochs=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        num_sanity_val_steps=0, use_distributed_sampler=False)
     load_before = loadavg()
     trainer.fit(module, train_dataloaders=loader)
     timed = module.history[1:]

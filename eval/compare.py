@@ -33,7 +33,7 @@ from lit_qlora.eval import SAMPLE_DATA_FILE
 from lit_qlora.eval.report import write_report
 from lit_qlora.eval.truthfulqa import check_truthfulqa_file
 from lit_qlora.finetune import ensure_default_checkpoint, finetune
-from lit_qlora.train.module import TrainArgs
+from lit_qlora.train.args import TrainArgs
 
 TASK = "truthfulqa_mc2"
 RUNS = {"lora": "none", "qlora": "nf4"}

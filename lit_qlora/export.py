@@ -1,4 +1,5 @@
-"""Merged Hugging Face export and PEFT export, streamed layer by layer (never a second full-size model copy)."""
+"""Merged Hugging Face export and PEFT export, streamed layer by layer (never a second full-size model copy), and a
+fine-tune's final/ directory."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import torch.nn as nn
 
 from lit_qlora.checkpoint import TensorSpec, atomic_write_text, save_hf_checkpoint, write_safetensors
 from lit_qlora.loading import load_model
-from lit_qlora.lora import LoRALinear, lora_modules, read_adapter_config
+from lit_qlora.lora import LoRALinear, lora_modules, read_adapter_config, save_adapter
 from lit_qlora.nf4 import dequantize_nf4, is_nf4
+from lit_qlora.parallel.distributed import is_sharded
 
 
 def hf_tensor_specs(model: nn.Module, dtype: torch.dtype = torch.bfloat16, merge: bool = True) -> list[TensorSpec]:
@@ -119,3 +121,20 @@ def write_peft_adapter(model: nn.Module, acfg: dict, out_dir: Path, base_name: s
     config = peft_config({**acfg, "module_names": list(modules)}, base_name)
     atomic_write_text(out_dir / "adapter_config.json", json.dumps(config, indent=2) + "\n")
     return out_dir
+
+
+def export_final(model: nn.Module, final_dir: Path, checkpoint_dir: Path, adapter_config: dict,
+                 adapter: Optional[dict[str, torch.Tensor]] = None) -> None:
+    """A fine-tune's final/: adapter.safetensors (+ adapter_config.json), merged/ (Hugging Face, bf16) and peft/,
+    streamed from the trained model. `adapter`: its tensors when already gathered (`full_lora_state_dict`).
+
+    An FSDP-sharded or tensor-parallel model has no whole base here: the merged model and PEFT adapter are then
+    built from the base checkpoint and the written adapter, as `litqlora merge` does (the same NF4 layout, recorded
+    as nf4_world_size / nf4_tensor_parallel, gives the same bits)."""
+    save_adapter(model, final_dir, adapter_config, adapter)
+    if is_sharded(model):
+        model = load_model(checkpoint_dir, adapter_dir=final_dir)
+    model = model.eval()
+    save_hf_checkpoint(final_dir / "merged", export_config(model, True), hf_tensor_specs(model, torch.bfloat16),
+                       tokenizer_dir=Path(checkpoint_dir), dtype=torch.bfloat16)
+    write_peft_adapter(model, adapter_config, final_dir / "peft", str(Path(checkpoint_dir).resolve()))

@@ -60,6 +60,16 @@ def peak_rss_bytes() -> int:
     return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB, macOS bytes
 
 
+def peak_memory_stats(device: torch.device) -> dict[str, int]:
+    """The run's memory high-water marks so far: peak RSS, and on a GPU torch's allocated/reserved/active peaks."""
+    stats = {"peak_rss_bytes": peak_rss_bytes()}
+    if device.type == "cuda":
+        stats["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
+        stats["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
+        stats["peak_active_bytes"] = torch.cuda.memory_stats(device).get("active_bytes.all.peak", 0)
+    return stats
+
+
 def rss_bytes() -> Optional[int]:
     """This process's resident set size now (VmRSS); None outside Linux."""
     return _proc_status_bytes("VmRSS")

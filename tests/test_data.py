@@ -1,5 +1,6 @@
 """Data pipeline: prompt styles and loss masks (real SmolLM2 tokenizer), truncation, packing, padding, the seeded
-split, resumable order, clear errors for bad datasets, and the shipped demo set."""
+split, the one training order (lit_qlora.train.sampler) and its exact resume, clear errors for bad datasets, and the
+shipped demo set."""
 
 from __future__ import annotations
 
@@ -16,12 +17,12 @@ import torch
 from lit_qlora.data.errors import DataError
 from lit_qlora.data.module import DataArgs, SFTDataModule, split_rows
 from lit_qlora.data.prompts import get_prompt_style
-from lit_qlora.data.sampler import ResumableSampler
 from lit_qlora.data.sft import (
     DEMO_DATASET, IGNORE_INDEX, Collate, Sample, load_hf_rows, load_json_rows, pack, tokenize_rows,
     tokenize_segments,
 )
 from lit_qlora.tokenizer import Tokenizer
+from lit_qlora.train.sampler import EpochSampler, StepSampler, epoch_order
 
 ROW = {"instruction": "Name the capital of Peru.", "input": "", "output": "The capital of Peru is Lima."}
 ROW_INPUT = {"instruction": "Sort the words.", "input": "pear, fig", "output": "fig, pear"}
@@ -216,31 +217,27 @@ def test_split_is_deterministic_and_keeps_one_val_row() -> None:
         split_rows([1], 0.5, seed=0)
 
 
-def test_sampler_is_seeded_and_resumes_exactly() -> None:
-    sampler = ResumableSampler(23, batch_size=4, seed=7)
-    epoch0 = list(sampler)
-    assert sorted(epoch0) == list(range(23)) and list(sampler) == epoch0 and len(sampler) == 23
-    sampler.set_epoch(1)
-    epoch1 = list(sampler)
-    assert epoch1 != epoch0 and sorted(epoch1) == list(range(23))
-    for k in range(sampler.num_batches):
-        sampler.set_position(1, k)
-        assert list(sampler) == epoch1[4 * k:]
-        assert list(sampler) == epoch1  # the offset applies to one pass only
-    sampler.set_position(0, sampler.num_batches)  # a finished epoch: go on with the next one
-    assert (sampler.epoch, list(sampler)) == (1, epoch1)
-    sampler.set_position(0, 2)
-    sampler.set_epoch(0)  # Lightning's epoch-start call keeps the pending offset of the same epoch
-    assert list(sampler) == epoch0[8:]
-    sampler.set_position(0, 2)
-    sampler.set_epoch(1)  # ...and drops it for another epoch
-    assert list(sampler) == epoch1
-    shards = [ResumableSampler(23, 4, 7, num_replicas=3, rank=r) for r in range(3)]
-    assert all(len(list(s)) == 8 for s in shards) and set().union(*map(set, shards)) == set(range(23))
+def test_step_sampler_is_seeded_and_resumes_exactly_at_any_step() -> None:
+    full = list(StepSampler(23, global_batch=4, seed=7, start_step=0, total_steps=12))  # 5 steps per epoch
+    assert len(full) == 12 and all(len(b) == 4 for b in full) and full == list(StepSampler(23, 4, 7, 0, 12))
+    order0, order1 = epoch_order(23, 7, 0), epoch_order(23, 7, 1)
+    assert sorted(order0) == list(range(23)) and order0 != order1
+    assert sum(full[:5], []) == order0[:20] and sum(full[5:10], []) == order1[:20]  # each epoch drops its last 3
+    assert sum(full[10:], []) == epoch_order(23, 7, 2)[:8]
+    for k in range(12):  # a run restarted at step k sees what the uninterrupted one saw from k on
+        assert list(StepSampler(23, 4, 7, start_step=k, total_steps=12)) == full[k:]
+    ranks = [list(StepSampler(23, 4, 7, 0, 12, rank=r, world_size=2)) for r in range(2)]
+    assert all(ranks[r][i] == full[i][r::2] for r in range(2) for i in range(12))
+    per_epoch = EpochSampler(23, 4, 7, rank=1, world_size=2)  # a Trainer's view: the epoch Lightning sets
+    assert len(per_epoch) == 10 and list(per_epoch) == sum(ranks[1][:5], [])
+    per_epoch.set_epoch(1)
+    assert list(per_epoch) == sum(ranks[1][5:10], [])
+    with pytest.raises(ValueError, match="fewer than one global batch"):
+        StepSampler(3, 4, 7, 0, 1)
 
 
 @pytest.mark.parametrize("packing", [False, True])
-def test_datamodule_batches_resume_from_position(tok: Tokenizer, tmp_path: Path, packing: bool) -> None:
+def test_datamodule_loaders_follow_the_one_order(tok: Tokenizer, tmp_path: Path, packing: bool) -> None:
     path = tmp_path / "d.jsonl"
     path.write_text("".join(json.dumps({"instruction": f"Say {i}.", "output": f"{i} " * (i % 7 + 1)}) + "\n"
                             for i in range(40)))
@@ -248,25 +245,57 @@ def test_datamodule_batches_resume_from_position(tok: Tokenizer, tmp_path: Path,
     dm = SFTDataModule(args, tok, max_seq_length=128, micro_batch_size=3, seed=11)
     dm.setup()
     assert len(dm.val_set) == 8 and dm.train_token_count == sum(dm.train_lengths)
+    n = len(dm.train_set)
+
+    def ids(batch):
+        return batch["input_ids"].tolist()
+
+    # A Trainer of your own: micro-batches, epoch by epoch, in StepSampler's order.
+    loader = dm.train_dataloader()
     epochs = []
     for epoch in range(2):
-        dm.set_position(epoch, 0)
-        epochs.append([b["input_ids"].tolist() for b in dm.train_dataloader()])
-    assert len(epochs[0]) == dm.num_train_batches and epochs[0] != epochs[1]
-    for epoch, k in [(0, 2), (1, 1), (1, dm.num_train_batches - 1)]:
-        dm.set_position(epoch, k)
-        assert [b["input_ids"].tolist() for b in dm.train_dataloader()] == epochs[epoch][k:]
-    assert dm.position_of(dm.num_train_batches + 1) == (1, 1)
-    state = json.loads(json.dumps(dm.state_dict()))
-    other = SFTDataModule(args, tok, max_seq_length=128, micro_batch_size=3, seed=11)
-    other.setup()
-    other.load_state_dict(state)
-    assert [b["input_ids"].tolist() for b in other.train_dataloader()] == epochs[1][-1:]
+        loader.sampler.set_epoch(epoch)
+        epochs.append([ids(b) for b in loader])
+    order = [dm.collate([dm.train_set[i] for i in b]) for b in StepSampler(n, 3, 11, 0, n // 3)]
+    assert epochs[0] == [ids(b) for b in order] and len(epochs[0]) == n // 3 and epochs[0] != epochs[1]
+    # `litqlora finetune`: the same order grouped into optimizer steps of two micro-batches, resumable at any step.
+    steps = n // 6
+    full = list(dm.step_dataloader(6, 0, steps, rank=0, world_size=1))
+    assert [len(s) for s in full] == [2] * steps
+    assert [ids(mb) for s in full for mb in s] == epochs[0][: 2 * steps]
+    step_samples = list(StepSampler(n, 6, 11, 0, steps))
+    assert [mb["num_tokens"] for s in full for mb in s] == [
+        sum(len(dm.train_set[k]) for k in samples[j : j + 3]) for samples in step_samples for j in (0, 3)]
+    resumed = list(dm.step_dataloader(6, 2, steps, rank=0, world_size=1))
+    assert [[ids(mb) for mb in s] for s in resumed] == [[ids(mb) for mb in s] for s in full[2:]]
     val = list(dm.val_dataloader())
     assert val[0]["input_ids"].shape[0] == 3 and all((b["labels"] != IGNORE_INDEX).any() for b in val)
-    changed = SFTDataModule(args, tok, max_seq_length=128, micro_batch_size=3, seed=12)
-    with pytest.raises(DataError, match="seed was 11, is 12"):
-        changed.load_state_dict(state)
+
+
+def test_datamodule_serves_a_trainer_of_your_own(tok: Tokenizer, tmp_path: Path) -> None:
+    import lightning as L
+
+    class Recorder(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.zeros(()))
+            self.seen: list = []
+
+        def training_step(self, batch, batch_idx):
+            self.seen.append(batch["input_ids"].tolist())
+            return self.weight * batch["labels"].ne(IGNORE_INDEX).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps({"instruction": f"Say {i}.", "output": f"{i}"}) + "\n" for i in range(20)))
+    dm = SFTDataModule(DataArgs(json_path=path, val_split=0.2), tok, max_seq_length=64, micro_batch_size=4, seed=3)
+    module = Recorder()
+    L.Trainer(accelerator="cpu", max_epochs=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+              enable_model_summary=False, use_distributed_sampler=False).fit(module, datamodule=dm)
+    sampler = StepSampler(len(dm.train_set), 4, 3, 0, 8)  # both epochs, as the one order has them
+    assert module.seen == [dm.collate([dm.train_set[i] for i in b])["input_ids"].tolist() for b in sampler]
 
 
 # ---------------------------------------------------------------------------------------------- errors

@@ -1,10 +1,12 @@
-"""DDP and FSDP2 through Lightning on CPU (2 gloo processes): the same numbers as one process on the same global batch."""
+"""DDP and FSDP2 through Lightning on CPU (2 gloo processes): the same numbers as one process on the same global batch,
+with one gradient reduction per optimizer step however many micro-batches it accumulates."""
 
 import json
 import os
 import shutil
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -43,14 +45,63 @@ def test_nf4_layout_shards_only_for_fsdp():
         nf4_shards_for("fsdp", 4, requested=2)
 
 
-def cli_run(tiny_llama_dir, out_dir, data, strategy, *extra, devices=2, timeout=600):
-    """`litqlora finetune` in a child process: Lightning launches the second rank itself (no launcher of ours)."""
-    cmd = [sys.executable, "-m", "lit_qlora.cli", "finetune", "--checkpoint_dir", str(tiny_llama_dir),
+# `litqlora` that writes a line to $COUNT_DIR/rank<R>.txt for every gradient reduction: each bucket all-reduce of DDP
+# (through a comm hook) and each reduce-scatter of FSDP2. Lightning starts the second rank by running it again.
+COUNTING_CLI = """
+import os, sys
+from pathlib import Path
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.nn.parallel import DistributedDataParallel
+
+def record(what):
+    with open(Path(os.environ["COUNT_DIR"]) / f"rank{dist.get_rank()}.txt", "a") as f:
+        f.write(what + "\\n")
+
+def counting_allreduce(group, bucket):
+    record(f"ddp bucket {bucket.index()}")
+    return allreduce_hook(group, bucket)
+
+ddp_init = DistributedDataParallel.__init__
+def init(self, *args, **kwargs):
+    ddp_init(self, *args, **kwargs)
+    self.register_comm_hook(None, counting_allreduce)
+DistributedDataParallel.__init__ = init
+
+depth = [0]
+def counted(collective):
+    def call(*args, **kwargs):
+        depth[0] += 1  # one of these may call the other: count the outer call only
+        try:
+            if depth[0] == 1:
+                record("fsdp reduce-scatter")
+            return collective(*args, **kwargs)
+        finally:
+            depth[0] -= 1
+    return call
+for name in ("reduce_scatter_tensor", "reduce_scatter_single"):  # FSDP2 uses one of them, by torch version
+    if hasattr(dist, name):
+        setattr(dist, name, counted(getattr(dist, name)))
+
+from lit_qlora.cli import main
+main(sys.argv[1:])
+"""
+
+
+def cli_run(tiny_llama_dir, out_dir, data, strategy, *extra, devices=2, timeout=600, count_dir=None):
+    """`litqlora finetune` in a child process: Lightning launches the second rank itself (no launcher of ours).
+    With `count_dir`, every rank records its gradient reductions there (COUNTING_CLI)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    cli = [sys.executable, "-m", "lit_qlora.cli"]
+    if count_dir is not None:
+        count_dir.mkdir(parents=True)
+        (count_dir / "cli.py").write_text(COUNTING_CLI)
+        cli, env["COUNT_DIR"] = [sys.executable, str(count_dir / "cli.py")], str(count_dir)
+    cmd = [*cli, "finetune", "--checkpoint_dir", str(tiny_llama_dir),
            "--out_dir", str(out_dir), "--accelerator", "cpu", "--devices", str(devices), "--strategy", strategy,
            "--precision", "32-true", "--lora.r", "4", "--lora.alpha", "8", "--lora.dropout", "0",
            "--data.json_path", str(data.json_path), "--data.val_split", str(data.val_split),
            *[f"--train.{k}={v}" for k, v in TRAIN.items()], *extra]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
@@ -81,7 +132,7 @@ def one_process(tiny_llama_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("one")
     data = small_data(tmp)
     from lit_qlora.finetune import finetune
-    from lit_qlora.train.module import LoRAArgs, TrainArgs
+    from lit_qlora.train.args import LoRAArgs, TrainArgs
 
     finetune(checkpoint_dir=tiny_llama_dir, out_dir=tmp / "run", precision="32-true", accelerator="cpu",
              nf4_shards=2, lora=LoRAArgs(r=4, alpha=8, dropout=0.0), data=data, train=TrainArgs(**TRAIN))
@@ -91,10 +142,19 @@ def one_process(tiny_llama_dir, tmp_path_factory):
 @pytest.mark.slow
 @needs_gloo
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_two_processes_equal_one_process(strategy, tiny_llama_dir, one_process, tmp_path):
+def test_two_processes_equal_one_process_reducing_gradients_once_per_step(strategy, tiny_llama_dir, one_process,
+                                                                          tmp_path):
     ref_dir, data = one_process
     out = tmp_path / strategy
-    cli_run(tiny_llama_dir, out, data, strategy, "--nf4_shards", "2")
+    cli_run(tiny_llama_dir, out, data, strategy, "--nf4_shards", "2", count_dir=tmp_path / "counts")
+    # Each rank accumulates 2 micro-batches per step; only the last one's backward reduces: every DDP bucket is
+    # all-reduced, every FSDP unit (2 blocks + the root, which holds lm_head's adapter) reduce-scattered, once a step.
+    for rank in range(2):
+        calls = Counter((tmp_path / "counts" / f"rank{rank}.txt").read_text().splitlines())
+        if strategy == "ddp":
+            assert calls and set(calls.values()) == {STEPS} and all(c.startswith("ddp bucket") for c in calls), calls
+        else:
+            assert calls == {"fsdp reduce-scatter": 3 * STEPS}, calls
     ref, got = metrics(ref_dir), metrics(out)
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))  # written once (rank 0), not once per rank
     # The token-weighted loss of the whole global batch, reduced across ranks.

@@ -2,6 +2,7 @@
 and signals: test_reliability.py."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,8 @@ from safetensors.torch import load_file
 
 from lit_qlora.data.module import DataArgs
 from lit_qlora.finetune import finetune
-from lit_qlora.train.module import LoRAArgs, TrainArgs, lr_multiplier
+from lit_qlora.train.args import LoRAArgs, TrainArgs
+from lit_qlora.train.module import lr_multiplier
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -61,6 +63,43 @@ def test_tiny_run_writes_every_artifact(tiny_llama_dir, tmp_path):
     assert merged.config.num_hidden_layers == 2
 
 
+def metrics_rows(out_dir):
+    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def tensorboard_scalars(log_dir):
+    """{tag: {step: value}}, the last value TensorBoard holds for each step."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(log_dir))
+    events.Reload()
+    return {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
+
+
+def test_tensorboard_gets_the_metrics_jsonl_rows_also_after_a_resume(tiny_llama_dir, tmp_path):
+    out, data = tmp_path / "run", small_data(tmp_path)
+    kw = dict(max_steps=5, log_interval=2, save_interval=1, keep_last=5)
+    summary = run(tiny_llama_dir, out, data, **kw)
+    rows = metrics_rows(out)
+    assert [r["step"] for r in rows] == [2, 4]
+    tb = tensorboard_scalars(out / "logs")
+    assert tb["loss"] == {r["step"]: r["loss"] for r in rows}  # fp32 losses: TensorBoard holds them exactly
+    for key in ("lr", "grad_norm", "tokens_per_sec", "peak_memory_bytes", "tokens"):
+        assert tb[key] == pytest.approx({r["step"]: r[key] for r in rows}, rel=1e-6), key
+    assert tb["val_loss"] == pytest.approx({0: summary["initial_val_loss"], 5: summary["val_loss"]}, rel=1e-6)
+
+    # Killed after step 3: the resumed run rewrites step 4 in both files, and logs at the run's steps (4), not
+    # at its own (3 + 2).
+    for step in (4, 5):
+        shutil.rmtree(out / "checkpoints" / f"step-{step:06d}")
+    run(tiny_llama_dir, out, data, resume="auto", **kw)
+    resumed = metrics_rows(out)
+    same = ("step", "loss", "lr", "grad_norm", "tokens")  # exact resume; only the timing and memory differ
+    assert [{k: r[k] for k in same} for r in resumed] == [{k: r[k] for k in same} for r in rows]
+    tb = tensorboard_scalars(out / "logs")
+    assert tb["loss"] == {r["step"]: r["loss"] for r in resumed}
+
+
 def test_accumulated_step_equals_one_large_batch(tiny_llama_dir, tmp_path):
     data = small_data(tmp_path)
     common = dict(quantize="none", precision="32-true", max_steps=1, global_batch_size=4)
@@ -76,11 +115,12 @@ def test_accumulated_step_equals_one_large_batch(tiny_llama_dir, tmp_path):
     assert loss_a == pytest.approx(loss_b, rel=1e-5)
 
 
-def test_cpu_step_returns_freed_heap_around_blocks_before_backward_and_after_the_update(tiny_llama_dir, tmp_path, monkeypatch):
-    import lit_qlora.train.module as training
+def test_cpu_step_returns_freed_heap_around_blocks_before_backward_and_after_the_update(tiny_llama_dir, tmp_path,
+                                                                                      monkeypatch):
+    import lit_qlora.train.callbacks as callbacks
 
     calls = []
-    monkeypatch.setattr(training, "release_free_memory", lambda: calls.append(torch.is_grad_enabled()))
+    monkeypatch.setattr(callbacks, "release_free_memory", lambda: calls.append(torch.is_grad_enabled()))
     run(tiny_llama_dir, tmp_path / "run", small_data(tmp_path), max_steps=2)  # 2 micro-batches per step
     n_layer = json.loads((tiny_llama_dir / "config.json").read_text())["num_hidden_layers"]
     # Per micro-batch: after each block's forward and before its backward, and before the backward starts; once

@@ -175,7 +175,7 @@ def test_finetune_tensor_parallel_equals_one_process(tiny_llama_dir, tmp_path):
     from test_finetune import small_data
 
     from lit_qlora.finetune import finetune
-    from lit_qlora.train.module import LoRAArgs, TrainArgs
+    from lit_qlora.train.args import LoRAArgs, TrainArgs
 
     data = small_data(tmp_path)
     ref_dir, out = tmp_path / "one", tmp_path / "tp"

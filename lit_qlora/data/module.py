@@ -1,9 +1,8 @@
 """`SFTDataModule`: the data of `litqlora finetune` (local JSON/JSONL, a Hub dataset, or the shipped demo set),
-split into train/validation by seed, batched in a resumable order."""
+split into train/validation by seed, batched in the one training order (`lit_qlora.train.sampler`)."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Optional
@@ -14,10 +13,10 @@ from torch.utils.data import DataLoader
 
 from lit_qlora.data.errors import DataError
 from lit_qlora.data.prompts import get_prompt_style
-from lit_qlora.data.sampler import ResumableSampler
 from lit_qlora.data.sft import (
     DEMO_DATASET, Collate, SFTDataset, load_hf_rows, load_json_rows, pack, tokenize_rows,
 )
+from lit_qlora.train.sampler import EpochSampler, MicroBatches, StepSampler
 
 
 @dataclass
@@ -61,7 +60,11 @@ def pad_id_of(tokenizer: Any) -> int:
 class SFTDataModule(L.LightningDataModule):
     """Batches are `{"input_ids": LongTensor[B, T], "labels": LongTensor[B, T]}`, right-padded to the batch's
     longest sample (inputs with the pad/EOS id, labels with -100). Labels are aligned with inputs:
-    loss = CE(logits[:, :-1], labels[:, 1:]) ignoring -100. Validation is never packed and keeps its order."""
+    loss = CE(logits[:, :-1], labels[:, 1:]) ignoring -100. Validation is never packed and keeps its order.
+
+    `train_dataloader()` serves a Trainer of your own: micro-batches, epoch by epoch, sharded over the Trainer's
+    ranks (pass `use_distributed_sampler=False`: the order is already per rank). `litqlora finetune` reads the
+    same order grouped into optimizer steps from `step_dataloader()`."""
 
     def __init__(self, args: DataArgs, tokenizer: Any, max_seq_length: int, micro_batch_size: int, seed: int) -> None:
         super().__init__()
@@ -76,10 +79,6 @@ class SFTDataModule(L.LightningDataModule):
         self.collate = Collate(pad_id_of(tokenizer))
         self.train_set: Optional[SFTDataset] = None
         self.val_set: Optional[SFTDataset] = None
-        self.position = (0, 0)  # (epoch, micro-batches done in it) for the next train_dataloader()
-        self.num_replicas, self.rank = 1, 0
-        self._sampler: Optional[ResumableSampler] = None
-        self._expected: dict[str, Any] = {}
 
     @property
     def source(self) -> str:
@@ -102,17 +101,6 @@ class SFTDataModule(L.LightningDataModule):
             train = pack(train, self.max_seq_length)
         self.train_set = SFTDataset(train)
         self.val_set = SFTDataset(tokenize_rows(val_rows, self.style, self.tokenizer, self.max_seq_length))
-        self._check_resume(self._expected)
-
-    # ------------------------------------------------------------------------------------------ loaders
-
-    def set_distributed(self, num_replicas: int, rank: int) -> None:
-        """Shard training batches over `num_replicas` processes (when no Lightning Trainer is attached to say so)."""
-        self.num_replicas, self.rank = num_replicas, rank
-
-    def _world(self) -> tuple[int, int]:
-        trainer = getattr(self, "trainer", None)
-        return (trainer.world_size, trainer.global_rank) if trainer is not None else (self.num_replicas, self.rank)
 
     def _require_setup(self) -> SFTDataset:
         if self.train_set is None:
@@ -121,28 +109,26 @@ class SFTDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         train_set = self._require_setup()
-        num_replicas, rank = self._world()
-        self._sampler = ResumableSampler(len(train_set), self.micro_batch_size, self.seed, shuffle=True,
-                                         num_replicas=num_replicas, rank=rank)
-        self._sampler.set_position(*self.position)
-        return self._loader(train_set, self._sampler)
+        trainer = getattr(self, "trainer", None)
+        world_size, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
+        sampler = EpochSampler(len(train_set), self.micro_batch_size * world_size, self.seed, rank, world_size)
+        return DataLoader(train_set, batch_size=self.micro_batch_size, sampler=sampler, collate_fn=self.collate,
+                          num_workers=self.args.num_workers, persistent_workers=self.args.num_workers > 0)
+
+    def step_dataloader(self, global_batch_size: int, start_step: int, total_steps: int, rank: int,
+                        world_size: int) -> DataLoader:
+        """One item per optimizer step in [start_step, total_steps): the list of this rank's micro-batches of that
+        step's global batch (each with its `num_tokens`), what `FinetuneModule.training_step` takes."""
+        train_set = self._require_setup()
+        sampler = StepSampler(len(train_set), global_batch_size, self.seed, start_step, total_steps, rank,
+                              world_size)
+        collate = MicroBatches(self.collate, self.micro_batch_size)
+        return DataLoader(train_set, batch_sampler=sampler, collate_fn=collate, num_workers=self.args.num_workers)
 
     def val_dataloader(self) -> DataLoader:
         self._require_setup()
-        return self._loader(self.val_set, None)
-
-    def _loader(self, dataset: SFTDataset, sampler: Optional[ResumableSampler]) -> DataLoader:
-        return DataLoader(dataset, batch_size=self.micro_batch_size, sampler=sampler, shuffle=False,
-                          collate_fn=self.collate, num_workers=self.args.num_workers,
-                          persistent_workers=self.args.num_workers > 0)
-
-    # ------------------------------------------------------------------------------------------ sizes
-
-    @property
-    def num_train_batches(self) -> int:
-        """Micro-batches in one full training epoch (per process)."""
-        num_replicas, _ = self._world()
-        return math.ceil(math.ceil(len(self._require_setup()) / num_replicas) / self.micro_batch_size)
+        return DataLoader(self.val_set, batch_size=self.micro_batch_size, shuffle=False, collate_fn=self.collate,
+                          num_workers=self.args.num_workers, persistent_workers=self.args.num_workers > 0)
 
     @property
     def train_lengths(self) -> list[int]:
@@ -153,44 +139,3 @@ class SFTDataModule(L.LightningDataModule):
     def train_token_count(self) -> int:
         """Non-padding tokens in one training epoch."""
         return sum(self.train_lengths)
-
-    # ------------------------------------------------------------------------------------------ resuming
-
-    def position_of(self, micro_batches_seen: int) -> tuple[int, int]:
-        """(epoch, batches_done) after `micro_batches_seen` micro-batches since the start of training."""
-        return divmod(micro_batches_seen, self.num_train_batches)
-
-    def set_position(self, epoch: int, batches_done: int) -> None:
-        """Make the next train_dataloader() start at micro-batch `batches_done` of `epoch` (its order is fixed by
-        the seed and the epoch), as an uninterrupted run would continue."""
-        if epoch < 0 or batches_done < 0:
-            raise ValueError(f"epoch and batches_done must be >= 0 (got {epoch}, {batches_done})")
-        self.position = (epoch, batches_done)
-        if self._sampler is not None:
-            self._sampler.set_position(epoch, batches_done)
-
-    def _fingerprint(self) -> dict[str, Any]:
-        return {"seed": self.seed, "micro_batch_size": self.micro_batch_size,
-                "num_train_samples": len(self.train_set) if self.train_set is not None else None}
-
-    def state_dict(self) -> dict[str, Any]:
-        """Plain JSON-able position: {"epoch", "batches_done", "seed", "micro_batch_size", "num_train_samples"}."""
-        epoch, batches_done = self.position
-        return {"epoch": epoch, "batches_done": batches_done, **self._fingerprint()}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore a position from state_dict(); refuses a different seed, micro-batch size or training set."""
-        self._expected = {k: state_dict[k] for k in ("seed", "micro_batch_size", "num_train_samples")
-                          if state_dict.get(k) is not None}
-        self._check_resume(self._expected)
-        self.set_position(int(state_dict["epoch"]), int(state_dict["batches_done"]))
-
-    def _check_resume(self, expected: dict[str, Any]) -> None:
-        current = self._fingerprint()
-        diff = {k: (v, current[k]) for k, v in expected.items() if current[k] is not None and current[k] != v}
-        if diff:
-            what = ", ".join(f"{k} was {old}, is {new}" for k, (old, new) in diff.items())
-            raise DataError(
-                f"Cannot resume the data order exactly: {what}. Resume with the same data, seed, micro_batch_size, "
-                "max_seq_length, val_split and packing as the checkpoint, or start a new run."
-            )

@@ -11,7 +11,8 @@ strategy and number of processes.
 
 from __future__ import annotations
 
-from typing import Union
+from contextlib import contextmanager, nullcontext
+from typing import Any, Iterator, Union
 
 import torch
 import torch.distributed as dist
@@ -52,6 +53,24 @@ def nf4_shards_for(strategy: str, world_size: int, requested: Union[int, None] =
         raise ValueError(f"nf4_shards ({shards}) must be a multiple of devices x num_nodes ({world_size}) with "
                          "--strategy fsdp: every rank holds whole NF4 scaler groups.")
     return shards
+
+
+@contextmanager
+def no_gradient_sync(module: nn.Module, strategy: Any) -> Iterator[None]:
+    """Backward passes inside keep their gradients on this rank, accumulated in `.grad`: no all-reduce under DDP
+    (Lightning's `block_backward_sync`, DDP's `no_sync`), no reduce-scatter under FSDP2. The next backward outside
+    reduces the accumulated sum once, so every micro-batch of an optimizer step but the last runs inside it."""
+    from torch.distributed.fsdp import FSDPModule
+
+    fsdp = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    for m in fsdp:
+        m.set_requires_gradient_sync(False, recurse=False)
+    try:
+        with getattr(strategy, "block_backward_sync", nullcontext)():
+            yield
+    finally:
+        for m in fsdp:
+            m.set_requires_gradient_sync(True, recurse=False)
 
 
 def keep_frozen_out_of_ddp(module: nn.Module) -> None:

@@ -1,2 +1,3 @@
-"""Training: the LightningModule (`module`), resumable train state (`state`), the chunked loss (`loss`) and
-stopping on signals (`signals`)."""
+"""Training: the LightningModule (`module`), its Lightning callbacks (`callbacks`: metrics file, resumable
+checkpoints, stop on signal, heap release), the arguments (`args`), the one data order (`sampler`), resumable train
+state (`state`), the chunked loss (`loss`), signal handling (`signals`) and the end-of-run report (`report`)."""

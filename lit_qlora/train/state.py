@@ -19,6 +19,7 @@ import torch
 from lit_qlora.checkpoint import TensorSpec, atomic_write_text, iter_safetensors, write_safetensors
 from lit_qlora.guards import require_finite
 from lit_qlora.lora import full_lora_state_dict, load_adapter
+from lit_qlora.parallel.distributed import full, shard_like
 
 STEP_DIR = re.compile(r"^step-(\d{6,})$")
 STATE_FILE = "state.json"
@@ -66,8 +67,6 @@ def rng_tensors() -> dict[str, torch.Tensor]:
 
 def collect_training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """Adapter and optimizer state as whole CPU tensors. Under FSDP2 this gathers the shards: every rank calls it."""
-    from lit_qlora.parallel.distributed import full
-
     opt_tensors, groups = _optimizer_tensors(optimizer)
     return {"adapter": full_lora_state_dict(model), "param_groups": groups,
             "optimizer": {k: full(v).cpu() for k, v in opt_tensors.items()}}
@@ -122,8 +121,6 @@ def read_state(path: Path) -> dict[str, Any]:
 
 def load_training_state(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """Restore adapters, optimizer and RNG from checkpoint `path`; returns its JSON state."""
-    from lit_qlora.parallel.distributed import shard_like
-
     state = read_state(path)
     load_adapter(model, path)  # a checkpoint holds adapter.safetensors, like a fine-tune's final/
     opt_state: dict[int, dict[str, torch.Tensor]] = {}

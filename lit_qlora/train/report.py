@@ -1,0 +1,24 @@
+"""The table `litqlora finetune` prints when a run finishes (from its summary.json values)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def print_report(summary: dict[str, Any], out_dir: Path) -> None:
+    gib = 1024**3
+    rows = [
+        ("steps", summary["steps"]),
+        ("train loss (last step)", f"{summary['train_loss']:.4f}" if summary["train_loss"] is not None else "-"),
+        ("val loss (before -> after)", f"{summary['initial_val_loss'] or float('nan'):.4f} -> {summary['val_loss']:.4f}"),
+        ("tokens/s (after step 1)", f"{summary['tokens_per_sec']:.1f}" if summary["tokens_per_sec"] else "-"),
+        ("peak RSS (whole run)", f"{summary['peak_rss_bytes'] / gib:.2f} GiB"),
+        *[(k.replace("_bytes", "").replace("_", " "), f"{summary[k] / gib:.2f} GiB")
+          for k in ("peak_allocated_bytes", "peak_reserved_bytes", "peak_active_bytes") if k in summary],
+        ("NF4 linears", f"{summary['quantized_linears']} / {summary['total_linears']}"),
+        ("trainable params", f"{summary['trainable_params']:,} of {summary['total_params']:,}"),
+        ("wall time", f"{summary['wall_seconds']:.1f} s"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    print("\n".join([f"\nRun finished: {out_dir}"] + [f"  {k:<{width}}  {v}" for k, v in rows]))
