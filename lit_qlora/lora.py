@@ -111,6 +111,9 @@ def apply_lora(model: nn.Module, r: int, alpha: float, dropout: float = 0.0, tar
 
 
 def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
+    # Adapter names are the model's own: a module wrapped by `fabric.setup` would otherwise prefix them all with
+    # "_forward_module." and the file would fit no other model.
+    model = getattr(model, "_original_module", model)
     return {n: m for n, m in model.named_modules() if isinstance(m, LoRALinear)}
 
 

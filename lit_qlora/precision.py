@@ -8,12 +8,17 @@ from typing import Any, Iterable
 import torch
 import torch.nn as nn
 from lightning.fabric.plugins.precision import Precision as FabricPrecision
+from lightning.pytorch import LightningModule
 from lightning.fabric.plugins.precision.utils import _convert_fp_tensor, _DtypeContextManager
 from lightning.pytorch.plugins.precision import Precision as TrainerPrecision
 from lightning_utilities import apply_to_collection
 
 from lit_qlora.config import PRECISION_DTYPES, Precision
 from lit_qlora.nf4 import count_linears, is_nf4, quantize_linears
+
+
+def _under_trainer(module: Any) -> bool:
+    return isinstance(module, LightningModule) and module._trainer is not None
 
 
 class NF4Precision(TrainerPrecision, FabricPrecision):
@@ -63,3 +68,22 @@ class NF4Precision(TrainerPrecision, FabricPrecision):
     def convert_output(self, data: Any) -> Any:
         return apply_to_collection(data, function=_convert_fp_tensor, dtype=torch.Tensor,
                                    dst_type=torch.get_default_dtype())
+
+    # The Trainer's backward hooks call into `module.trainer`, which a plain module in a user's Fabric loop lacks
+    # (the first `fabric.backward` crashed before this): each call goes to the base class of whoever drives it.
+    def pre_backward(self, tensor: torch.Tensor, module: Any) -> Any:
+        base = TrainerPrecision if _under_trainer(module) else FabricPrecision
+        return base.pre_backward(self, tensor, module)
+
+    def backward(self, tensor: torch.Tensor, model: Any, *args: Any, **kwargs: Any) -> None:
+        base = TrainerPrecision if _under_trainer(model) else FabricPrecision
+        base.backward(self, tensor, model, *args, **kwargs)
+
+    def post_backward(self, tensor: torch.Tensor, module: Any) -> Any:
+        base = TrainerPrecision if _under_trainer(module) else FabricPrecision
+        return base.post_backward(self, tensor, module)
+
+    def optimizer_step(self, optimizer: Any, model: Any = None, closure: Any = None, **kwargs: Any) -> Any:
+        if _under_trainer(model):
+            return TrainerPrecision.optimizer_step(self, optimizer, model, closure, **kwargs)
+        return FabricPrecision.optimizer_step(self, optimizer, **kwargs)
