@@ -10,6 +10,7 @@ import torch
 
 from lit_qlora.loading import load_model
 from lit_qlora.model import Transformer
+from lit_qlora.tokenizer import Tokenizer
 
 
 def sample(logits: torch.Tensor, temperature: float, top_k: Optional[int], generator: torch.Generator) -> int:
@@ -85,8 +86,6 @@ def generate_command(
         adapter_dir: A fine-tune's output directory: apply its LoRA adapter on top of the base.
         chat_template: Wrap the prompt in the checkpoint's chat template when it has one.
     """
-    from lit_qlora.tokenizer import Tokenizer
-
     tokenizer = Tokenizer(checkpoint_dir)
     model = load_model(checkpoint_dir, quantize, precision, adapter_dir)
     if chat_template and tokenizer.has_chat_template:

@@ -10,7 +10,10 @@ from typing import Iterable, Optional
 import torch
 import torch.nn as nn
 
+from lit_qlora.checkpoint import TensorSpec, atomic_write_text, iter_safetensors, write_safetensors
+from lit_qlora.guards import require_finite
 from lit_qlora.nf4 import dequantize_nf4, frozen_linear, is_nf4
+from lit_qlora.parallel.distributed import full, is_sharded, reshard, shard_like
 
 # Short target names -> module name suffixes in our (= Hugging Face) naming.
 TARGETS = {
@@ -124,8 +127,6 @@ def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def full_lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Whole adapter tensors, gathered from every rank under FSDP2 (a collective then: call it on every rank)."""
-    from lit_qlora.parallel.distributed import full, is_sharded, reshard
-
     if not is_sharded(model):
         return lora_state_dict(model)
     reshard(model)
@@ -137,9 +138,6 @@ def save_adapter(model: nn.Module, out_dir: Path, config: dict,
     """Write `adapter.safetensors` and `adapter_config.json` (r, alpha, targets, base model, quantization...).
 
     `tensors`: the adapter, when already gathered (`full_lora_state_dict`); default: read from `model`."""
-    from lit_qlora.checkpoint import TensorSpec, atomic_write_text, write_safetensors
-    from lit_qlora.guards import require_finite
-
     tensors = lora_state_dict(model) if tensors is None else tensors
     require_finite(tensors, f"the adapter in {out_dir}")
     out_dir = Path(out_dir)
@@ -181,9 +179,6 @@ def _trained_on(adapter_dir: Path) -> str:
 
 def load_adapter(model: nn.Module, adapter_dir: Path) -> None:
     """Copy the adapter's tensors into the LoRA layers of `model`; a mismatch is a clear error, not a warning."""
-    from lit_qlora.checkpoint import iter_safetensors
-    from lit_qlora.parallel.distributed import shard_like
-
     path = Path(adapter_dir) / ADAPTER_WEIGHTS
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist: --adapter_dir must hold {ADAPTER_WEIGHTS}.")

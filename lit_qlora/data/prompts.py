@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Union
 
 from lit_qlora.data.errors import DataError
-from lit_qlora.tokenizer import END_OF_TURN_TOKENS
+from lit_qlora.tokenizer import END_OF_TURN_TOKENS, _compile
 
 Row = dict[str, Any]
 
@@ -174,8 +174,6 @@ class Llama3(PromptStyle):
 def _compiled(template: str) -> Any:
     # Tokenizer.apply_chat_template compiles the template on every call (~2 ms); rendering alone takes ~10 us,
     # and this style renders each conversation twice per assistant turn. Same environment, compiled once.
-    from lit_qlora.tokenizer import _compile
-
     return _compile(template)
 
 

@@ -31,6 +31,7 @@ import torch.nn as nn
 
 from lit_qlora.lora import LoRALinear
 from lit_qlora.nf4 import dequantize_nf4, frozen_linear, quantize_nf4
+from lit_qlora.parallel.distributed import broadcast_trainable
 
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW = ("o_proj", "down_proj")
@@ -179,8 +180,6 @@ def parallelize(model: nn.Module, tp_mesh) -> None:
     Rank 0's LoRA init is broadcast to every rank first, then A and B become DTensors (see the module's table).
     Idempotent: Lightning calls `configure_model` for every validate/fit."""
     from torch.distributed.tensor import Replicate, Shard
-
-    from lit_qlora.parallel.distributed import broadcast_trainable
 
     if is_parallel(model):
         return
