@@ -16,7 +16,6 @@ import torch
 
 from lit_qlora.checkpoint import atomic_write_text
 from lit_qlora.download import DownloadError
-from lit_qlora.eval.lm import LitQLoRALM
 from lit_qlora.eval.truthfulqa import LOCAL_TASKS, check_truthfulqa_file, prepare_local_tasks
 from lit_qlora.loading import load_model, resolve_quantize
 from lit_qlora.lora import read_adapter_config
@@ -24,8 +23,9 @@ from lit_qlora.memory import module_bytes, peak_rss_bytes
 from lit_qlora.tokenizer import Tokenizer
 
 
-# lm-eval's evaluator, task index and utils take over a second to import; they are imported where used, so the
-# other `litqlora` commands (which all import this module for the command table) do not pay for them.
+# lm-eval (our LM adapter subclasses its LM; its evaluator, task index and utils take over a second) is imported
+# where used, so `litqlora --help` and the other commands, which import this module for the command table, do not
+# pay for it.
 
 
 def split_tasks(tasks: str | Sequence[str]) -> list[str]:
@@ -108,7 +108,7 @@ def evaluate(
     Args:
         checkpoint_dir: Hugging Face model directory: a merged fine-tune, or the base of --adapter_dir.
         tasks: lm-eval task names, comma-separated (e.g. truthfulqa_mc2,hellaswag); any name lm-eval knows.
-        adapter_dir: A fine-tune's output directory: evaluate its LoRA adapter on top of the base, unmerged.
+        adapter_dir: A fine-tune's out_dir (or its final/ directory): evaluate its LoRA adapter on top of the base, unmerged.
         quantize: nf4 = NF4-quantize every base linear as it loads (with an adapter: the exact model QLoRA
             trained); none = plain precision weights. With --adapter_dir it defaults to what the adapter was
             trained with (adapter_config.json "quantize"), else none.
@@ -153,6 +153,8 @@ def evaluate(
         loaded = time.perf_counter()
         if run_device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(run_device)
+        from lit_qlora.eval.lm import LitQLoRALM  # lm-eval: see the top of the module
+
         lm = LitQLoRALM(model, tokenizer, batch_size=batch_size)
         try:
             results = simple_evaluate(model=lm, tasks=names, num_fewshot=num_fewshot, batch_size=batch_size,

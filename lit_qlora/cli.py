@@ -24,7 +24,7 @@ from types import UnionType
 from typing import Any, Callable, Literal, Optional
 
 import yaml
-from jsonargparse import ArgumentError, ArgumentParser, Namespace, auto_parser, set_parsing_settings
+from jsonargparse import ActionConfigFile, ArgumentError, ArgumentParser, Namespace, set_parsing_settings
 
 from lit_qlora.errors import UserError
 from lit_qlora.guards import is_oom
@@ -85,10 +85,17 @@ POSITIONAL = {"download": "repo_id", "convert_gguf": "file"}
 RENAMED = {"compare": {"--config": "--recipe"}}
 
 
-CONFIG_HELP = "A YAML file of this command's arguments (compare: a `litqlora finetune` recipe, see --recipe)."
+DESCRIPTION = ("Fine-tune LLMs with QLoRA (an NF4 base, LoRA adapters) or LoRA, then merge, export and evaluate them. "
+               "`litqlora COMMAND --help` describes a command.")
+CONFIG_HELP = "A YAML file of this command's options (keys as in --print_config); the command line overrides it."
+COMPARE_CONFIG_HELP = ("A `litqlora finetune` recipe (e.g. config_hub/finetune/smollm2-135m/lora.yaml) that both fine-tunes "
+                       "run; the same as --recipe.")
+DEBUG_HELP = "Show the full traceback of an error (also LITQLORA_DEBUG=1 or `debug: true` in a --config file)."
 
-BUILTIN_OPTIONS = ("config", "print_config", "help")
-"""Options jsonargparse gives every command."""
+BUILTIN_OPTIONS = ("config", "print_config", "help", "debug")
+"""Options every command has besides its own parameters."""
+
+TRUE, FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 
 
 def expand_positional(argv: list[str]) -> list[str]:
@@ -108,10 +115,22 @@ def config_files(argv: list[str]) -> list[str]:
     return files + [b for a, b in zip(argv, argv[1:]) if a == "--config"]
 
 
+def debug_flag(argv: list[str]) -> Optional[bool]:
+    """The value of --debug on the command line (`--debug`, `--debug true`, `--debug=false`); None: not given."""
+    for i, arg in enumerate(argv):
+        if arg == "--debug":
+            follows = argv[i + 1].lower() if i + 1 < len(argv) else ""
+            return follows not in FALSE
+        if arg.startswith("--debug="):
+            return arg.partition("=")[2].lower() not in FALSE
+    return None
+
+
 def debug_requested(argv: list[str]) -> bool:
-    """--debug on the command line, LITQLORA_DEBUG=1, or `debug: true` in a --config file."""
-    if "--debug" in argv or os.environ.get("LITQLORA_DEBUG") == "1":
-        return True
+    """--debug on the command line, else `debug: true` in a --config file, else LITQLORA_DEBUG=1."""
+    flag = debug_flag(argv)
+    if flag is not None:
+        return flag
     for file in config_files(argv):
         try:
             with open(file, encoding="utf-8") as f:
@@ -120,7 +139,7 @@ def debug_requested(argv: list[str]) -> bool:
             continue  # the parser reports it
         if isinstance(config, dict) and config.get("debug") is True:
             return True
-    return False
+    return os.environ.get("LITQLORA_DEBUG") == "1"
 
 
 # -- what a command accepts --------------------------------------------------------------------------------------
@@ -308,26 +327,43 @@ def jsonargparse_message(error: ArgumentError, argv: list[str], table: dict[str,
 
 
 # -- running -----------------------------------------------------------------------------------------------------
+def build_parser(table: dict[str, Command]) -> ArgumentParser:
+    """One subcommand per verb, its options read from the function's typed signature and docstrings.
+
+    exit_on_error=False: a bad command line raises ArgumentError (explained in one paragraph by `main`) instead of
+    printing the whole usage; allow_abbrev=False: a typo must not silently become the option it abbreviates."""
+    parser = ArgumentParser(prog="litqlora", description=DESCRIPTION, exit_on_error=False,
+                            allow_abbrev=False)
+    subcommands = parser.add_subcommands(required=True)
+    for name, command in table.items():
+        summary = inspect.getdoc(command).split("\n\n")[0].replace("\n", " ")
+        sub = ArgumentParser(description=summary, exit_on_error=False, allow_abbrev=False)
+        sub.add_argument("--config", action=ActionConfigFile,
+                         help=COMPARE_CONFIG_HELP if name in RENAMED else CONFIG_HELP)
+        sub.add_function_arguments(command, as_group=False, as_positional=False, sub_configs=True)
+        sub.add_argument("--debug", type=bool, nargs="?", const=True, default=False, help=DEBUG_HELP)
+        subcommands.add_subcommand(name, sub, help=summary)
+    return parser
+
+
 def run(parser: ArgumentParser, table: dict[str, Command], cfg: Namespace) -> None:
     init = parser.instantiate(cfg)  # dataclass groups become their dataclasses
     name = init.subcommand
     arguments = init[name]
-    arguments.pop("config", None)
+    for option in ("config", "debug"):
+        arguments.pop(option, None)
     table[name](**arguments)
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = debug_requested(argv)
-    argv = expand_positional([a for a in argv if a != "--debug"])
+    argv = expand_positional(argv)
     if not debug:
         quiet_library_logs()
     set_parsing_settings(docstring_parse_attribute_docstrings=True)  # dataclass field docstrings become --help
     table = commands()
-    # exit_on_error=False: a bad command line raises ArgumentError (explained below in one paragraph) instead of
-    # printing the whole usage; allow_abbrev=False: a typo must not silently become the option it abbreviates.
-    parser = auto_parser(table, as_positional=False, config_help=CONFIG_HELP, exit_on_error=False,
-                         allow_abbrev=False)
+    parser = build_parser(table)
     try:
         cfg = parser.parse_args(argv)
     except ArgumentError as e:

@@ -57,7 +57,7 @@ def merge(checkpoint_dir: Path, adapter_dir: Path, out_dir: Path,
 
     Args:
         checkpoint_dir: The base model's Hugging Face directory.
-        adapter_dir: A fine-tune's output directory (adapter.safetensors + adapter_config.json).
+        adapter_dir: A fine-tune's out_dir, or its final/ directory (adapter.safetensors + adapter_config.json).
         out_dir: Where the merged model goes.
         quantize: Base to merge into: nf4 = dequant(NF4(W)), the weights QLoRA trained against; none = the
             original W. Defaults to what the adapter was trained with.
@@ -91,7 +91,7 @@ def export_peft(checkpoint_dir: Path, adapter_dir: Path, out_dir: Path, with_deq
 
     Args:
         checkpoint_dir: The base model's Hugging Face directory.
-        adapter_dir: A fine-tune's output directory.
+        adapter_dir: A fine-tune's out_dir, or its final/ directory.
         out_dir: Destination; `peft.PeftModel.from_pretrained(base, out_dir)` loads it.
         with_dequantized_base: Also write dequant(NF4(W)), the base QLoRA trained against, to OUT_DIR/base/ so
             the adapter applies exactly in other runtimes.

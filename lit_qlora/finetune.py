@@ -13,14 +13,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Literal, Optional, Union
 
-import lightning as L
 import torch
-from lightning.pytorch.loggers import TensorBoardLogger
-from torch.utils.data import DataLoader
 
 from lit_qlora.checkpoint import atomic_write_text
-from lit_qlora.config import DTYPE_NAMES, PRECISION_DTYPES, Quantize
-from lit_qlora.data.module import DataArgs, SFTDataModule
+from lit_qlora.config import DTYPE_NAMES, PRECISION_DTYPES, Quantize, require_checkpoint_dir
+from lit_qlora.data.sft import require_data_file
 from lit_qlora.export import export_final
 from lit_qlora.gguf_import import convert_gguf
 from lit_qlora.guards import oom_advice
@@ -30,11 +27,8 @@ from lit_qlora.memory import peak_memory_stats, release_free_memory
 from lit_qlora.nf4 import count_linears
 from lit_qlora.parallel.distributed import build_strategy, keep_frozen_out_of_ddp, nf4_shards_for
 from lit_qlora.parallel.tensor_parallel import TensorParallelShard
-from lit_qlora.precision import NF4Precision
 from lit_qlora.tokenizer import Tokenizer
-from lit_qlora.train.args import LoRAArgs, TrainArgs, total_steps_for
-from lit_qlora.train.callbacks import HeapRelease, MetricsLog, ResumableCheckpoints, StopOnSignal
-from lit_qlora.train.module import FinetuneModule
+from lit_qlora.train.args import DataArgs, LoRAArgs, TrainArgs, total_steps_for
 from lit_qlora.train.report import print_report
 from lit_qlora.train.state import latest_checkpoint, read_state
 
@@ -58,7 +52,6 @@ def finetune(
     train: TrainArgs = TrainArgs(),
     data: DataArgs = DataArgs(),
     ignore_modules: Optional[list[str]] = None,
-    debug: bool = False,
 ) -> dict[str, Any]:
     """Fine-tune a LoRA adapter on a frozen base: NF4 (QLoRA, the default) or plain (LoRA, the baseline).
 
@@ -85,8 +78,12 @@ def finetune(
         train: Optimization settings.
         data: Dataset settings; with nothing given, the dataset shipped with lit-qlora.
         ignore_modules: Module names (prefixes) whose linears stay in high precision with nf4, e.g. lm_head.
-        debug: Show full tracebacks on errors.
     """
+    # Input a user can get wrong, checked before setup() spends seconds importing the training stack.
+    if Path(checkpoint_dir) != DEFAULT_CHECKPOINT:
+        require_checkpoint_dir(checkpoint_dir)
+    if data.json_path is not None:
+        require_data_file(data.json_path)
     return fit(setup(checkpoint_dir=checkpoint_dir, out_dir=out_dir, quantize=quantize, precision=precision, seed=seed,
                      accelerator=accelerator, devices=devices, num_nodes=num_nodes, strategy=strategy,
                      tensor_parallel=tensor_parallel, nf4_shards=nf4_shards, resume=resume, lora=lora, train=train,
@@ -152,13 +149,14 @@ class RunConfig:
 
 @dataclass
 class Run:
-    """What setup() builds and fit() runs."""
+    """What setup() builds and fit() runs. The Lightning types are named in comments, not annotations: importing
+    them here would load Lightning with the module (see setup)."""
 
     config: RunConfig
-    trainer: L.Trainer
-    module: FinetuneModule
-    data: SFTDataModule
-    train_loader: DataLoader
+    trainer: Any  # lightning.Trainer
+    module: Any  # lit_qlora.train.module.FinetuneModule
+    data: Any  # lit_qlora.data.module.SFTDataModule
+    train_loader: Any  # torch.utils.data.DataLoader
     started: float  # perf_counter() at the start: summary.json's wall_seconds
 
 
@@ -167,6 +165,16 @@ def setup(checkpoint_dir: Path, out_dir: Path, quantize: str, precision: str, se
           resume: Union[bool, str, Path], lora: LoRAArgs, train: TrainArgs, data: DataArgs,
           ignore_modules: Optional[list[str]]) -> Run:
     """Check the settings, load the data and the base (NF4 unless quantize=none), add LoRA, build the Trainer."""
+    # Lightning (and what builds on it) loads here, not when the module is imported: the CLI reads `finetune`'s
+    # signature for `--help` and argument errors, which must not wait seconds for the training stack.
+    import lightning as L
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from lit_qlora.data.module import SFTDataModule
+    from lit_qlora.precision import NF4Precision
+    from lit_qlora.train.callbacks import HeapRelease, MetricsLog, ResumableCheckpoints, StopOnSignal
+    from lit_qlora.train.module import FinetuneModule
+
     started = time.perf_counter()
     out_dir = Path(out_dir)
     world_size = devices * num_nodes

@@ -83,7 +83,7 @@ def generate_command(
         precision: Weights and compute dtype: bf16-true, 16-true (fp16) or 32-true (fp32).
         quantize: nf4 = NF4-quantize every linear as the checkpoint loads (QLoRA's base); none = keep the
             precision's dtype. With --adapter_dir it defaults to what the adapter was trained with, else none.
-        adapter_dir: A fine-tune's output directory: apply its LoRA adapter on top of the base.
+        adapter_dir: A fine-tune's out_dir (or its final/ directory): apply its LoRA adapter on top of the base.
         chat_template: Wrap the prompt in the checkpoint's chat template when it has one.
     """
     tokenizer = Tokenizer(checkpoint_dir)

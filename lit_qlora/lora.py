@@ -148,16 +148,29 @@ def save_adapter(model: nn.Module, out_dir: Path, config: dict,
     return out_dir
 
 
+def find_adapter_dir(adapter_dir: Path) -> Path:
+    """The directory holding the adapter: `adapter_dir` itself (a fine-tune's final/ or a training checkpoint),
+    or, given a fine-tune's out_dir, its final/."""
+    adapter_dir = Path(adapter_dir)
+    final = adapter_dir / "final"
+    if not (adapter_dir / ADAPTER_CONFIG).is_file() and (final / ADAPTER_CONFIG).is_file():
+        return final
+    return adapter_dir
+
+
 def read_adapter_config(adapter_dir: Path) -> dict:
-    path = Path(adapter_dir) / ADAPTER_CONFIG
-    if not Path(adapter_dir).is_dir():
-        raise FileNotFoundError(f"Adapter directory {adapter_dir} does not exist: --adapter_dir must be the final/ "
-                                f"directory of a fine-tune (it holds {ADAPTER_WEIGHTS} and {ADAPTER_CONFIG}).")
+    adapter_dir = find_adapter_dir(adapter_dir)
+    path = adapter_dir / ADAPTER_CONFIG
+    what = (f"--adapter_dir must be a fine-tune's out_dir or its final/ directory (which holds {ADAPTER_WEIGHTS} "
+            f"and {ADAPTER_CONFIG})")
+    if not adapter_dir.is_dir():
+        raise FileNotFoundError(f"Adapter directory {adapter_dir} does not exist: {what}.")
     if not path.is_file():
-        raise FileNotFoundError(
-            f"{path} does not exist: --adapter_dir must be the output directory of a fine-tune "
-            f"(it holds {ADAPTER_WEIGHTS} and {ADAPTER_CONFIG})."
-        )
+        has_checkpoints = (adapter_dir / "checkpoints").is_dir()
+        hint = (" This out_dir has training checkpoints but no final/: the run has not finished; continue it with "
+                "the same `litqlora finetune` command with --resume auto."
+                if has_checkpoints else "")
+        raise FileNotFoundError(f"{path} does not exist: {what}.{hint}")
     try:
         config = json.loads(path.read_text())
         missing = [k for k in ("r", "alpha", "targets") if k not in config]
@@ -179,7 +192,8 @@ def _trained_on(adapter_dir: Path) -> str:
 
 def load_adapter(model: nn.Module, adapter_dir: Path) -> None:
     """Copy the adapter's tensors into the LoRA layers of `model`; a mismatch is a clear error, not a warning."""
-    path = Path(adapter_dir) / ADAPTER_WEIGHTS
+    adapter_dir = find_adapter_dir(adapter_dir)
+    path = adapter_dir / ADAPTER_WEIGHTS
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist: --adapter_dir must hold {ADAPTER_WEIGHTS}.")
     own = {k: v for k, v in lora_state_dict(model).items()}

@@ -47,6 +47,52 @@ def test_debug_shows_the_traceback(tmp_path):
     assert out.returncode != 0 and "Traceback" in out.stderr
 
 
+@pytest.mark.parametrize("flag, traceback", [(["--debug", "true"], True), (["--debug=true"], True),
+                                             (["--debug", "false"], False), (["--debug=false"], False)])
+def test_debug_takes_the_values_its_help_advertises(tmp_path, flag, traceback):
+    out = litqlora("finetune", "--checkpoint_dir", tmp_path / "no" / "such", *flag)
+    assert out.returncode == 1, out.stderr
+    assert "unrecognized arguments" not in out.stderr
+    assert ("Traceback" in out.stderr) is traceback
+    assert "no/such does not exist" in out.stderr
+
+
+def test_every_command_documents_debug_and_its_own_config():
+    top = litqlora("--help")
+    assert top.returncode == 0
+    assert "see --recipe" not in top.stdout and "recipe" not in top.stdout.split("subcommands:")[0]
+    for command in ("finetune", "generate", "merge", "evaluate"):
+        out = litqlora(command, "--help")
+        assert "--debug [{true,false}]" in out.stdout, command
+        assert "--recipe" not in out.stdout and "fine-tune recipe" not in out.stdout, command
+    assert "A `litqlora finetune` recipe" in litqlora("compare", "--help").stdout
+
+
+HEAVY = ("lightning", "transformers", "matplotlib", "scipy", "torchmetrics", "lm_eval.evaluator")
+
+
+def modules_loaded_by(*argv: str) -> set[str]:
+    """Which of HEAVY the CLI imported for `litqlora ARGV` (in a fresh interpreter)."""
+    code = ("import sys\nfrom lit_qlora.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+            f"print('LOADED', *sorted(m for m in {HEAVY!r} if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=300)
+    line = [line for line in out.stdout.splitlines() if line.startswith("LOADED")]
+    assert line, out.stderr
+    return set(line[0].split()[1:])
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["finetune", "--help"], ["generate", "--help"], ["compare", "--help"],
+                                  ["finetune", "--no_such_option", "1"], ["finetune", "--checkpoint_dir", "no/such"],
+                                  ["finetun"]])
+def test_help_and_argument_errors_do_not_import_the_training_stack(argv):
+    assert modules_loaded_by(*argv) == set()
+
+
+def test_the_training_stack_is_what_the_check_sees(tmp_path):
+    """The check above can fail: a fine-tune that gets past its argument checks imports Lightning."""
+    assert "lightning" in modules_loaded_by("finetune", "--checkpoint_dir", str(tmp_path))
+
+
 @pytest.mark.slow
 def test_generate_answers_paris(smollm2_dir):
     out = litqlora("generate", "--checkpoint_dir", smollm2_dir, "--prompt", "What is the capital of France?")

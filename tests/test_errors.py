@@ -233,7 +233,7 @@ def test_usage_errors_come_from_the_input_not_from_jsonargparse_wording(argv, me
     from jsonargparse import ArgumentError
 
     def reworded_parser(*args, **kwargs):
-        parser = real_auto_parser(*args, **kwargs)
+        parser = real_build_parser(*args, **kwargs)
         parse_args = parser.parse_args
 
         def parse(argv):
@@ -245,8 +245,8 @@ def test_usage_errors_come_from_the_input_not_from_jsonargparse_wording(argv, me
         parser.parse_args = parse
         return parser
 
-    real_auto_parser = cli.auto_parser
-    monkeypatch.setattr(cli, "auto_parser", reworded_parser)
+    real_build_parser = cli.build_parser
+    monkeypatch.setattr(cli, "build_parser", reworded_parser)
     with pytest.raises(SystemExit) as exit_info:
         main([str(a) for a in argv(ctx)])
     err = capsys.readouterr().err

@@ -136,6 +136,23 @@ def test_adapter_base_can_be_overridden_but_not_mixed_with_shards(ckpt, tmp_path
         load_model(ckpt, adapter_dir=tmp_path / "adapter", nf4_world_size=2)
 
 
+def test_a_fine_tunes_out_dir_is_taken_as_its_final_adapter(ckpt, tmp_path):
+    out_dir = tmp_path / "run"
+    trained = train_adapter(ckpt, "nf4", out_dir / "final")
+    loaded = load_model(ckpt, adapter_dir=out_dir)  # the out_dir a user passes, not .../final
+    idx = torch.randint(0, CONFIG.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(loaded(idx), trained(idx))
+
+
+def test_an_unfinished_runs_out_dir_says_to_resume(ckpt, tmp_path):
+    (tmp_path / "run" / "checkpoints" / "step-000010").mkdir(parents=True)
+    with pytest.raises(FileNotFoundError, match="no final/: the run has not finished.*--resume auto"):
+        load_model(ckpt, adapter_dir=tmp_path / "run")
+    with pytest.raises(FileNotFoundError, match="must be a fine-tune's out_dir or its final/ directory"):
+        load_model(ckpt, adapter_dir=tmp_path / "elsewhere")
+
+
 @pytest.mark.parametrize("quantize", ["nf4", "none"])
 def test_shard_keeps_this_ranks_part_quantized_on_its_own(ckpt, quantize):
     weights = stored(ckpt)

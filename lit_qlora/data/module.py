@@ -3,9 +3,8 @@ split into train/validation by seed, batched in the one training order (`lit_qlo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Optional
 
 import lightning as L
 import torch
@@ -16,24 +15,8 @@ from lit_qlora.data.prompts import get_prompt_style
 from lit_qlora.data.sft import (
     DEMO_DATASET, Collate, SFTDataset, load_hf_rows, load_json_rows, pack, tokenize_rows,
 )
+from lit_qlora.train.args import DataArgs
 from lit_qlora.train.sampler import EpochSampler, MicroBatches, StepSampler
-
-
-@dataclass
-class DataArgs:
-    json_path: Optional[Path] = None
-    """A local dataset: JSON (a list of rows) or JSONL (one row per line). Rows hold `instruction`, optional
-    `input` and `output`, or `messages` (role system/user/assistant). Default: the demo set shipped with lit-qlora."""
-    hf_dataset: Optional[str] = None
-    """A Hugging Face Hub dataset name (its `train` split), instead of json_path; needs network or the local cache."""
-    prompt_style: Literal["alpaca", "chatml", "llama3", "chat_template"] = "alpaca"
-    """How rows become text: alpaca, chatml, llama3, or chat_template (the checkpoint's own chat template)."""
-    val_split: float = 0.1
-    """Fraction of rows held out for validation (at least one row when > 0; 0 disables validation)."""
-    packing: bool = False
-    """Pack several training samples into each max_seq_length sequence (fewer padding tokens)."""
-    num_workers: int = 0
-    """DataLoader worker processes (0: load in the training process)."""
 
 
 def split_rows(rows: list, val_split: float, seed: int) -> tuple[list, list]:

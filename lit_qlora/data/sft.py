@@ -32,14 +32,19 @@ FORMAT_HELP = (
 
 # ---------------------------------------------------------------------------------------------- reading
 
-def read_rows(path: Path) -> tuple[list[Any], Optional[list[int]]]:
-    """Rows of a JSON file (a list of rows) or a JSONL file (one row per line; blank lines skipped), and for JSONL
-    the 1-based line of each row. `.jsonl` files are read as JSONL, `.json` as JSON, anything else by its first
-    character (`[` means JSON)."""
+def require_data_file(path: Path) -> Path:
     path = Path(path)
     if not path.is_file():
         what = "is a directory, not a file" if path.is_dir() else "does not exist"
         raise DataError(f"The dataset {path} {what}. Pass --data.json_path pointing to a .json or .jsonl file.")
+    return path
+
+
+def read_rows(path: Path) -> tuple[list[Any], Optional[list[int]]]:
+    """Rows of a JSON file (a list of rows) or a JSONL file (one row per line; blank lines skipped), and for JSONL
+    the 1-based line of each row. `.jsonl` files are read as JSONL, `.json` as JSON, anything else by its first
+    character (`[` means JSON)."""
+    path = require_data_file(path)
     raw = path.read_bytes()
     try:
         text = raw.decode("utf-8-sig")

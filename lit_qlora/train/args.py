@@ -1,8 +1,11 @@
-"""What `litqlora finetune --lora.* --train.*` accept, and the step counts that follow from them."""
+"""What `litqlora finetune --lora.* --train.* --data.*` accept, and the step counts that follow from them.
+
+Plain dataclasses, no Lightning: the CLI reads them to build `--help` without importing the training stack."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal, Optional, Union
 
 
@@ -67,3 +70,20 @@ def total_steps_for(train: TrainArgs, num_samples: int) -> int:
             raise ValueError(f"train.max_steps must be at least 1, got {train.max_steps}.")
         return train.max_steps
     return train.epochs * max(1, num_samples // train.global_batch_size)
+
+
+@dataclass
+class DataArgs:
+    json_path: Optional[Path] = None
+    """A local dataset: JSON (a list of rows) or JSONL (one row per line). Rows hold `instruction`, optional
+    `input` and `output`, or `messages` (role system/user/assistant). Default: the demo set shipped with lit-qlora."""
+    hf_dataset: Optional[str] = None
+    """A Hugging Face Hub dataset name (its `train` split), instead of json_path; needs network or the local cache."""
+    prompt_style: Literal["alpaca", "chatml", "llama3", "chat_template"] = "alpaca"
+    """How rows become text: alpaca, chatml, llama3, or chat_template (the checkpoint's own chat template)."""
+    val_split: float = 0.1
+    """Fraction of rows held out for validation (at least one row when > 0; 0 disables validation)."""
+    packing: bool = False
+    """Pack several training samples into each max_seq_length sequence (fewer padding tokens)."""
+    num_workers: int = 0
+    """DataLoader worker processes (0: load in the training process)."""
