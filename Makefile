@@ -14,12 +14,14 @@ install:
 install-test: install
 	$(PIP) install -e ".[test]"
 
-# The main job: a real QLoRA fine-tune of the bundled SmolLM2 on the shipped dataset (CPU, minutes),
-# then a generation with the trained adapter on the NF4 base.
+# The main job: a real QLoRA fine-tune of the bundled SmolLM2 on the shipped dataset (CPU, minutes), then a
+# question the run never trained on (a row of its validation split), answered by the NF4 base alone and with the
+# trained adapter.
 demo: install
 	litqlora finetune --config config_hub/finetune/smollm2-135m/qlora.yaml
-	litqlora generate --checkpoint_dir $(SMOLLM2_DIR) --adapter_dir out/finetune/smollm2-135m-qlora/final \
-		--prompt "Convert 25 °C to Fahrenheit."
+	@echo; echo "A question held out from training (a validation row of the demo set), before and after fine-tuning:"
+	@litqlora generate --checkpoint_dir $(SMOLLM2_DIR) --adapter_dir out/finetune/smollm2-135m-qlora \
+		--prompt "What is the capital of Austria?" --compare_base true
 
 test: install-test
 	$(PYTHON) -m pytest -q tests

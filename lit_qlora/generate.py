@@ -9,7 +9,9 @@ from typing import Iterator, Literal, Optional, Sequence
 import torch
 
 from lit_qlora.loading import load_model
+from lit_qlora.lora import adapters_disabled
 from lit_qlora.model import Transformer
+from lit_qlora.nf4 import is_nf4
 from lit_qlora.tokenizer import Tokenizer
 
 
@@ -70,6 +72,7 @@ def generate_command(
     quantize: Optional[Literal["nf4", "none"]] = None,
     adapter_dir: Optional[Path] = None,
     chat_template: bool = True,
+    compare_base: bool = False,
 ) -> str:
     """Generate a reply to PROMPT with a checkpoint and print only the generated text.
 
@@ -85,7 +88,11 @@ def generate_command(
             precision's dtype. With --adapter_dir it defaults to what the adapter was trained with, else none.
         adapter_dir: A fine-tune's out_dir (or its final/ directory): apply its LoRA adapter on top of the base.
         chat_template: Wrap the prompt in the checkpoint's chat template when it has one.
+        compare_base: With --adapter_dir: first answer with the base alone (the adapter switched off), then with
+            the adapter, each on a labelled line: what the fine-tune changed.
     """
+    if compare_base and adapter_dir is None:
+        raise ValueError("--compare_base true compares the base with a fine-tune: give the fine-tune's --adapter_dir.")
     tokenizer = Tokenizer(checkpoint_dir)
     model = load_model(checkpoint_dir, quantize, precision, adapter_dir)
     if chat_template and tokenizer.has_chat_template:
@@ -93,6 +100,22 @@ def generate_command(
         ids = tokenizer.encode(text, bos=False)
     else:
         ids = tokenizer.encode(prompt)
+
+    def reply(label: str = "") -> str:
+        sys.stdout.write(label)
+        return stream_reply(model, tokenizer, ids, max_new_tokens, temperature, top_k, seed)
+
+    if not compare_base:
+        return reply()
+    base_kind = "NF4" if any(is_nf4(p) for p in model.parameters()) else str(model.lm_head.weight.dtype).split(".")[-1]
+    with adapters_disabled(model):
+        reply(f"base model ({base_kind}, without the adapter):\n  ")
+    return reply(f"fine-tuned (with the adapter from {adapter_dir}):\n  ")
+
+
+def stream_reply(model: Transformer, tokenizer: Tokenizer, ids: list[int], max_new_tokens: int, temperature: float,
+                 top_k: Optional[int], seed: int) -> str:
+    """Print the reply to stdout as it is generated; returns it."""
     out: list[int] = []
     printed = ""
     for token in generate(model, ids, max_new_tokens, temperature, top_k, tokenizer.eos_ids, seed):

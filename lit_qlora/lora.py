@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Iterable, Iterator, Optional
 
 import torch
 import torch.nn as nn
@@ -85,6 +86,21 @@ class LoRALinear(nn.Linear):
     def extra_repr(self) -> str:
         kind = "nf4" if is_nf4(self.weight) else str(self.weight.dtype).removeprefix("torch.")
         return f"{self.in_features}, {self.out_features}, base={kind}, r={self.r}, alpha={self.alpha}"
+
+
+@contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """Inside, every LoRA layer computes its base alone (scale 0: out + 0 is exactly out), e.g. to show what the
+    model answered before fine-tuning without loading it twice."""
+    layers = list(lora_modules(model).values())
+    scales = [layer.scale for layer in layers]
+    for layer in layers:
+        layer.scale = 0.0
+    try:
+        yield
+    finally:
+        for layer, scale in zip(layers, scales):
+            layer.scale = scale
 
 
 def resolve_targets(targets: Iterable[str] | str) -> list[str]:

@@ -151,3 +151,59 @@ def test_a_user_error_is_one_line_without_traceback(kind, message):
                          text=True, timeout=600)
     assert out.returncode == 1
     assert out.stderr.strip() == f"litqlora: error: {message}"
+
+
+def test_compare_base_prints_the_base_reply_then_the_fine_tuned_one(tiny_llama_dir, tmp_path, capsys):
+    import torch
+
+    from lit_qlora.generate import generate_command
+    from lit_qlora.loading import load_model
+    from lit_qlora.lora import apply_lora, lora_modules, save_adapter
+
+    model = load_model(tiny_llama_dir, "nf4")
+    apply_lora(model, r=4, alpha=8, dtype=torch.bfloat16)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for layer in lora_modules(model).values():
+            layer.lora_B.normal_(0, 0.5)  # an adapter that changes the reply
+    out_dir = tmp_path / "run"
+    save_adapter(model, out_dir / "final", {"r": 4, "alpha": 8, "targets": ["all"], "quantize": "nf4",
+                                            "base_dtype": "bfloat16", "lora_dtype": "bfloat16"})
+    ask = dict(prompt="What is the capital of Austria?", checkpoint_dir=tiny_llama_dir, max_new_tokens=10)
+    base = generate_command(**ask, quantize="nf4")
+    tuned = generate_command(**ask, adapter_dir=out_dir)
+    assert base != tuned
+    capsys.readouterr()
+    assert generate_command(**ask, adapter_dir=out_dir, compare_base=True) == tuned
+    assert capsys.readouterr().out == (f"base model (NF4, without the adapter):\n  {base}\n"
+                                       f"fine-tuned (with the adapter from {out_dir}):\n  {tuned}\n")
+    with pytest.raises(ValueError, match="--adapter_dir"):
+        generate_command(**ask, compare_base=True)
+
+
+@pytest.mark.slow
+def test_the_demo_shows_the_fine_tune_answering_a_held_out_question(smollm2_dir, tmp_path, capsys):
+    """`make demo`'s recipe and question: the question is a validation row (never trained on); the NF4 base does
+    not answer it, the fine-tuned model does."""
+    import re
+    from pathlib import Path
+
+    import yaml
+
+    from lit_qlora.cli import main
+    from lit_qlora.data.module import split_rows
+    from lit_qlora.data.sft import DEMO_DATASET, load_json_rows
+    from lit_qlora.generate import generate_command
+
+    root = Path(__file__).resolve().parents[1]
+    preset = root / "config_hub" / "finetune" / "smollm2-135m" / "qlora.yaml"
+    question = re.search(r'--prompt "([^"]+)"', (root / "Makefile").read_text()).group(1)
+    recipe = yaml.safe_load(preset.read_text())
+    train, val = split_rows(load_json_rows(DEMO_DATASET), recipe["data"]["val_split"], recipe["seed"])
+    assert question in [r["instruction"] for r in val] and question not in [r["instruction"] for r in train]
+
+    main(["finetune", "--config", str(preset), "--checkpoint_dir", str(smollm2_dir), "--out_dir", str(tmp_path)])
+    capsys.readouterr()
+    generate_command(question, checkpoint_dir=smollm2_dir, adapter_dir=tmp_path, compare_base=True)
+    base, tuned = capsys.readouterr().out.split("fine-tuned (with the adapter")
+    assert "Vienna" not in base and "The capital of Austria is Vienna." in tuned
