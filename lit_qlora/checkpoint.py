@@ -227,6 +227,15 @@ class TensorSpec:
         return n * self.dtype.itemsize
 
 
+def fsync_dir(path: Path) -> None:
+    """Make a rename inside `path` durable (the directory entry itself is flushed)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w") as f:

@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 import torch
 
-from lit_qlora.checkpoint import TensorSpec, atomic_write_text, iter_safetensors, write_safetensors
+from lit_qlora.checkpoint import TensorSpec, atomic_write_text, fsync_dir, iter_safetensors, write_safetensors
 from lit_qlora.guards import require_finite
 from lit_qlora.lora import full_lora_state_dict, load_adapter
 from lit_qlora.parallel.distributed import full, shard_like
@@ -94,18 +94,10 @@ def save_training_state(out_dir: Path, step: int, model: Optional[torch.nn.Modul
     if final.exists():  # a re-run reached the same step: replace it
         shutil.rmtree(final)
     os.replace(tmp, final)
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)
     for old in complete_checkpoints(out_dir)[: -max(1, keep_last)]:
         shutil.rmtree(old, ignore_errors=True)
     return final
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def read_state(path: Path) -> dict[str, Any]:
