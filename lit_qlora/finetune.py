@@ -173,6 +173,7 @@ def setup(checkpoint_dir: Path, out_dir: Path, quantize: str, precision: str, se
     from lit_qlora.precision import NF4Precision
     from lit_qlora.train.callbacks import HeapRelease, MetricsLog, ResumableCheckpoints, StopOnSignal
     from lit_qlora.train.module import FinetuneModule
+    from lit_qlora.train.progress import StepProgressBar, quiet_lightning
     from lit_qlora.train.tensorboard import RunTensorBoardLogger
 
     started = time.perf_counter()
@@ -198,8 +199,9 @@ def setup(checkpoint_dir: Path, out_dir: Path, quantize: str, precision: str, se
     checkpoints = ResumableCheckpoints(out_dir, train.save_interval, train.keep_last, total_steps, config.as_json(),
                                        resume_from)
     callbacks = [HeapRelease(), MetricsLog(out_dir, config.start_step, train.log_interval), checkpoints,
-                 StopOnSignal(checkpoints)]
+                 StopOnSignal(checkpoints), StepProgressBar(train.log_interval)]
     plugin = NF4Precision(precision, config.ignore_modules, config.nf4_shards) if config.quantize is Quantize.NF4 else None
+    quiet_lightning()
     logger = RunTensorBoardLogger(out_dir, config.start_step)
     trainer = L.Trainer(
         accelerator=accelerator, devices=devices, num_nodes=num_nodes, strategy=strategy_arg,

@@ -1,8 +1,13 @@
 """`litqlora finetune` end to end on a tiny model: artifacts, accumulation; and the real SmolLM2. Resume after kill -9
 and signals: test_reliability.py."""
 
+import contextlib
+import io
 import json
+import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -99,7 +104,8 @@ def assert_logged(events, expected):
 @pytest.fixture(scope="module")
 def resumed_run(tiny_llama_dir, tmp_path_factory):
     """A 5-step run (metrics every 2 steps, a checkpoint every step) and, as if it had been killed after step 3, its
-    resume with --resume auto: the first run's logs/ as it left them, both runs' rows and summaries."""
+    resume with --resume auto: the first run's logs/ as it left them, both runs' rows and summaries, and what the
+    resumed run printed on stderr."""
     tmp = tmp_path_factory.mktemp("resumed")
     out, data = tmp / "run", small_data(tmp)
     kw = dict(max_steps=5, log_interval=2, save_interval=1, keep_last=5)
@@ -108,9 +114,11 @@ def resumed_run(tiny_llama_dir, tmp_path_factory):
     shutil.copytree(out / "logs", tmp / "first-logs")
     for step in (4, 5):
         shutil.rmtree(out / "checkpoints" / f"step-{step:06d}")
-    resumed = run(tiny_llama_dir, out, data, resume="auto", **kw)
+    printed = io.StringIO()
+    with contextlib.redirect_stderr(printed):  # the progress bar writes to sys.stderr as it is when setup() runs
+        resumed = run(tiny_llama_dir, out, data, resume="auto", **kw)
     return SimpleNamespace(out=out, first=first, first_rows=first_rows, first_logs=tmp / "first-logs",
-                           resumed=resumed, resumed_rows=metrics_rows(out))
+                           resumed=resumed, resumed_rows=metrics_rows(out), printed=printed.getvalue())
 
 
 def test_tensorboard_gets_the_metrics_jsonl_rows_and_val_loss_at_the_runs_steps_in_one_event_file(resumed_run):
@@ -161,6 +169,79 @@ def test_hparams_yaml_and_tensorboards_hparams_tab_hold_the_runs_settings(resume
     assert shown["train.lr"].number_value == pytest.approx(1e-2) and shown["quantize"].string_value == "nf4"
     assert json.loads(shown["lora.targets"].string_value) == settings["lora.targets"]
     assert shown["lora.rslora"].string_value == "false"
+
+
+def test_the_progress_counts_the_steps_before_a_resume(resumed_run):
+    lines = resumed_run.printed.splitlines()
+    row4 = resumed_run.resumed_rows[1]
+    assert [line.split(",")[0] for line in lines] == ["Training 4/5 steps", "Training 5/5 steps",
+                                                      "Validation at step 5/5: loss " + f"{resumed_run.resumed['val_loss']:.4f}"]
+    assert f"loss {row4['loss']:.4f}, {row4['tokens_per_sec']:,.0f} tokens/s" in lines[0]
+    assert f"loss {resumed_run.resumed['train_loss']:.4f}" in lines[1]
+
+
+def test_a_run_prints_its_steps_losses_and_tokens_per_sec_and_nothing_of_lightnings(tiny_llama_dir, tmp_path):
+    """`litqlora finetune` with its output captured (not a terminal): one line per validation and per logged step on
+    stderr, the report on stdout; no Lightning status lines, warnings, `v_num` or "max_epochs reached"."""
+    data, out = small_data(tmp_path), tmp_path / "run"
+    args = ["finetune", "--checkpoint_dir", tiny_llama_dir, "--out_dir", out, "--data.json_path", data.json_path,
+            "--data.val_split", 0.25, "--train.max_steps", 3, "--train.global_batch_size", 4,
+            "--train.micro_batch_size", 2, "--train.max_seq_length", 64, "--lora.r", 4]
+    proc = subprocess.run([sys.executable, "-m", "lit_qlora.cli", *map(str, args)], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    rows, summary = metrics_rows(out), json.loads((out / "summary.json").read_text())
+    expected = [f"Validation at step 0/3: loss {summary['initial_val_loss']:.4f}"]
+    expected += [rf"Training {r['step']}/3 steps, \d\d:\d\d<\d\d:\d\d, loss {r['loss']:.4f}, "
+                 rf"{r['tokens_per_sec']:,.0f} tokens/s" for r in rows]
+    expected += [f"Validation at step 3/3: loss {summary['val_loss']:.4f}"]
+    lines = proc.stderr.splitlines()
+    assert len(lines) == len(expected) == 5, proc.stderr
+    for line, pattern in zip(lines, expected):
+        assert re.fullmatch(pattern, line), (line, pattern)
+    assert proc.stdout.lstrip().startswith(f"Run finished: {out}\n")
+    for noise in ("max_epochs", "v_num", "it/s", "GPU available", "TPU available", "Warning"):
+        assert noise not in proc.stdout + proc.stderr, noise
+
+
+def test_the_progress_bar_is_ours_with_or_without_rich(tiny_llama_dir, tmp_path, monkeypatch):
+    """Lightning adds RichProgressBar when `rich` is installed and TQDMProgressBar otherwise; a fine-tune shows its
+    own bar either way. On a terminal it is a tqdm bar of optimizer steps with the loss and tokens/s."""
+    pytest.importorskip("rich")
+    import lightning as L
+    from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
+    from lightning.pytorch.callbacks.progress import ProgressBar
+    from lightning.pytorch.trainer.connectors import callback_connector
+
+    from lit_qlora.finetune import fit, setup
+    from lit_qlora.train.progress import StepProgressBar
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    data = small_data(tmp_path)
+    for rich in (False, True):
+        monkeypatch.setattr(callback_connector, "_RICH_AVAILABLE", rich)
+        lightnings = L.Trainer(logger=False, enable_checkpointing=False).progress_bar_callback
+        assert type(lightnings) is (RichProgressBar if rich else TQDMProgressBar)
+        terminal = Terminal()
+        monkeypatch.setattr(sys, "stderr", terminal)
+        run_ = setup(checkpoint_dir=tiny_llama_dir, out_dir=tmp_path / f"rich-{rich}", quantize="nf4",
+                     precision="bf16-true", seed=1337, accelerator="cpu", devices=1, num_nodes=1, strategy="auto",
+                     tensor_parallel=1, nf4_shards=None, resume=False, lora=LoRAArgs(r=4, alpha=8, dropout=0.0),
+                     train=TrainArgs(micro_batch_size=2, global_batch_size=4, max_seq_length=64, max_steps=2),
+                     data=data, ignore_modules=None)
+        assert type(run_.trainer.progress_bar_callback) is StepProgressBar
+        assert [c for c in run_.trainer.callbacks if isinstance(c, ProgressBar)] == [run_.trainer.progress_bar_callback]
+    summary = fit(run_)
+    shown = terminal.getvalue()
+    assert "\rValidation:" in shown  # a transient bar over the validation batches
+    # The training bar as it is left on screen (in ASCII: a StringIO declares no encoding tqdm could draw blocks in).
+    last = [frame for frame in re.split(r"[\r\n]", shown) if frame.startswith("Training")][-1]
+    assert re.fullmatch(rf"Training 2/2 steps \|[█#]+\| \d\d:\d\d<00:00, loss {summary['train_loss']:.4f}, "
+                        r"[\d,]+ tokens/s", last), last
+    assert f"Validation at step 2/2: loss {summary['val_loss']:.4f}\n" in shown
 
 
 def test_accumulated_step_equals_one_large_batch(tiny_llama_dir, tmp_path):

@@ -154,7 +154,6 @@ class FinetuneModule(L.LightningModule):
         self.history.append({**row, "seconds": seconds})
         # A skipped step logs NaN for its loss and gradient norm: left out, Lightning would repeat the last ones.
         numbers = {TAGS[k]: float("nan") if v is None else float(v) for k, v in row.items() if k in TAGS}
-        self.log(TAGS["loss"], numbers.pop(TAGS["loss"]), prog_bar=True)
         self.log_dict({**numbers, "step": float(step)})  # "step": Lightning's logger takes it as the x-axis value
 
     def nonfinite_problem(self, loss: torch.Tensor) -> Optional[str]:
