@@ -33,7 +33,7 @@ from lit_qlora.eval import SAMPLE_DATA_FILE
 from lit_qlora.eval.report import write_report
 from lit_qlora.eval.truthfulqa import check_truthfulqa_file
 from lit_qlora.finetune import ensure_default_checkpoint, finetune
-from lit_qlora.train.args import TrainArgs
+from lit_qlora.train.args import TrainArgs, flatten
 
 TASK = "truthfulqa_mc2"
 RUNS = {"lora": "none", "qlora": "nf4"}
@@ -115,16 +115,6 @@ def run_stage(name: str, argv: list[str], out_dir: Path) -> None:
         raise StageFailed(f"compare: stage {name!r} failed (exit {proc.returncode}); its output is in {log_path}. "
                            "Fix the cause and run the same command again: finished stages are kept and a "
                            "fine-tune resumes from its last checkpoint.")
-
-
-def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out.update(flatten(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
 
 
 def same_recipe(before: str, now: str) -> bool:

@@ -18,7 +18,6 @@ import logging
 import os
 import sys
 import typing
-import warnings
 from pathlib import Path
 from types import UnionType
 from typing import Any, Callable, Literal, Optional
@@ -65,15 +64,10 @@ USER_ERRORS: tuple[type[Exception], ...] = (UserError, ValueError, FileNotFoundE
 
 def quiet_library_logs() -> None:
     # torchao warns at import about CUDA-only kernels it cannot load on CPU, torch about a pytree
-    # deprecation inside torchao: neither concerns NF4, and both would bury our output.
+    # deprecation inside torchao: neither concerns NF4, and both would bury our output. (What Lightning's Trainer
+    # prints during a fine-tune: lit_qlora.train.progress.quiet_lightning.)
     for name in ("torchao", "torch.utils._pytree"):
         logging.getLogger(name).setLevel(logging.ERROR)
-    # Lightning advertises a cloud logger, warns about its own use of a deprecated pytree API, and about the
-    # validation_step we run only through trainer.validate (fit gets no val loader on purpose).
-    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(
-        lambda record: "litlogger" not in record.getMessage())
-    warnings.filterwarnings("ignore", message=r".*LeafSpec.*")
-    warnings.filterwarnings("ignore", message=r".*defined a `validation_step` but have no `val_dataloader`.*")
 
 
 # Commands whose first argument may be given bare (`litqlora download REPO_ID`); every other argument is a flag.

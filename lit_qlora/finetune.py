@@ -168,12 +168,13 @@ def setup(checkpoint_dir: Path, out_dir: Path, quantize: str, precision: str, se
     # Lightning (and what builds on it) loads here, not when the module is imported: the CLI reads `finetune`'s
     # signature for `--help` and argument errors, which must not wait seconds for the training stack.
     import lightning as L
-    from lightning.pytorch.loggers import TensorBoardLogger
 
     from lit_qlora.data.module import SFTDataModule
     from lit_qlora.precision import NF4Precision
     from lit_qlora.train.callbacks import HeapRelease, MetricsLog, ResumableCheckpoints, StopOnSignal
     from lit_qlora.train.module import FinetuneModule
+    from lit_qlora.train.progress import StepProgressBar, quiet_lightning
+    from lit_qlora.train.tensorboard import RunTensorBoardLogger
 
     started = time.perf_counter()
     out_dir = Path(out_dir)
@@ -198,15 +199,18 @@ def setup(checkpoint_dir: Path, out_dir: Path, quantize: str, precision: str, se
     checkpoints = ResumableCheckpoints(out_dir, train.save_interval, train.keep_last, total_steps, config.as_json(),
                                        resume_from)
     callbacks = [HeapRelease(), MetricsLog(out_dir, config.start_step, train.log_interval), checkpoints,
-                 StopOnSignal(checkpoints)]
+                 StopOnSignal(checkpoints), StepProgressBar(train.log_interval)]
     plugin = NF4Precision(precision, config.ignore_modules, config.nf4_shards) if config.quantize is Quantize.NF4 else None
+    quiet_lightning()
+    logger = RunTensorBoardLogger(out_dir, config.start_step)
     trainer = L.Trainer(
         accelerator=accelerator, devices=devices, num_nodes=num_nodes, strategy=strategy_arg,
         precision=None if plugin else precision, plugins=[plugin] if plugin else None, callbacks=callbacks,
-        logger=TensorBoardLogger(save_dir=str(out_dir), name="", version="logs", default_hp_metric=False),
-        log_every_n_steps=train.log_interval, max_epochs=1, enable_checkpointing=False, num_sanity_val_steps=0,
-        use_distributed_sampler=False, enable_model_summary=False,
+        logger=logger, log_every_n_steps=train.log_interval, max_epochs=1, enable_checkpointing=False,
+        num_sanity_val_steps=0, use_distributed_sampler=False, enable_model_summary=False,
     )
+    if trainer.is_global_zero:  # known from here on; rank_zero_only learns the rank only when the strategy starts
+        logger.log_settings(config.as_json())
     # The Trainer knows this process's rank before any process group exists: tensor parallelism loads its shard.
     with config.oom(lambda: "while loading the base model"):
         shard = TensorParallelShard(trainer.global_rank % tensor_parallel, tensor_parallel) if tensor_parallel > 1 else None
@@ -240,6 +244,7 @@ def fit(run: Run) -> dict[str, Any]:
         load_adapter(module.model, config.resume_from)
     with config.oom(lambda: "in the final validation"):
         trainer.validate(module, dataloaders=val_loader, verbose=False)
+    trainer.logger.close()
 
     # Training's freed activations stay in glibc's heap; export's transient would stack on top of them and set the
     # run's peak (a QLoRA run peaked above LoRA's this way). Returned to the OS, export fits under training's peak.

@@ -1,12 +1,19 @@
 """`litqlora finetune` end to end on a tiny model: artifacts, accumulation; and the real SmolLM2. Resume after kill -9
 and signals: test_reliability.py."""
 
+import contextlib
+import io
 import json
+import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 from lit_qlora.data.module import DataArgs
@@ -67,37 +74,174 @@ def metrics_rows(out_dir):
     return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def tensorboard_scalars(log_dir):
-    """{tag: {step: value}}, the last value TensorBoard holds for each step."""
+# metrics.jsonl's keys -> the TensorBoard tags a user reads them under.
+TENSORBOARD_TAGS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
+                    "tokens_per_sec": "train/tokens_per_sec", "tokens": "train/tokens",
+                    "peak_memory_bytes": "memory/peak_bytes"}
+
+
+def tensorboard_events(log_dir):
+    """The EventAccumulator of a run's logs/, as TensorBoard reads it (what a resume purged left out)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(log_dir))
     events.Reload()
-    return {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
+    return events
 
 
-def test_tensorboard_gets_the_metrics_jsonl_rows_also_after_a_resume(tiny_llama_dir, tmp_path):
-    out, data = tmp_path / "run", small_data(tmp_path)
+def tensorboard_scalars(log_dir):
+    """{tag: [(step, value), ...]}, every event TensorBoard shows, in order."""
+    events = tensorboard_events(log_dir)
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def assert_logged(events, expected):
+    """`events` holds each step of `expected` ({step: value}) once, in order, with its value (as float32)."""
+    assert [step for step, _ in events] == list(expected)
+    assert [value for _, value in events] == pytest.approx(list(expected.values()), rel=1e-6)
+
+
+@pytest.fixture(scope="module")
+def resumed_run(tiny_llama_dir, tmp_path_factory):
+    """A 5-step run (metrics every 2 steps, a checkpoint every step) and, as if it had been killed after step 3, its
+    resume with --resume auto: the first run's logs/ as it left them, both runs' rows and summaries, and what the
+    resumed run printed on stderr."""
+    tmp = tmp_path_factory.mktemp("resumed")
+    out, data = tmp / "run", small_data(tmp)
     kw = dict(max_steps=5, log_interval=2, save_interval=1, keep_last=5)
-    summary = run(tiny_llama_dir, out, data, **kw)
-    rows = metrics_rows(out)
-    assert [r["step"] for r in rows] == [2, 4]
-    tb = tensorboard_scalars(out / "logs")
-    assert tb["loss"] == {r["step"]: r["loss"] for r in rows}  # fp32 losses: TensorBoard holds them exactly
-    for key in ("lr", "grad_norm", "tokens_per_sec", "peak_memory_bytes", "tokens"):
-        assert tb[key] == pytest.approx({r["step"]: r[key] for r in rows}, rel=1e-6), key
-    assert tb["val_loss"] == pytest.approx({0: summary["initial_val_loss"], 5: summary["val_loss"]}, rel=1e-6)
-
-    # Killed after step 3: the resumed run rewrites step 4 in both files, and logs at the run's steps (4), not
-    # at its own (3 + 2).
+    first = run(tiny_llama_dir, out, data, **kw)
+    first_rows = metrics_rows(out)
+    shutil.copytree(out / "logs", tmp / "first-logs")
     for step in (4, 5):
         shutil.rmtree(out / "checkpoints" / f"step-{step:06d}")
-    run(tiny_llama_dir, out, data, resume="auto", **kw)
-    resumed = metrics_rows(out)
+    printed = io.StringIO()
+    with contextlib.redirect_stderr(printed):  # the progress bar writes to sys.stderr as it is when setup() runs
+        resumed = run(tiny_llama_dir, out, data, resume="auto", **kw)
+    return SimpleNamespace(out=out, first=first, first_rows=first_rows, first_logs=tmp / "first-logs",
+                           resumed=resumed, resumed_rows=metrics_rows(out), printed=printed.getvalue())
+
+
+def test_tensorboard_gets_the_metrics_jsonl_rows_and_val_loss_at_the_runs_steps_in_one_event_file(resumed_run):
+    rows, first = resumed_run.first_rows, resumed_run.first
+    assert [r["step"] for r in rows] == [2, 4]
+    assert len(list(resumed_run.first_logs.glob("events.out.tfevents.*"))) == 1  # validate, fit, validate: one file
+    tb = tensorboard_scalars(resumed_run.first_logs)
+    assert set(tb) == {*TENSORBOARD_TAGS.values(), "val/loss"}
+    assert tb["train/loss"] == [(r["step"], r["loss"]) for r in rows]  # fp32 losses: TensorBoard holds them exactly
+    for key, tag in TENSORBOARD_TAGS.items():
+        assert_logged(tb[tag], {r["step"]: r[key] for r in rows})
+    assert_logged(tb["val/loss"], {0: first["initial_val_loss"], 5: first["val_loss"]})
+
+
+def test_a_resume_adds_one_event_file_and_tensorboard_shows_each_step_once(resumed_run):
+    """Killed after step 3, the resumed run logs step 4 again (and, at the run's steps, not 3 + 2): TensorBoard shows
+    the resumed run's step 4 and final validation only, like metrics.jsonl."""
+    out, rows, resumed = resumed_run.out, resumed_run.resumed_rows, resumed_run.resumed
     same = ("step", "loss", "lr", "grad_norm", "tokens")  # exact resume; only the timing and memory differ
-    assert [{k: r[k] for k in same} for r in resumed] == [{k: r[k] for k in same} for r in rows]
+    assert [{k: r[k] for k in same} for r in rows] == [{k: r[k] for k in same} for r in resumed_run.first_rows]
+    assert rows[1]["tokens_per_sec"] != resumed_run.first_rows[1]["tokens_per_sec"]  # step 4 was trained again
+    assert len(list((out / "logs").glob("events.out.tfevents.*"))) == 2
     tb = tensorboard_scalars(out / "logs")
-    assert tb["loss"] == {r["step"]: r["loss"] for r in resumed}
+    assert set(tb) == {*TENSORBOARD_TAGS.values(), "val/loss"}
+    for key, tag in TENSORBOARD_TAGS.items():
+        assert_logged(tb[tag], {r["step"]: r[key] for r in rows})
+    assert resumed["initial_val_loss"] is None  # a resume does not validate before training
+    assert_logged(tb["val/loss"], {0: resumed_run.first["initial_val_loss"], 5: resumed["val_loss"]})
+
+
+def test_hparams_yaml_and_tensorboards_hparams_tab_hold_the_runs_settings(resumed_run):
+    from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
+
+    logs = resumed_run.out / "logs"
+    saved = json.loads((resumed_run.out / "checkpoints" / "step-000005" / "state.json").read_text())["run"]
+    settings = yaml.safe_load((logs / "hparams.yaml").read_text())
+    assert settings["seed"] == 1337 and settings["quantize"] == "nf4" and settings["precision"] == "bf16-true"
+    assert (settings["lora.r"], settings["lora.alpha"], settings["train.lr"], settings["train.max_steps"]) == (4, 8, 1e-2, 5)
+    for group in ("lora", "train", "data"):
+        assert {k: settings[f"{group}.{k}"] for k in saved[group]} == saved[group]
+    assert settings["checkpoint_dir"] == saved["checkpoint_dir"] and settings["world_size"] == 1
+
+    content = tensorboard_events(logs).PluginTagToContent("hparams")
+    experiment = HParamsPluginData.FromString(content["_hparams_/experiment"]).experiment
+    assert {m.name.tag for m in experiment.metric_infos} == {"train/loss", "val/loss"}
+    shown = HParamsPluginData.FromString(content["_hparams_/session_start_info"]).session_start_info.hparams
+    assert shown["seed"].number_value == 1337 and shown["lora.r"].number_value == 4
+    assert shown["train.lr"].number_value == pytest.approx(1e-2) and shown["quantize"].string_value == "nf4"
+    assert json.loads(shown["lora.targets"].string_value) == settings["lora.targets"]
+    assert shown["lora.rslora"].string_value == "false"
+
+
+def test_the_progress_counts_the_steps_before_a_resume(resumed_run):
+    lines = resumed_run.printed.splitlines()
+    row4 = resumed_run.resumed_rows[1]
+    assert [line.split(",")[0] for line in lines] == ["Training 4/5 steps", "Training 5/5 steps",
+                                                      "Validation at step 5/5: loss " + f"{resumed_run.resumed['val_loss']:.4f}"]
+    assert f"loss {row4['loss']:.4f}, {row4['tokens_per_sec']:,.0f} tokens/s" in lines[0]
+    assert f"loss {resumed_run.resumed['train_loss']:.4f}" in lines[1]
+
+
+def test_a_run_prints_its_steps_losses_and_tokens_per_sec_and_nothing_of_lightnings(tiny_llama_dir, tmp_path):
+    """`litqlora finetune` with its output captured (not a terminal): one line per validation and per logged step on
+    stderr, the report on stdout; no Lightning status lines, warnings, `v_num` or "max_epochs reached"."""
+    data, out = small_data(tmp_path), tmp_path / "run"
+    args = ["finetune", "--checkpoint_dir", tiny_llama_dir, "--out_dir", out, "--data.json_path", data.json_path,
+            "--data.val_split", 0.25, "--train.max_steps", 3, "--train.global_batch_size", 4,
+            "--train.micro_batch_size", 2, "--train.max_seq_length", 64, "--lora.r", 4]
+    proc = subprocess.run([sys.executable, "-m", "lit_qlora.cli", *map(str, args)], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    rows, summary = metrics_rows(out), json.loads((out / "summary.json").read_text())
+    expected = [f"Validation at step 0/3: loss {summary['initial_val_loss']:.4f}"]
+    expected += [rf"Training {r['step']}/3 steps, \d\d:\d\d<\d\d:\d\d, loss {r['loss']:.4f}, "
+                 rf"{r['tokens_per_sec']:,.0f} tokens/s" for r in rows]
+    expected += [f"Validation at step 3/3: loss {summary['val_loss']:.4f}"]
+    lines = proc.stderr.splitlines()
+    assert len(lines) == len(expected) == 5, proc.stderr
+    for line, pattern in zip(lines, expected):
+        assert re.fullmatch(pattern, line), (line, pattern)
+    assert proc.stdout.lstrip().startswith(f"Run finished: {out}\n")
+    for noise in ("max_epochs", "v_num", "it/s", "GPU available", "TPU available", "Warning"):
+        assert noise not in proc.stdout + proc.stderr, noise
+
+
+def test_the_progress_bar_is_ours_with_or_without_rich(tiny_llama_dir, tmp_path, monkeypatch):
+    """Lightning adds RichProgressBar when `rich` is installed and TQDMProgressBar otherwise; a fine-tune shows its
+    own bar either way. On a terminal it is a tqdm bar of optimizer steps with the loss and tokens/s."""
+    pytest.importorskip("rich")
+    import lightning as L
+    from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
+    from lightning.pytorch.callbacks.progress import ProgressBar
+    from lightning.pytorch.trainer.connectors import callback_connector
+
+    from lit_qlora.finetune import fit, setup
+    from lit_qlora.train.progress import StepProgressBar
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    data = small_data(tmp_path)
+    for rich in (False, True):
+        monkeypatch.setattr(callback_connector, "_RICH_AVAILABLE", rich)
+        lightnings = L.Trainer(logger=False, enable_checkpointing=False).progress_bar_callback
+        assert type(lightnings) is (RichProgressBar if rich else TQDMProgressBar)
+        terminal = Terminal()
+        monkeypatch.setattr(sys, "stderr", terminal)
+        run_ = setup(checkpoint_dir=tiny_llama_dir, out_dir=tmp_path / f"rich-{rich}", quantize="nf4",
+                     precision="bf16-true", seed=1337, accelerator="cpu", devices=1, num_nodes=1, strategy="auto",
+                     tensor_parallel=1, nf4_shards=None, resume=False, lora=LoRAArgs(r=4, alpha=8, dropout=0.0),
+                     train=TrainArgs(micro_batch_size=2, global_batch_size=4, max_seq_length=64, max_steps=2),
+                     data=data, ignore_modules=None)
+        assert type(run_.trainer.progress_bar_callback) is StepProgressBar
+        assert [c for c in run_.trainer.callbacks if isinstance(c, ProgressBar)] == [run_.trainer.progress_bar_callback]
+    summary = fit(run_)
+    shown = terminal.getvalue()
+    assert "\rValidation:" in shown  # a transient bar over the validation batches
+    # The training bar as it is left on screen (in ASCII: a StringIO declares no encoding tqdm could draw blocks in).
+    last = [frame for frame in re.split(r"[\r\n]", shown) if frame.startswith("Training")][-1]
+    assert re.fullmatch(rf"Training 2/2 steps \|[█#]+\| \d\d:\d\d<00:00, loss {summary['train_loss']:.4f}, "
+                        r"[\d,]+ tokens/s", last), last
+    assert f"Validation at step 2/2: loss {summary['val_loss']:.4f}\n" in shown
 
 
 def test_accumulated_step_equals_one_large_batch(tiny_llama_dir, tmp_path):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 
 @dataclass
@@ -87,3 +87,14 @@ class DataArgs:
     """Pack several training samples into each max_seq_length sequence (fewer padding tokens)."""
     num_workers: int = 0
     """DataLoader worker processes (0: load in the training process)."""
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested settings by their option names: {"lora": {"r": 8}} -> {"lora.r": 8}, as `--lora.r 8` sets it."""
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat

@@ -16,6 +16,7 @@ from lit_qlora.parallel.distributed import full, no_gradient_sync, shard_model
 from lit_qlora.parallel.tensor_parallel import average_over_data, parallelize
 from lit_qlora.train.args import TrainArgs
 from lit_qlora.train.loss import chunked_cross_entropy_sum, target_count
+from lit_qlora.train.tensorboard import TAGS
 
 
 def lr_multiplier(step: int, warmup: int, total: int) -> float:
@@ -142,8 +143,8 @@ class FinetuneModule(L.LightningModule):
 
     def record_step(self, step: int, loss: Optional[float], lr: float, grad_norm: Optional[float], tokens: int,
                     started: float, skipped: Optional[str]) -> None:
-        """Append the step's row to `history` and log its numbers (Lightning sends them to TensorBoard every
-        `log_every_n_steps`, under the run's own step)."""
+        """Append the step's row to `history` and log its numbers under their TensorBoard tags (Lightning sends
+        them to TensorBoard every `log_every_n_steps`, under the run's own step)."""
         self._last_step_end = time.perf_counter()
         seconds = self._last_step_end - started
         peak_memory = max(peak_memory_stats(self.device).values())
@@ -151,10 +152,9 @@ class FinetuneModule(L.LightningModule):
                "tokens_per_sec": tokens / max(seconds, 1e-9), "peak_memory_bytes": peak_memory, "tokens": tokens,
                **({"skipped": skipped} if skipped else {})}
         self.history.append({**row, "seconds": seconds})
-        numbers = {k: float("nan") if v is None else float(v) for k, v in row.items() if k != "skipped"}
         # A skipped step logs NaN for its loss and gradient norm: left out, Lightning would repeat the last ones.
-        self.log("loss", numbers.pop("loss"), prog_bar=True)
-        self.log_dict(numbers)
+        numbers = {TAGS[k]: float("nan") if v is None else float(v) for k, v in row.items() if k in TAGS}
+        self.log_dict({**numbers, "step": float(step)})  # "step": Lightning's logger takes it as the x-axis value
 
     def nonfinite_problem(self, loss: torch.Tensor) -> Optional[str]:
         """'The loss became nan' / 'The gradients became non-finite', or None for a healthy step."""
@@ -189,4 +189,4 @@ class FinetuneModule(L.LightningModule):
                                               reduce_op="sum")
         self.val_loss = (totals[0] / totals[1].clamp(min=1)).item()
         # Every rank holds the same reduced value: sync_dist only tells Lightning so (it averages equal numbers).
-        self.log_dict({"val_loss": self.val_loss, "step": float(self.step)}, sync_dist=True)
+        self.log_dict({TAGS["val_loss"]: self.val_loss, "step": float(self.step)}, sync_dist=True)
