@@ -15,7 +15,7 @@ from typing import Any, Callable, Literal, Optional, Union
 
 import torch
 
-from lit_qlora.checkpoint import atomic_write_text
+from lit_qlora.checkpoint import CheckpointError, atomic_write_text
 from lit_qlora.config import DTYPE_NAMES, PRECISION_DTYPES, Quantize, require_checkpoint_dir
 from lit_qlora.data.sft import require_data_file
 from lit_qlora.export import export_final
@@ -28,7 +28,7 @@ from lit_qlora.nf4 import count_linears
 from lit_qlora.parallel.distributed import build_strategy, keep_frozen_out_of_ddp, nf4_shards_for
 from lit_qlora.parallel.tensor_parallel import TensorParallelShard
 from lit_qlora.tokenizer import Tokenizer
-from lit_qlora.train.args import DataArgs, LoRAArgs, TrainArgs, total_steps_for
+from lit_qlora.train.args import DataArgs, LoRAArgs, TrainArgs, flatten, total_steps_for
 from lit_qlora.train.report import print_report
 from lit_qlora.train.state import latest_checkpoint, read_state
 
@@ -84,10 +84,72 @@ def finetune(
         require_checkpoint_dir(checkpoint_dir)
     if data.json_path is not None:
         require_data_file(data.json_path)
+    resume_from = resolve_resume(resume, Path(out_dir))
+    if resume_from is not None:
+        state = read_state(resume_from)
+        require_same_recipe(state, resume_from, recipe(checkpoint_dir, quantize, precision, seed, lora, train, data,
+                                                       ignore_modules))
+        finished = finished_summary(Path(out_dir), state, train.max_steps)
+        if finished is not None:
+            return finished
     return fit(setup(checkpoint_dir=checkpoint_dir, out_dir=out_dir, quantize=quantize, precision=precision, seed=seed,
                      accelerator=accelerator, devices=devices, num_nodes=num_nodes, strategy=strategy,
-                     tensor_parallel=tensor_parallel, nf4_shards=nf4_shards, resume=resume, lora=lora, train=train,
+                     tensor_parallel=tensor_parallel, nf4_shards=nf4_shards, resume=resume_from or False, lora=lora,
+                     train=train,
                      data=data, ignore_modules=ignore_modules))
+
+
+def recipe(checkpoint_dir: Path, quantize: str, precision: str, seed: int, lora: LoRAArgs, train: TrainArgs,
+           data: DataArgs, ignore_modules: Optional[list[str]]) -> dict[str, Any]:
+    """The settings that define a run, as JSON (state.json's "run" holds them)."""
+    return {"checkpoint_dir": str(checkpoint_dir), "quantize": Quantize(quantize).value, "precision": precision,
+            "seed": seed, "lora": asdict(lora), "train": asdict(train),
+            "data": json.loads(json.dumps(asdict(data), default=str)), "ignore_modules": list(ignore_modules or [])}
+
+
+# What a resume may change: how often it logs and saves, how it spends memory and what it does on a non-finite
+# loss; and train.max_steps may grow past the checkpoint (to train longer). Devices, nodes and strategy are not part
+# of the recipe (the NF4 layout is kept across them). Anything else (seed, data, batch sizes, sequence length,
+# learning rate, adapter shape) would make the resumed steps another run's.
+MAY_CHANGE_ON_RESUME = frozenset({"train.save_interval", "train.log_interval", "train.keep_last",
+                                  "train.activation_checkpointing", "train.on_nonfinite", "data.num_workers"})
+
+
+def require_same_recipe(state: dict[str, Any], checkpoint: Path, now: dict[str, Any]) -> None:
+    """Refuse to resume `checkpoint` with a recipe other than the one its run trained with."""
+    before, after = flatten(state.get("run", {})), flatten(now)
+    changed = []
+    for key, value in after.items():
+        if key in MAY_CHANGE_ON_RESUME or key not in before:  # not recorded: an option added since that checkpoint
+            continue
+        if key == "train.max_steps" and value is not None and value >= state.get("step", 0):
+            continue
+        old = before[key]
+        same = (Path(old).resolve() == Path(value).resolve()) if key == "checkpoint_dir" else old == value
+        if not same:
+            changed.append(f"{key} {json.dumps(old)} -> {json.dumps(value)}")
+    if changed:
+        raise CheckpointError(
+            f"--resume: {Path(checkpoint) / 'state.json'} belongs to a run with other settings ({'; '.join(changed)}): "
+            "resuming would silently continue a different run. Resume with the settings the run started with, or "
+            "start a new run in another --out_dir. Only train.save_interval, log_interval, keep_last, "
+            "activation_checkpointing, on_nonfinite, data.num_workers and the devices may change on resume, and "
+            f"train.max_steps may grow (from step {state.get('step', 0)} on).")
+
+
+def finished_summary(out_dir: Path, state: dict[str, Any], max_steps: Optional[int]) -> Optional[dict[str, Any]]:
+    """summary.json of a run that is complete (its checkpoint is its last step, final/ and summary.json are
+    written), after saying so; None when there is still something to do."""
+    summary_file, final = out_dir / "summary.json", out_dir / "final"
+    if state.get("step") != state.get("total_steps") or not final.is_dir() or not summary_file.is_file():
+        return None
+    if max_steps is not None and max_steps != state["total_steps"]:  # asked to train longer
+        return None
+    summary = json.loads(summary_file.read_text())
+    print(f"{out_dir} is already complete: {state['step']} of {state['total_steps']} steps trained, the adapter and "
+          f"exports are in {final}/, the results in {summary_file}. Nothing was changed; to train longer, pass a larger "
+          "--train.max_steps, or start a new run in another --out_dir.")
+    return summary
 
 
 @dataclass
@@ -110,6 +172,7 @@ class RunConfig:
     start_step: int
     total_steps: int
     resume_from: Optional[Path]
+    initial_val_loss: Optional[float] = None  # a resumed run's, from its checkpoint
 
     @property
     def dtype(self) -> torch.dtype:
@@ -121,10 +184,9 @@ class RunConfig:
         return self.world_size // self.tensor_parallel
 
     def as_json(self) -> dict[str, Any]:
-        """What every checkpoint's state.json records as "run"."""
-        return {"checkpoint_dir": str(self.checkpoint_dir), "quantize": self.quantize.value, "precision": self.precision,
-                "seed": self.seed, "lora": asdict(self.lora), "train": asdict(self.train),
-                "data": json.loads(json.dumps(asdict(self.data), default=str)), "ignore_modules": self.ignore_modules,
+        """What every checkpoint's state.json records as "run": the recipe and how it was laid out on devices."""
+        return {**recipe(self.checkpoint_dir, self.quantize, self.precision, self.seed, self.lora, self.train, self.data,
+                         self.ignore_modules),
                 "world_size": self.world_size, "strategy": self.strategy, "tensor_parallel": self.tensor_parallel,
                 "nf4_shards": self.nf4_shards}
 
@@ -194,7 +256,7 @@ def setup(checkpoint_dir: Path, out_dir: Path, quantize: str, precision: str, se
     config = RunConfig(Path(checkpoint_dir), out_dir, Quantize(quantize), precision, seed, lora, train, data,
                        list(ignore_modules or []), world_size, strategy, tensor_parallel,
                        nf4_shards_for(strategy, world_size, nf4_shards), resume_state.get("step", 0), total_steps,
-                       resume_from)
+                       resume_from, resume_state.get("initial_val_loss"))
 
     checkpoints = ResumableCheckpoints(out_dir, train.save_interval, train.keep_last, total_steps, config.as_json(),
                                        resume_from)
@@ -232,15 +294,16 @@ def fit(run: Run) -> dict[str, Any]:
     """Validate, train, validate again; rank 0 writes final/ and summary.json and prints the report."""
     config, trainer, module = run.config, run.trainer, run.module
     val_loader = run.data.val_dataloader()
-    initial_val_loss = None
     if config.start_step == 0:
         with config.oom(lambda: "in the first validation"):
             trainer.validate(module, dataloaders=val_loader, verbose=False)
-        initial_val_loss = module.val_loss
+        module.initial_val_loss = module.val_loss
+    else:
+        module.initial_val_loss = config.initial_val_loss
     if config.start_step < config.total_steps:
         with config.oom(lambda: f"at optimizer step {module.step + 1}"):
             trainer.fit(module, train_dataloaders=run.train_loader)
-    else:  # the run had already finished: re-validate and re-export its last adapter
+    else:  # the last step's checkpoint is written but final/ or summary.json is not: validate and export again
         load_adapter(module.model, config.resume_from)
     with config.oom(lambda: "in the final validation"):
         trainer.validate(module, dataloaders=val_loader, verbose=False)
@@ -254,22 +317,22 @@ def fit(run: Run) -> dict[str, Any]:
         return {}
     with config.oom(lambda: "while exporting final/"):
         export_final(module.model, config.out_dir / "final", config.checkpoint_dir, config.adapter_config(), adapter)
-    summary = run_summary(run, initial_val_loss)
+    summary = run_summary(run)
     atomic_write_text(config.out_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
     print_report(summary, config.out_dir)
     return summary
 
 
-def run_summary(run: Run, initial_val_loss: Optional[float]) -> dict[str, Any]:
-    """summary.json: the run's losses, throughput (after the first step), memory peaks and sizes."""
+def run_summary(run: Run) -> dict[str, Any]:
+    """summary.json: the run's losses, throughput (after this process's first step), memory peaks and sizes."""
     module, history = run.module, run.module.history
     train_seconds = sum(r["seconds"] for r in history[1:])
     quantized, total = count_linears(module.model)
     return {
         "steps": run.config.total_steps,
-        "train_loss": history[-1]["loss"] if history else None,
+        "train_loss": history[-1]["loss"] if history else last_logged_loss(run.config.out_dir),
         "val_loss": module.val_loss,
-        "initial_val_loss": initial_val_loss,
+        "initial_val_loss": module.initial_val_loss,
         "tokens_per_sec": sum(r["tokens"] for r in history[1:]) / train_seconds if train_seconds else None,
         "wall_seconds": time.perf_counter() - run.started,
         **peak_memory_stats(module.device),
@@ -280,6 +343,13 @@ def run_summary(run: Run, initial_val_loss: Optional[float]) -> dict[str, Any]:
         "accumulation": run.config.train.accumulation(run.config.data_ranks),
         "resumed_from_step": run.config.start_step,
     }
+
+
+def last_logged_loss(out_dir: Path) -> Optional[float]:
+    """The last training loss in metrics.jsonl: a process that trained no step itself reports its run's."""
+    path = Path(out_dir) / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    return rows[-1]["loss"] if rows else None
 
 
 def ensure_default_checkpoint(checkpoint_dir: Path) -> None:

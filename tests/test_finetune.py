@@ -145,7 +145,8 @@ def test_a_resume_adds_one_event_file_and_tensorboard_shows_each_step_once(resum
     assert set(tb) == {*TENSORBOARD_TAGS.values(), "val/loss"}
     for key, tag in TENSORBOARD_TAGS.items():
         assert_logged(tb[tag], {r["step"]: r[key] for r in rows})
-    assert resumed["initial_val_loss"] is None  # a resume does not validate before training
+    # A resume does not validate before training: its summary keeps the run's first validation, from the checkpoint.
+    assert resumed["initial_val_loss"] == resumed_run.first["initial_val_loss"] is not None
     assert_logged(tb["val/loss"], {0: resumed_run.first["initial_val_loss"], 5: resumed["val_loss"]})
 
 

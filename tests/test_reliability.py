@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -254,3 +255,104 @@ def test_library_never_unpickles_or_trusts_remote_code():
         assert not re.search(r"\bpickle\.loads?\(|\bdill\.|joblib\.load", text), path
         for call in re.findall(r"torch\.load\([^)]*\)", text):
             assert "weights_only=True" in call, (path, call)
+
+
+def snapshot(out: Path) -> dict[str, tuple[bytes, int]]:
+    return {str(p.relative_to(out)): (p.read_bytes(), p.stat().st_mtime_ns) for p in out.rglob("*") if p.is_file()}
+
+
+def test_resuming_a_finished_run_says_so_and_changes_nothing(tiny_llama_dir, rows, reference, tmp_path, capsys):
+    out = tmp_path / "done"
+    shutil.copytree(reference, out)
+    before = snapshot(out)
+    capsys.readouterr()
+    summary = main(args(tiny_llama_dir, rows, out, "--resume", "auto"))  # main returns: exit code 0
+    printed = capsys.readouterr().out
+    assert f"{out} is already complete: {STEPS} of {STEPS} steps trained" in printed and "Nothing was changed" in printed
+    assert snapshot(out) == before
+    assert summary is None or summary == json.loads((out / "summary.json").read_text())
+
+
+def test_a_run_killed_before_its_summary_exports_again_without_losing_its_numbers(tiny_llama_dir, rows, reference,
+                                                                                   tmp_path):
+    """The last checkpoint is written, summary.json is not: the resume validates and exports, and summary.json
+    still has the run's first validation loss and last training loss (not nulls)."""
+    out = tmp_path / "no-summary"
+    shutil.copytree(reference, out)
+    (out / "summary.json").unlink()
+    main(args(tiny_llama_dir, rows, out, "--resume", "auto"))
+    summary, ref = json.loads((out / "summary.json").read_text()), json.loads((reference / "summary.json").read_text())
+    assert summary["initial_val_loss"] == ref["initial_val_loss"] is not None
+    assert summary["train_loss"] == ref["train_loss"] is not None
+    assert summary["val_loss"] == pytest.approx(ref["val_loss"], rel=1e-6)
+    assert_same_adapter(out / "final", reference / "final")
+
+
+@pytest.mark.parametrize("changes, named", [
+    (["--seed", "7"], ["seed 1337 -> 7"]),
+    (["--train.lr", "0.02", "--train.max_seq_length", "32"], ["train.lr 0.01 -> 0.02", "train.max_seq_length 64 -> 32"]),
+    (["--train.global_batch_size", "2", "--data.val_split", "0.5"],
+     ["train.global_batch_size 4 -> 2", "data.val_split 0.25 -> 0.5"]),
+])
+def test_resume_with_another_recipe_is_refused_naming_what_changed(tiny_llama_dir, rows, reference, tmp_path,
+                                                                   capsys, changes, named):
+    out = tmp_path / "changed"
+    shutil.copytree(reference, out)
+    (out / "summary.json").unlink()  # unfinished as far as a resume can tell
+    before = snapshot(out)
+    with pytest.raises(SystemExit) as refused:
+        main(args(tiny_llama_dir, rows, out, "--resume", "auto", *changes))
+    err = capsys.readouterr().err
+    assert refused.value.code == 1 and "Traceback" not in err
+    assert "step-000004/state.json belongs to a run with other settings" in err and "another --out_dir" in err
+    assert all(change in err for change in named), err
+    assert snapshot(out) == before
+
+
+def test_resume_may_change_how_often_it_logs_and_saves(tiny_llama_dir, rows, reference, tmp_path):
+    out = tmp_path / "logs-less"
+    shutil.copytree(reference, out)
+    (out / "summary.json").unlink()
+    main(args(tiny_llama_dir, rows, out, "--resume", "auto", "--train.log_interval", "2", "--train.keep_last", "1"))
+    assert (out / "summary.json").is_file()
+
+
+KILL_DURING_EXPORT = """
+import os, signal
+from pathlib import Path
+import lit_qlora.export as export
+real = export.write_peft_adapter
+def write(model, acfg, out_dir, base_name):
+    assert (Path(out_dir).parent / "merged" / "model.safetensors").is_file()  # merged/ is written, peft/ is next
+    os.kill(os.getpid(), signal.SIGKILL)
+export.write_peft_adapter = write
+"""
+
+
+def test_a_kill_during_export_leaves_no_final_and_resume_writes_it_whole(tiny_llama_dir, rows, reference, tmp_path):
+    out = tmp_path / "killed-export"
+    proc = child(KILL_DURING_EXPORT, "unused", *args(tiny_llama_dir, rows, out))
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == -signal.SIGKILL, err[-2000:]
+    assert not (out / "final").exists() and not (out / "summary.json").exists()
+    assert (out / ".final.tmp" / "merged" / "model.safetensors").is_file()  # the half-written export, not final/
+
+    main(args(tiny_llama_dir, rows, out, "--resume", "auto"))
+    assert not (out / ".final.tmp").exists()
+    assert sorted(p.name for p in (out / "final").iterdir()) == ["adapter.safetensors", "adapter_config.json", "merged",
+                                                                 "peft"]
+    assert_same_adapter(out / "final", reference / "final")
+    assert (out / "final" / "peft" / "adapter_model.safetensors").is_file()
+
+
+def test_a_finished_run_trains_on_when_max_steps_grows_and_refuses_to_shrink(tiny_llama_dir, rows, reference,
+                                                                              tmp_path, capsys):
+    out = tmp_path / "longer"
+    shutil.copytree(reference, out)
+    main(args(tiny_llama_dir, rows, out, "--resume", "auto", "--train.max_steps", STEPS + 1))
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == STEPS + 1 and summary["resumed_from_step"] == STEPS
+    assert metric_steps(out) == list(range(1, STEPS + 2))
+    with pytest.raises(SystemExit):
+        main(args(tiny_llama_dir, rows, out, "--resume", "auto", "--train.max_steps", 2))
+    assert f"train.max_steps {STEPS + 1} -> 2" in capsys.readouterr().err

@@ -75,8 +75,8 @@ class ResumableCheckpoints(Callback):
     def save(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
         collected = collect_training_state(pl_module.model, trainer.optimizers[0])  # FSDP: every rank gathers
         if trainer.is_global_zero:
-            save_training_state(self.out_dir, step, None, None, {"total_steps": self.total_steps, "run": self.run},
-                                self.keep_last, collected)
+            state = {"total_steps": self.total_steps, "run": self.run, "initial_val_loss": pl_module.initial_val_loss}
+            save_training_state(self.out_dir, step, None, None, state, self.keep_last, collected)
         trainer.strategy.barrier()
         self.last_saved = step
 

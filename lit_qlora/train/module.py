@@ -42,6 +42,7 @@ class FinetuneModule(L.LightningModule):
         # One row per optimizer step of this process: metrics.jsonl's columns plus the step's `seconds`.
         self.history: list[dict[str, Any]] = []
         self.val_loss: Optional[float] = None
+        self.initial_val_loss: Optional[float] = None  # before the run's first step (a resumed run: from its checkpoint)
         self._val = [0.0, 0]
         self._last_step_end: Optional[float] = None
 

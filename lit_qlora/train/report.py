@@ -10,8 +10,8 @@ def print_report(summary: dict[str, Any], out_dir: Path) -> None:
     gib = 1024**3
     rows = [
         ("steps", summary["steps"]),
-        ("train loss (last step)", f"{summary['train_loss']:.4f}" if summary["train_loss"] is not None else "-"),
-        ("val loss (before -> after)", f"{summary['initial_val_loss'] or float('nan'):.4f} -> {summary['val_loss']:.4f}"),
+        ("train loss (last step)", loss(summary["train_loss"])),
+        ("val loss (before -> after)", f"{loss(summary['initial_val_loss'])} -> {loss(summary['val_loss'])}"),
         ("tokens/s (after step 1)", f"{summary['tokens_per_sec']:.1f}" if summary["tokens_per_sec"] else "-"),
         ("peak RSS (whole run)", f"{summary['peak_rss_bytes'] / gib:.2f} GiB"),
         *[(k.replace("_bytes", "").replace("_", " "), f"{summary[k] / gib:.2f} GiB")
@@ -22,3 +22,8 @@ def print_report(summary: dict[str, Any], out_dir: Path) -> None:
     ]
     width = max(len(k) for k, _ in rows)
     print("\n".join([f"\nRun finished: {out_dir}"] + [f"  {k:<{width}}  {v}" for k, v in rows]))
+
+
+def loss(value: Any) -> str:
+    """A loss to 4 decimals; '-' where there is none (no validation split, no step trained)."""
+    return "-" if value is None else f"{value:.4f}"
