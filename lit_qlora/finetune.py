@@ -95,8 +95,7 @@ def finetune(
     return fit(setup(checkpoint_dir=checkpoint_dir, out_dir=out_dir, quantize=quantize, precision=precision, seed=seed,
                      accelerator=accelerator, devices=devices, num_nodes=num_nodes, strategy=strategy,
                      tensor_parallel=tensor_parallel, nf4_shards=nf4_shards, resume=resume_from or False, lora=lora,
-                     train=train,
-                     data=data, ignore_modules=ignore_modules))
+                     train=train, data=data, ignore_modules=ignore_modules))
 
 
 def recipe(checkpoint_dir: Path, quantize: str, precision: str, seed: int, lora: LoRAArgs, train: TrainArgs,
@@ -125,7 +124,8 @@ def require_same_recipe(state: dict[str, Any], checkpoint: Path, now: dict[str, 
         if key == "train.max_steps" and value is not None and value >= state.get("step", 0):
             continue
         old = before[key]
-        same = (Path(old).resolve() == Path(value).resolve()) if key == "checkpoint_dir" else old == value
+        paths = key in ("checkpoint_dir", "data.json_path") and old is not None and value is not None
+        same = Path(old).resolve() == Path(value).resolve() if paths else old == value  # ./a and a are one file
         if not same:
             changed.append(f"{key} {json.dumps(old)} -> {json.dumps(value)}")
     if changed:
