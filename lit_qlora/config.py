@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 import torch
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 # The one precision/dtype table: Lightning's precision name, the dtype's name in our files (adapter_config.json's
 # base_dtype / lora_dtype, `convert_gguf --dtype`), the torch dtype. Everything below is a view of it.
@@ -50,11 +50,11 @@ def require_checkpoint_dir(checkpoint_dir: str | Path, error: type[Exception] = 
 
 @dataclass
 class Config:
-    """Shape and numerics of a Llama-family decoder (Llama 2/3.x, Mistral, Qwen2/2.5, SmolLM2, TinyLlama)."""
+    """Shape and numerics of a Llama-family decoder (Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3, SmolLM2, TinyLlama)."""
 
     name: str = "custom"
     model_type: str = "llama"
-    """Hugging Face `model_type` written back on export: llama, mistral or qwen2."""
+    """Hugging Face `model_type` written back on export: llama, mistral, qwen2 or qwen3."""
     vocab_size: int = 32000
     n_layer: int = 2
     n_embd: int = 256
@@ -76,6 +76,9 @@ class Config:
     tie_embeddings: bool = False
     sliding_window: int | None = None
     """Mistral-style local attention: a token sees itself and the sliding_window - 1 tokens before it."""
+    qk_norm: bool = False
+    """Qwen3: each head's query and key are RMS-normalized (weights `q_norm`, `k_norm` of size head_dim) before
+    RoPE."""
     bos_token_id: int | None = 1
     eos_token_id: int | list[int] | None = 2
 
@@ -111,8 +114,12 @@ class Config:
         rope_base = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
         scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
         window = hf.get("sliding_window")
-        if model_type == "qwen2" and not hf.get("use_sliding_window", False):
+        if model_type in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
             window = None
+        if model_type == "qwen3" and window is not None:
+            raise ValueError("This Qwen3 config.json sets use_sliding_window: true (sliding attention in the layers "
+                             "from max_window_layers on), which lit-qlora does not model; the released Qwen3 "
+                             "checkpoints leave it false.")
         return cls(
             name=name,
             model_type=model_type,
@@ -133,6 +140,7 @@ class Config:
             mlp_bias=bool(hf.get("mlp_bias", False)),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
             sliding_window=window,
+            qk_norm=model_type == "qwen3",
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=hf.get("eos_token_id"),
         )
@@ -154,7 +162,8 @@ class Config:
 
     def to_hf_config(self, torch_dtype: str = "bfloat16") -> dict[str, Any]:
         """The `config.json` dict `transformers` reads (4.x key names, which 5.x also accepts)."""
-        arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+        arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                "qwen3": "Qwen3ForCausalLM"}
         hf: dict[str, Any] = {
             "architectures": [arch[self.model_type]],
             "model_type": self.model_type,
@@ -176,12 +185,13 @@ class Config:
             "torch_dtype": torch_dtype,
             "use_cache": True,
         }
-        if self.model_type == "llama":
+        if self.model_type in ("llama", "qwen3"):
             hf["attention_bias"] = self.qkv_bias
+        if self.model_type == "llama":
             hf["mlp_bias"] = self.mlp_bias
-        if self.model_type in ("mistral", "qwen2"):
+        if self.model_type in ("mistral", "qwen2", "qwen3"):
             hf["sliding_window"] = self.sliding_window
-        if self.model_type == "qwen2":
+        if self.model_type in ("qwen2", "qwen3"):
             hf["use_sliding_window"] = self.sliding_window is not None
         return hf
 
@@ -235,6 +245,10 @@ PRESETS: dict[str, Config] = {
                qkv_bias=True, tie_embeddings=True, bos_token_id=151643, eos_token_id=151643),
         Config("Qwen2.5-1.5B", "qwen2", 151936, 28, 1536, 12, 2, 128, 8960, 1e-6, 1000000.0, None, 32768,
                qkv_bias=True, tie_embeddings=True, bos_token_id=151643, eos_token_id=151643),
+        Config("Qwen3-0.6B", "qwen3", 151936, 28, 1024, 16, 8, 128, 3072, 1e-6, 1000000.0, None, 40960,
+               tie_embeddings=True, qk_norm=True, bos_token_id=151643, eos_token_id=151645),
+        Config("Qwen3-8B", "qwen3", 151936, 36, 4096, 32, 8, 128, 12288, 1e-6, 1000000.0, None, 40960,
+               qk_norm=True, bos_token_id=151643, eos_token_id=151645),
         Config("Qwen2.5-7B", "qwen2", 152064, 28, 3584, 28, 4, 128, 18944, 1e-6, 1000000.0, None, 32768,
                qkv_bias=True, bos_token_id=151643, eos_token_id=151643),
     ]

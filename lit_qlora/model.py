@@ -64,13 +64,19 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(config.n_embd, nkv * hd, bias=config.qkv_bias)
         self.v_proj = nn.Linear(config.n_embd, nkv * hd, bias=config.qkv_bias)
         self.o_proj = nn.Linear(nh * hd, config.n_embd, bias=config.o_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(hd, config.norm_eps)
+            self.k_norm = RMSNorm(hd, config.norm_eps)
         self.kv_cache: Optional[KVCache] = None
 
     def forward(self, x, cos, sin, mask: Optional[torch.Tensor], input_pos: Optional[torch.Tensor]) -> torch.Tensor:
         B, T, _ = x.shape
         hd = self.config.head_dim
-        q = self.q_proj(x).view(B, T, -1, hd).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, -1, hd).transpose(1, 2)
+        q = self.q_proj(x).view(B, T, -1, hd)
+        k = self.k_proj(x).view(B, T, -1, hd)
+        if self.config.qk_norm:  # Qwen3: per head, over head_dim, before RoPE
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(B, T, -1, hd).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.kv_cache is not None:

@@ -28,6 +28,8 @@ CASES = {
     "mistral-sliding-window": ("MistralConfig", dict(sliding_window=5)),
     "qwen2-qkv-bias-tied": ("Qwen2Config", dict(tie_word_embeddings=True)),
     "qwen2-untied-llama3": ("Qwen2Config", dict(tie_word_embeddings=False, rope_scaling=LLAMA3_SCALING)),
+    "qwen3-tied": ("Qwen3Config", dict(tie_word_embeddings=True)),
+    "qwen3-untied-head-dim-bias": ("Qwen3Config", dict(tie_word_embeddings=False, head_dim=32, attention_bias=True)),
 }
 
 
@@ -72,7 +74,8 @@ def test_sliding_window_changes_the_result():
         assert (ours(idx)[:, 10:] - full(idx)[:, 10:]).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("case", ["llama-untied", "mistral-sliding-window", "qwen2-qkv-bias-tied"])
+@pytest.mark.parametrize("case", ["llama-untied", "mistral-sliding-window", "qwen2-qkv-bias-tied",
+                                  "qwen3-untied-head-dim-bias"])
 def test_kv_cache_decoding_matches_full_forward(case):
     kind, extra = CASES[case]
     _, ours, _ = reference_and_ours(kind, extra)
@@ -104,3 +107,10 @@ def test_tied_embeddings_share_storage():
 def test_unsupported_model_type_is_rejected():
     with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):
         Config(model_type="gpt2")
+
+
+def test_qwen3_sliding_window_layers_are_refused_not_ignored():
+    hf = transformers.Qwen3Config(**BASE, use_sliding_window=True, sliding_window=8).to_dict()
+    with pytest.raises(ValueError, match="use_sliding_window: true"):
+        Config.from_hf_config(hf)
+    assert Config.from_hf_config({**hf, "use_sliding_window": False}).qk_norm

@@ -1,0 +1,116 @@
+"""Model families beyond Llama, end to end against transformers and peft: a checkpoint transformers wrote loads,
+generates the same tokens, trains with QLoRA through `litqlora finetune`, and its merged and PEFT exports load
+back in transformers and peft with the same outputs. Tiny random models built by transformers itself; each family
+is one entry of FAMILIES (the per-layer parity of logits and the KV cache is in test_model.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+from lit_qlora.checkpoint import copy_tokenizer_files  # noqa: E402
+from lit_qlora.export import export_peft, merge  # noqa: E402
+from lit_qlora.finetune import finetune  # noqa: E402
+from lit_qlora.generate import generate  # noqa: E402
+from lit_qlora.loading import load_model  # noqa: E402
+from lit_qlora.lora import apply_lora, lora_modules, save_adapter  # noqa: E402
+from lit_qlora.train.args import DataArgs, LoRAArgs, TrainArgs  # noqa: E402
+
+VOCAB = 49152  # SmolLM2's tokenizer, so `litqlora finetune` can tokenize text for these models
+
+FAMILIES = {
+    "qwen3-tied": ("Qwen3Config", dict(tie_word_embeddings=True)),
+    "qwen3-untied-head-dim": ("Qwen3Config", dict(tie_word_embeddings=False, head_dim=32)),
+}
+
+
+def hf_checkpoint(kind: str, extra: dict, out: Path, tokenizer_dir: Path | None = None):
+    """A tiny random model written by transformers (safetensors), with non-trivial norms."""
+    torch.manual_seed(0)
+    config = getattr(transformers, kind)(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                         rms_norm_eps=1e-6, rope_theta=10000.0, bos_token_id=1, eos_token_id=2,
+                                         **extra)
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(out, safe_serialization=True)
+    if tokenizer_dir is not None:
+        copy_tokenizer_files(tokenizer_dir, out)
+    return model
+
+
+def random_adapter(model, out_dir: Path, quantize: str) -> Path:
+    apply_lora(model, r=4, alpha=8, dtype=torch.float32)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for layer in lora_modules(model).values():
+            layer.lora_B.normal_(0, 0.05)
+    return save_adapter(model, out_dir, {"r": 4, "alpha": 8, "targets": ["all"], "quantize": quantize,
+                                         "base_dtype": "float32", "lora_dtype": "float32"})
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_greedy_generation_equals_transformers_token_for_token(family, tmp_path):
+    kind, extra = FAMILIES[family]
+    reference = hf_checkpoint(kind, extra, tmp_path / "hf")
+    ours = load_model(tmp_path / "hf", "none", "32-true")
+    prompt = [5, 17, 300, 42, 7]
+    with torch.no_grad():
+        expected = reference.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, eos_token_id=None,
+                                      pad_token_id=0)[0, len(prompt):].tolist()
+    assert list(generate(ours, prompt, 20)) == expected
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_merged_and_peft_exports_load_in_transformers_and_peft_with_our_outputs(family, tmp_path):
+    kind, extra = FAMILIES[family]
+    hf_checkpoint(kind, extra, tmp_path / "hf")
+    model = load_model(tmp_path / "hf", "none", "32-true")
+    adapter_dir = random_adapter(model, tmp_path / "adapter", "none")
+    idx = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ours = model.eval()(idx).float()
+
+    merged = transformers.AutoModelForCausalLM.from_pretrained(merge(tmp_path / "hf", adapter_dir, tmp_path / "m"),
+                                                               dtype=torch.float32).eval()
+    assert merged.config.model_type == json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"]
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    with_adapter = peft.PeftModel.from_pretrained(base, export_peft(tmp_path / "hf", adapter_dir, tmp_path / "p"))
+    with torch.no_grad():
+        from_merged, from_peft = merged(idx).logits.float(), with_adapter.eval()(idx).logits.float()
+    assert (from_peft - ours).abs().max() <= 1e-4  # fp32 adapter on the fp32 base: the same computation
+    assert (from_merged - ours).abs().max() <= 0.02 * ours.abs().max()  # the merged file is bf16
+    with torch.no_grad():  # (peft wrapped `base` in place: the original is read again)
+        untouched = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()(idx).logits.float()
+    assert (untouched - ours).abs().max() > 10 * (from_merged - ours).abs().max()  # the adapter mattered
+
+
+@pytest.mark.parametrize("family", ["qwen3-tied"])
+def test_qlora_finetune_writes_every_artifact_and_lowers_the_loss(family, smollm2_dir, tmp_path):
+    kind, extra = FAMILIES[family]
+    hf_checkpoint(kind, extra, tmp_path / "hf", tokenizer_dir=smollm2_dir)
+    rows = [{"instruction": f"Add {i} and {i + 3}.", "output": f"{i} + {i + 3} = {2 * i + 3}."} for i in range(24)]
+    (tmp_path / "rows.json").write_text(json.dumps(rows))
+    out = tmp_path / "run"
+    summary = finetune(checkpoint_dir=tmp_path / "hf", out_dir=out, accelerator="cpu",
+                       lora=LoRAArgs(r=4, alpha=8, dropout=0.0),
+                       train=TrainArgs(max_steps=6, micro_batch_size=2, global_batch_size=4, max_seq_length=64,
+                                       lr=1e-2, warmup_steps=1),
+                       data=DataArgs(json_path=tmp_path / "rows.json", val_split=0.25))
+    assert summary["quantized_linears"] == summary["total_linears"] == 2 * 7 + 1  # lm_head too (its own NF4 copy)
+    losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert losses[-1] < losses[0] and summary["val_loss"] < summary["initial_val_loss"]
+    for name in ("adapter.safetensors", "adapter_config.json", "merged/model.safetensors", "merged/config.json",
+                 "peft/adapter_model.safetensors", "peft/adapter_config.json"):
+        assert (out / "final" / name).is_file(), name
+    merged = transformers.AutoModelForCausalLM.from_pretrained(out / "final" / "merged")
+    assert merged.config.model_type == "qwen3" and merged.config.tie_word_embeddings is False
