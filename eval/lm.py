@@ -173,7 +173,7 @@ class LitQLoRALM(LM):
         targets = torch.tensor([t for _, cont in items for t in cont], device=self._device)
         logprobs, greedy = [], []
         for h, t in zip(selected.split(HEAD_CHUNK), targets.split(HEAD_CHUNK)):  # bounds float32 logits
-            logits = self.model.lm_head(h).float()
+            logits = self.model.logits(h).float()
             logprobs.append(logits.log_softmax(-1).gather(-1, t[:, None]).squeeze(-1))
             greedy.append(logits.argmax(-1) == t)
         logprob, is_greedy = torch.cat(logprobs).double().cpu(), torch.cat(greedy).cpu()

@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 import torch
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2")
 
 # The one precision/dtype table: Lightning's precision name, the dtype's name in our files (adapter_config.json's
 # base_dtype / lora_dtype, `convert_gguf --dtype`), the torch dtype. Everything below is a view of it.
@@ -50,11 +50,12 @@ def require_checkpoint_dir(checkpoint_dir: str | Path, error: type[Exception] = 
 
 @dataclass
 class Config:
-    """Shape and numerics of a Llama-family decoder (Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3, SmolLM2, TinyLlama)."""
+    """Shape and numerics of a Llama-family decoder (Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3, Gemma 2, SmolLM2,
+    TinyLlama)."""
 
     name: str = "custom"
     model_type: str = "llama"
-    """Hugging Face `model_type` written back on export: llama, mistral, qwen2 or qwen3."""
+    """Hugging Face `model_type` written back on export: llama, mistral, qwen2, qwen3 or gemma2."""
     vocab_size: int = 32000
     n_layer: int = 2
     n_embd: int = 256
@@ -79,6 +80,24 @@ class Config:
     qk_norm: bool = False
     """Qwen3: each head's query and key are RMS-normalized (weights `q_norm`, `k_norm` of size head_dim) before
     RoPE."""
+    layer_types: list[str] | None = None
+    """Per layer, "sliding_attention" (within sliding_window) or "full_attention" (Gemma 2 alternates them); None:
+    every layer uses sliding_window."""
+    # Gemma 2.
+    norm_plus_one: bool = False
+    """RMSNorm scales by (1 + weight), in fp32: the checkpoint's norm weights are centered on 0."""
+    embed_scale: bool = False
+    """Embeddings are multiplied by sqrt(n_embd)."""
+    sandwich_norms: bool = False
+    """Norms after attention and after the MLP too (post_attention_layernorm, then pre_/post_feedforward_layernorm)."""
+    mlp_activation: str = "silu"
+    """The gate's activation: silu, or gelu_tanh (GeGLU)."""
+    query_pre_attn_scalar: float | None = None
+    """Attention scores are scaled by query_pre_attn_scalar ** -0.5 (default: head_dim ** -0.5)."""
+    attn_softcap: float | None = None
+    """Attention scores become softcap * tanh(scores / softcap)."""
+    final_softcap: float | None = None
+    """Logits become softcap * tanh(logits / softcap)."""
     bos_token_id: int | None = 1
     eos_token_id: int | list[int] | None = 2
 
@@ -116,6 +135,10 @@ class Config:
         window = hf.get("sliding_window")
         if model_type in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
             window = None
+        layer_types = hf.get("layer_types") if model_type == "gemma2" else None
+        if model_type == "gemma2" and layer_types is None:  # transformers' default: sliding first, then alternating
+            layer_types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(hf["num_hidden_layers"])]
+        gemma = model_type == "gemma2"
         if model_type == "qwen3" and window is not None:
             raise ValueError("This Qwen3 config.json sets use_sliding_window: true (sliding attention in the layers "
                              "from max_window_layers on), which lit-qlora does not model; the released Qwen3 "
@@ -141,6 +164,14 @@ class Config:
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
             sliding_window=window,
             qk_norm=model_type == "qwen3",
+            layer_types=list(layer_types) if layer_types else None,
+            norm_plus_one=gemma,
+            embed_scale=gemma,
+            sandwich_norms=gemma,
+            mlp_activation="gelu_tanh" if gemma else "silu",
+            query_pre_attn_scalar=hf.get("query_pre_attn_scalar") if gemma else None,
+            attn_softcap=hf.get("attn_logit_softcapping") if gemma else None,
+            final_softcap=hf.get("final_logit_softcapping") if gemma else None,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=hf.get("eos_token_id"),
         )
@@ -163,7 +194,7 @@ class Config:
     def to_hf_config(self, torch_dtype: str = "bfloat16") -> dict[str, Any]:
         """The `config.json` dict `transformers` reads (4.x key names, which 5.x also accepts)."""
         arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                "qwen3": "Qwen3ForCausalLM"}
+                "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM"}
         hf: dict[str, Any] = {
             "architectures": [arch[self.model_type]],
             "model_type": self.model_type,
@@ -174,7 +205,7 @@ class Config:
             "num_attention_heads": self.n_head,
             "num_key_value_heads": self.n_query_groups,
             "head_dim": self.head_dim,
-            "hidden_act": "silu",
+            "hidden_act": "gelu_pytorch_tanh" if self.mlp_activation == "gelu_tanh" else "silu",
             "max_position_embeddings": self.max_seq_length,
             "rms_norm_eps": self.norm_eps,
             "rope_theta": self.rope_base,
@@ -193,6 +224,10 @@ class Config:
             hf["sliding_window"] = self.sliding_window
         if self.model_type in ("qwen2", "qwen3"):
             hf["use_sliding_window"] = self.sliding_window is not None
+        if self.model_type == "gemma2":
+            hf.update(hidden_activation=hf["hidden_act"], attention_bias=self.qkv_bias, sliding_window=self.sliding_window,
+                      layer_types=self.layer_types, query_pre_attn_scalar=self.query_pre_attn_scalar,
+                      attn_logit_softcapping=self.attn_softcap, final_logit_softcapping=self.final_softcap)
         return hf
 
     def replace(self, **changes: Any) -> "Config":
@@ -216,6 +251,11 @@ def _llama3_scaling(factor: float, original: int) -> dict[str, Any]:
         "high_freq_factor": 4.0,
         "original_max_position_embeddings": original,
     }
+
+
+def _alternating(n_layer: int) -> list[str]:
+    """Gemma 2's layer pattern: sliding-window attention first, then full, alternating."""
+    return ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n_layer)]
 
 
 # Shapes of the common checkpoints (from their published config.json files).
@@ -249,6 +289,14 @@ PRESETS: dict[str, Config] = {
                tie_embeddings=True, qk_norm=True, bos_token_id=151643, eos_token_id=151645),
         Config("Qwen3-8B", "qwen3", 151936, 36, 4096, 32, 8, 128, 12288, 1e-6, 1000000.0, None, 40960,
                qk_norm=True, bos_token_id=151643, eos_token_id=151645),
+        Config("Gemma-2-2B", "gemma2", 256000, 26, 2304, 8, 4, 256, 9216, 1e-6, 10000.0, None, 8192,
+               tie_embeddings=True, sliding_window=4096, layer_types=_alternating(26), norm_plus_one=True,
+               embed_scale=True, sandwich_norms=True, mlp_activation="gelu_tanh", query_pre_attn_scalar=256,
+               attn_softcap=50.0, final_softcap=30.0, bos_token_id=2, eos_token_id=1),
+        Config("Gemma-2-9B", "gemma2", 256000, 42, 3584, 16, 8, 256, 14336, 1e-6, 10000.0, None, 8192,
+               tie_embeddings=True, sliding_window=4096, layer_types=_alternating(42), norm_plus_one=True,
+               embed_scale=True, sandwich_norms=True, mlp_activation="gelu_tanh", query_pre_attn_scalar=256,
+               attn_softcap=50.0, final_softcap=30.0, bos_token_id=2, eos_token_id=1),
         Config("Qwen2.5-7B", "qwen2", 152064, 28, 3584, 28, 4, 128, 18944, 1e-6, 1000000.0, None, 32768,
                qkv_bias=True, bos_token_id=151643, eos_token_id=151643),
     ]

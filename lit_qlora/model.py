@@ -6,6 +6,7 @@ PEFT adapters need no renaming. Every projection is its own `nn.Linear`: LoRA an
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Optional
 
 import torch
@@ -17,20 +18,24 @@ from lit_qlora.config import Config, rope_inv_freq
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+    def __init__(self, dim: int, eps: float = 1e-6, plus_one: bool = False) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.plus_one = plus_one  # Gemma: scales by (1 + weight), the weight centered on 0
+        self.weight = nn.Parameter(torch.zeros(dim) if plus_one else torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalize in fp32 (bf16 variance underflows), scale in the input dtype: as transformers does.
+        # Normalize in fp32 (bf16 variance underflows). Llama scales in the input dtype, Gemma in fp32: each as
+        # transformers does, so bf16 results match too.
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.plus_one:
+            return (x * (1.0 + self.weight.float())).to(dtype)
         return self.weight * x.to(dtype)
 
     def reset_parameters(self) -> None:
-        nn.init.ones_(self.weight)
+        nn.init.zeros_(self.weight) if self.plus_one else nn.init.ones_(self.weight)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -40,6 +45,23 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return x * cos + rotate_half(x) * sin
+
+
+def softcap(x: torch.Tensor, cap: Optional[float]) -> torch.Tensor:
+    """cap * tanh(x / cap): Gemma 2 bounds attention scores and logits this way."""
+    return x if cap is None else torch.tanh(x / cap) * cap
+
+
+def capped_attention(q, k, v, mask: Optional[torch.Tensor], scale: float, cap: float) -> torch.Tensor:
+    """Attention with soft-capped scores, which SDPA cannot do: scores, cap, mask, fp32 softmax, values."""
+    if k.size(1) != q.size(1):  # grouped-query attention: each kv head serves n_head / n_kv query heads
+        k = k.repeat_interleave(q.size(1) // k.size(1), dim=1)
+        v = v.repeat_interleave(q.size(1) // v.size(1), dim=1)
+    scores = softcap(q @ k.transpose(-2, -1) * scale, cap)
+    if mask is None:
+        mask = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
 
 
 class KVCache(nn.Module):
@@ -67,6 +89,7 @@ class Attention(nn.Module):
         if config.qk_norm:
             self.q_norm = RMSNorm(hd, config.norm_eps)
             self.k_norm = RMSNorm(hd, config.norm_eps)
+        self.scale = (config.query_pre_attn_scalar or hd) ** -0.5
         self.kv_cache: Optional[KVCache] = None
 
     def forward(self, x, cos, sin, mask: Optional[torch.Tensor], input_pos: Optional[torch.Tensor]) -> torch.Tensor:
@@ -84,8 +107,12 @@ class Attention(nn.Module):
                 raise ValueError("input_pos is required when the KV cache is in use.")
             k, v = self.kv_cache.update(input_pos, k, v)
             k, v = k.to(q.dtype), v.to(q.dtype)
-        gqa = self.config.n_head != self.config.n_query_groups
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
+        if self.config.attn_softcap is not None:
+            y = capped_attention(q, k, v, mask, self.scale, self.config.attn_softcap)
+        else:
+            gqa = self.config.n_head != self.config.n_query_groups
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale,
+                                               enable_gqa=gqa)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -96,19 +123,33 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(config.n_embd, config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.n_embd, bias=config.mlp_bias)
 
+        self.act = partial(F.gelu, approximate="tanh") if config.mlp_activation == "gelu_tanh" else F.silu
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Block(nn.Module):
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, sliding: bool = False) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.n_embd, config.norm_eps)
+        self.sliding = sliding
+        """Attends within config.sliding_window (Gemma 2 alternates sliding and full layers)."""
+        norm = partial(RMSNorm, config.n_embd, config.norm_eps, config.norm_plus_one)
+        self.input_layernorm = norm()
         self.self_attn = Attention(config)
-        self.post_attention_layernorm = RMSNorm(config.n_embd, config.norm_eps)
+        # Llama's post_attention_layernorm is the MLP's input norm; with sandwich norms (Gemma 2) it normalizes the
+        # attention output, and the MLP has its own norms before and after.
+        self.post_attention_layernorm = norm()
+        if config.sandwich_norms:
+            self.pre_feedforward_layernorm = norm()
+            self.post_feedforward_layernorm = norm()
         self.mlp = MLP(config)
+        self.sandwich = config.sandwich_norms
 
     def forward(self, x, cos, sin, mask=None, input_pos=None) -> torch.Tensor:
+        if self.sandwich:
+            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, mask, input_pos))
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, input_pos)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -121,8 +162,9 @@ class Transformer(nn.Module):
         self.config = config
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(config.vocab_size, config.n_embd)
-        self.model.layers = nn.ModuleList(Block(config) for _ in range(config.n_layer))
-        self.model.norm = RMSNorm(config.n_embd, config.norm_eps)
+        kinds = config.layer_types or ["sliding_attention"] * config.n_layer
+        self.model.layers = nn.ModuleList(Block(config, kind == "sliding_attention") for kind in kinds)
+        self.model.norm = RMSNorm(config.n_embd, config.norm_eps, config.norm_plus_one)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -140,9 +182,8 @@ class Transformer(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
-    def attention_mask(self, q_pos: torch.Tensor, kv_len: int) -> Optional[torch.Tensor]:
+    def attention_mask(self, q_pos: torch.Tensor, kv_len: int, window: Optional[int]) -> Optional[torch.Tensor]:
         """Boolean (T, kv_len) mask, or None when plain causal attention (`is_causal`) is exact."""
-        window = self.config.sliding_window
         decoding = self.max_cache_len > 0
         if not decoding and (window is None or q_pos.numel() <= window):
             return None
@@ -159,18 +200,26 @@ class Transformer(nn.Module):
             raise ValueError("input_pos is required after set_kv_cache().")
         positions = input_pos if input_pos is not None else torch.arange(T, device=idx.device)
         x = self.model.embed_tokens(idx)
+        if self.config.embed_scale:  # Gemma: sqrt(n_embd), rounded to the activations' dtype as transformers does
+            x = x * torch.tensor(self.config.n_embd**0.5, dtype=x.dtype)
         cos, sin = self.rope(positions, x.dtype)
         kv_len = self.max_cache_len if self.max_cache_len else T
-        mask = self.attention_mask(positions, kv_len)
+        masks = {sliding: self.attention_mask(positions, kv_len, self.config.sliding_window if sliding else None)
+                 for sliding in {block.sliding for block in self.model.layers}}
         for i, block in enumerate(self.model.layers):
+            mask = masks[block.sliding]
             if i < self.checkpoint_blocks and torch.is_grad_enabled():
                 x = checkpoint(block, x, cos, sin, mask, input_pos, use_reentrant=False)
             else:
                 x = block(x, cos, sin, mask, input_pos)
         return self.model.norm(x)
 
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The head over final hidden states (soft-capped for Gemma 2): what forward returns and the loss reads."""
+        return softcap(self.lm_head(hidden), self.config.final_softcap)
+
     def forward(self, idx: torch.Tensor, input_pos: Optional[torch.Tensor] = None) -> torch.Tensor:
-        return self.lm_head(self.forward_hidden(idx, input_pos))
+        return self.logits(self.forward_hidden(idx, input_pos))
 
     def set_kv_cache(self, batch_size: int, max_len: Optional[int] = None, device=None, dtype=None) -> None:
         max_len = max_len or self.config.max_seq_length

@@ -27,6 +27,8 @@ VOCAB = 49152  # SmolLM2's tokenizer, so `litqlora finetune` can tokenize text f
 FAMILIES = {
     "qwen3-tied": ("Qwen3Config", dict(tie_word_embeddings=True)),
     "qwen3-untied-head-dim": ("Qwen3Config", dict(tie_word_embeddings=False, head_dim=32)),
+    "gemma2-sliding-softcapped": ("Gemma2Config", dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=4,
+                                                       attn_logit_softcapping=0.05, final_logit_softcapping=3.0)),
 }
 
 
@@ -94,7 +96,7 @@ def test_merged_and_peft_exports_load_in_transformers_and_peft_with_our_outputs(
     assert (untouched - ours).abs().max() > 10 * (from_merged - ours).abs().max()  # the adapter mattered
 
 
-@pytest.mark.parametrize("family", ["qwen3-tied"])
+@pytest.mark.parametrize("family", ["qwen3-tied", "gemma2-sliding-softcapped"])
 def test_qlora_finetune_writes_every_artifact_and_lowers_the_loss(family, smollm2_dir, tmp_path):
     kind, extra = FAMILIES[family]
     hf_checkpoint(kind, extra, tmp_path / "hf", tokenizer_dir=smollm2_dir)
@@ -113,4 +115,4 @@ def test_qlora_finetune_writes_every_artifact_and_lowers_the_loss(family, smollm
                  "peft/adapter_model.safetensors", "peft/adapter_config.json"):
         assert (out / "final" / name).is_file(), name
     merged = transformers.AutoModelForCausalLM.from_pretrained(out / "final" / "merged")
-    assert merged.config.model_type == "qwen3" and merged.config.tie_word_embeddings is False
+    assert merged.config.model_type == family.split("-")[0] and merged.config.tie_word_embeddings is False

@@ -30,12 +30,15 @@ CASES = {
     "qwen2-untied-llama3": ("Qwen2Config", dict(tie_word_embeddings=False, rope_scaling=LLAMA3_SCALING)),
     "qwen3-tied": ("Qwen3Config", dict(tie_word_embeddings=True)),
     "qwen3-untied-head-dim-bias": ("Qwen3Config", dict(tie_word_embeddings=False, head_dim=32, attention_bias=True)),
+    "gemma2": ("Gemma2Config", dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=5)),
+    "gemma2-tight-softcaps": ("Gemma2Config", dict(head_dim=32, sliding_window=7, attn_logit_softcapping=0.005,
+                                                    final_logit_softcapping=1.5, num_hidden_layers=3)),
 }
 
 
 def reference_and_ours(kind, extra, seed=0):
     torch.manual_seed(seed)
-    hf_config = getattr(transformers, kind)(**BASE, **extra)
+    hf_config = getattr(transformers, kind)(**{**BASE, **extra})
     hf_config._attn_implementation = "eager"
     hf_model = transformers.AutoModelForCausalLM.from_config(hf_config).float().eval()
     # Non-trivial norms and biases so a wrong mapping cannot hide behind ones and zeros.
@@ -75,7 +78,7 @@ def test_sliding_window_changes_the_result():
 
 
 @pytest.mark.parametrize("case", ["llama-untied", "mistral-sliding-window", "qwen2-qkv-bias-tied",
-                                  "qwen3-untied-head-dim-bias"])
+                                  "qwen3-untied-head-dim-bias", "gemma2", "gemma2-tight-softcaps"])
 def test_kv_cache_decoding_matches_full_forward(case):
     kind, extra = CASES[case]
     _, ours, _ = reference_and_ours(kind, extra)
@@ -114,3 +117,16 @@ def test_qwen3_sliding_window_layers_are_refused_not_ignored():
     with pytest.raises(ValueError, match="use_sliding_window: true"):
         Config.from_hf_config(hf)
     assert Config.from_hf_config({**hf, "use_sliding_window": False}).qk_norm
+
+
+def test_gemma2_softcaps_and_sliding_layers_change_the_result():
+    """Guards the Gemma 2 cases above: capping, the (1 + w) norms and the sliding layers all matter."""
+    _, ours, config = reference_and_ours(*CASES["gemma2-tight-softcaps"])
+    idx = torch.randint(0, 97, (1, 30))
+    with torch.no_grad():
+        logits = ours(idx)
+        assert logits.abs().max() <= 1.5
+        for change in (dict(final_softcap=None), dict(attn_softcap=None), dict(layer_types=None, sliding_window=None)):
+            other = Transformer(config.replace(**change)).eval()
+            other.load_state_dict(ours.state_dict())
+            assert (other(idx) - logits).abs().max() > 1e-3, change
