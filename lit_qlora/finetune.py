@@ -92,6 +92,7 @@ def finetune(
         finished = finished_summary(Path(out_dir), state, train.max_steps)
         if finished is not None:
             return finished
+        print(f"Resuming from {resume_from}, after optimizer step {state.get('step', 0)}")
     return fit(setup(checkpoint_dir=checkpoint_dir, out_dir=out_dir, quantize=quantize, precision=precision, seed=seed,
                      accelerator=accelerator, devices=devices, num_nodes=num_nodes, strategy=strategy,
                      tensor_parallel=tensor_parallel, nf4_shards=nf4_shards, resume=resume_from or False, lora=lora,
@@ -138,14 +139,22 @@ def require_same_recipe(state: dict[str, Any], checkpoint: Path, now: dict[str, 
 
 
 def finished_summary(out_dir: Path, state: dict[str, Any], max_steps: Optional[int]) -> Optional[dict[str, Any]]:
-    """summary.json of a run that is complete (its checkpoint is its last step, final/ and summary.json are
-    written), after saying so; None when there is still something to do."""
+    """summary.json of a run that is complete (its checkpoint is its last step, and final/ and summary.json are
+    that step's), after saying so; None when there is still something to do: train on, or export (a run killed
+    while exporting has its last checkpoint but no final/ or summary.json yet)."""
     summary_file, final = out_dir / "summary.json", out_dir / "final"
     if state.get("step") != state.get("total_steps") or not final.is_dir() or not summary_file.is_file():
         return None
     if max_steps is not None and max_steps != state["total_steps"]:  # asked to train longer
         return None
-    summary = json.loads(summary_file.read_text())
+    try:
+        summary = json.loads(summary_file.read_text())
+    except ValueError:  # not ours as written (atomically): export again, which rewrites it
+        return None
+    # summary.json is written after final/: when it counts the checkpoint's steps, final/ is that step's too. A run
+    # trained longer (a larger --train.max_steps) and killed while exporting still has the shorter run's pair.
+    if not isinstance(summary, dict) or summary.get("steps") != state["step"]:
+        return None
     print(f"{out_dir} is already complete: {state['step']} of {state['total_steps']} steps trained, the adapter and "
           f"exports are in {final}/, the results in {summary_file}. Nothing was changed; to train longer, pass a larger "
           "--train.max_steps, or start a new run in another --out_dir.")
@@ -364,7 +373,8 @@ def resolve_resume(resume: Union[bool, str, Path], out_dir: Path) -> Optional[Pa
         return None
     if str(resume) == "auto":
         found = latest_checkpoint(out_dir)
-        print(f"Resuming from {found}" if found else f"--resume auto: no checkpoint in {out_dir}, starting fresh")
+        if found is None:  # (finetune() says where it resumes from, once it knows the run is not already complete)
+            print(f"--resume auto: no checkpoint in {out_dir}, starting fresh")
         return found
     read_state(Path(resume))  # a clear error now rather than after the model has loaded
     return Path(resume)

@@ -274,8 +274,11 @@ def test_resuming_a_finished_run_says_so_and_changes_nothing(tiny_llama_dir, row
     before = snapshot(out)
     capsys.readouterr()
     summary = main(args(tiny_llama_dir, rows, out, "--resume", "auto"))  # main returns: exit code 0
-    printed = capsys.readouterr().out
-    assert f"{out} is already complete: {STEPS} of {STEPS} steps trained" in printed and "Nothing was changed" in printed
+    printed = capsys.readouterr().out.splitlines()
+    assert len(printed) == 1, printed  # one line, and no "Resuming from" before it
+    assert printed[0].startswith(f"{out} is already complete: {STEPS} of {STEPS} steps trained, the adapter and "
+                                 f"exports are in {out / 'final'}/, the results in {out / 'summary.json'}. Nothing was "
+                                 "changed")
     assert snapshot(out) == before
     assert summary is None or summary == json.loads((out / "summary.json").read_text())
 
@@ -404,6 +407,20 @@ def test_a_finished_run_trains_on_when_max_steps_grows_and_refuses_to_shrink(tin
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == STEPS + 1 and summary["resumed_from_step"] == STEPS
     assert metric_steps(out) == list(range(1, STEPS + 2))
+    longer = files_of(out / "final")
+    assert_same_adapter(out / "final", out / "checkpoints" / f"step-{STEPS + 1:06d}")
+
+    # Killed while exporting the longer run: its last checkpoint is written, final/ and summary.json are still the
+    # shorter run's. That run is not complete: the resume exports the longer one, it does not report the old one.
+    shutil.rmtree(out / "final")
+    shutil.copytree(reference / "final", out / "final")
+    shutil.copy(reference / "summary.json", out / "summary.json")
+    capsys.readouterr()
+    main(args(tiny_llama_dir, rows, out, "--resume", "auto", "--train.max_steps", STEPS + 1))
+    assert "already complete" not in capsys.readouterr().out
+    assert json.loads((out / "summary.json").read_text())["steps"] == STEPS + 1
+    assert files_of(out / "final") == longer
+
     with pytest.raises(SystemExit):
         main(args(tiny_llama_dir, rows, out, "--resume", "auto", "--train.max_steps", 2))
     assert f"train.max_steps {STEPS + 1} -> 2" in capsys.readouterr().err
