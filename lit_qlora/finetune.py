@@ -17,7 +17,7 @@ import torch
 
 from lit_qlora.checkpoint import CheckpointError, atomic_write_text
 from lit_qlora.config import DTYPE_NAMES, PRECISION_DTYPES, Quantize, require_checkpoint_dir
-from lit_qlora.data.sft import require_data_file
+from lit_qlora.data.sft import dataset_sha256, require_data_file
 from lit_qlora.export import export_final
 from lit_qlora.gguf_import import convert_gguf
 from lit_qlora.guards import oom_advice
@@ -101,10 +101,12 @@ def finetune(
 
 def recipe(checkpoint_dir: Path, quantize: str, precision: str, seed: int, lora: LoRAArgs, train: TrainArgs,
            data: DataArgs, ignore_modules: Optional[list[str]]) -> dict[str, Any]:
-    """The settings that define a run, as JSON (state.json's "run" holds them)."""
+    """The settings that define a run, as JSON (state.json's "run" holds them), with the sha256 of its dataset file:
+    the same path with edited rows is other data."""
     return {"checkpoint_dir": str(checkpoint_dir), "quantize": Quantize(quantize).value, "precision": precision,
             "seed": seed, "lora": asdict(lora), "train": asdict(train),
-            "data": json.loads(json.dumps(asdict(data), default=str)), "ignore_modules": list(ignore_modules or [])}
+            "data": json.loads(json.dumps(asdict(data), default=str)),
+            "data_sha256": dataset_sha256(data.json_path, data.hf_dataset), "ignore_modules": list(ignore_modules or [])}
 
 
 # What a resume may change: how often it logs and saves, how it spends memory and what it does on a non-finite
@@ -116,7 +118,11 @@ MAY_CHANGE_ON_RESUME = frozenset({"train.save_interval", "train.log_interval", "
 
 
 def require_same_recipe(state: dict[str, Any], checkpoint: Path, now: dict[str, Any]) -> None:
-    """Refuse to resume `checkpoint` with a recipe other than the one its run trained with."""
+    """Refuse to resume `checkpoint` with a recipe other than the one its run trained with (CheckpointError naming
+    each changed setting, old -> new). Compared: every setting `recipe` records (seed, base checkpoint, quantize,
+    precision, lora.*, train.*, data.*, the dataset file's contents, ignore_modules) but MAY_CHANGE_ON_RESUME, and
+    train.max_steps only when it would end before the checkpoint's step. A setting the checkpoint does not record
+    (an option added since) is not compared."""
     before, after = flatten(state.get("run", {})), flatten(now)
     changed = []
     for key, value in after.items():
@@ -127,15 +133,19 @@ def require_same_recipe(state: dict[str, Any], checkpoint: Path, now: dict[str, 
         old = before[key]
         paths = key in ("checkpoint_dir", "data.json_path") and old is not None and value is not None
         same = Path(old).resolve() == Path(value).resolve() if paths else old == value  # ./a and a are one file
-        if not same:
+        if same:
+            continue
+        if key == "data_sha256" and old and value:  # a digest says nothing to a reader: say what it stands for
+            changed.append(f"the dataset file's contents (sha256 {old[:12]}... -> {value[:12]}...)")
+        else:
             changed.append(f"{key} {json.dumps(old)} -> {json.dumps(value)}")
     if changed:
         raise CheckpointError(
             f"--resume: {Path(checkpoint) / 'state.json'} belongs to a run with other settings ({'; '.join(changed)}): "
-            "resuming would silently continue a different run. Resume with the settings the run started with, or "
-            "start a new run in another --out_dir. Only train.save_interval, log_interval, keep_last, "
-            "activation_checkpointing, on_nonfinite, data.num_workers and the devices may change on resume, and "
-            f"train.max_steps may grow (from step {state.get('step', 0)} on).")
+            "resuming would silently continue a different run. Resume with the settings and data the run started "
+            "with, or start a new run in another --out_dir. Only train.save_interval, log_interval, keep_last, "
+            "activation_checkpointing, on_nonfinite, data.num_workers and the devices (devices, num_nodes, strategy) "
+            f"may change on resume, and train.max_steps may grow (from step {state.get('step', 0)} on).")
 
 
 def finished_summary(out_dir: Path, state: dict[str, Any], max_steps: Optional[int]) -> Optional[dict[str, Any]]:

@@ -3,6 +3,7 @@ non-finite weights on disk, nothing unpickled."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -316,6 +317,35 @@ def test_resume_with_another_recipe_is_refused_naming_what_changed(tiny_llama_di
     assert refused.value.code == 1 and "Traceback" not in err
     assert "step-000004/state.json belongs to a run with other settings" in err and "another --out_dir" in err
     assert all(change in err for change in named), err
+    assert snapshot(out) == before
+
+
+def test_resume_after_the_datasets_rows_were_edited_is_refused(tiny_llama_dir, rows, reference, tmp_path, capsys):
+    """Same --data.json_path, other rows: checkpoints record the file's sha256, so the resume is refused."""
+    out, data = tmp_path / "edited", tmp_path / "rows.json"
+    shutil.copytree(reference, out)
+    shutil.copy(rows, data)
+    recorded = json.loads((out / "checkpoints" / "step-000004" / "state.json").read_text())["run"]["data_sha256"]
+    assert recorded == hashlib.sha256(rows.read_bytes()).hexdigest()
+    # The reference run as if started with this copy of its rows (the same bytes: the same sha256).
+    for state_file in (out / "checkpoints").glob("*/state.json"):
+        state = json.loads(state_file.read_text())
+        state["run"]["data"]["json_path"] = str(data)
+        state_file.write_text(json.dumps(state))
+    main(args(tiny_llama_dir, data, out, "--resume", "auto"))  # the same rows: nothing to refuse
+    assert "is already complete" in capsys.readouterr().out
+
+    edited = json.loads(data.read_text())
+    edited[5]["output"] = "5 + 8 = 14."
+    data.write_text(json.dumps(edited))
+    before = snapshot(out)
+    with pytest.raises(SystemExit) as refused:
+        main(args(tiny_llama_dir, data, out, "--resume", "auto"))
+    err = capsys.readouterr().err
+    now = hashlib.sha256(data.read_bytes()).hexdigest()
+    assert refused.value.code == 1 and "Traceback" not in err
+    assert f"step-000004/state.json belongs to a run with other settings (the dataset file's contents (sha256 " \
+           f"{recorded[:12]}... -> {now[:12]}...)):" in err, err
     assert snapshot(out) == before
 
 
