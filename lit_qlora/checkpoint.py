@@ -236,6 +236,30 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def replace_dir(staging: Path, target: Path) -> None:
+    """Put the complete directory `staging` in place of `target` (a directory, a file, or nothing) by renames alone.
+
+    Deleting the old `target` in place would go file by file, and a kill halfway would leave a mix that looks like
+    a result. Here the old one is renamed aside (`.NAME.old`) first, so at every moment `target` is the old one,
+    absent, or the new one. The aside copy a kill may leave is removed by the next call."""
+    staging, target = Path(staging), Path(target)
+    aside = target.with_name(f".{target.name}.old")
+    remove_path(aside)
+    if target.exists() or target.is_symlink():
+        os.replace(target, aside)
+    os.replace(staging, target)
+    fsync_dir(target.parent)
+    remove_path(aside)
+
+
+def remove_path(path: Path) -> None:
+    """Delete a directory tree or a file; nothing if it does not exist."""
+    if Path(path).is_dir() and not Path(path).is_symlink():
+        shutil.rmtree(path)
+    else:
+        Path(path).unlink(missing_ok=True)
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w") as f:

@@ -4,15 +4,14 @@ fine-tune's final/ directory."""
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 from typing import Literal, Optional
 
 import torch
 import torch.nn as nn
 
-from lit_qlora.checkpoint import TensorSpec, atomic_write_text, fsync_dir, save_hf_checkpoint, write_safetensors
+from lit_qlora.checkpoint import (TensorSpec, atomic_write_text, remove_path, replace_dir, save_hf_checkpoint,
+                                  write_safetensors)
 from lit_qlora.loading import load_model
 from lit_qlora.lora import LoRALinear, lora_modules, read_adapter_config, save_adapter
 from lit_qlora.nf4 import dequantize_nf4, is_nf4
@@ -130,14 +129,14 @@ def export_final(model: nn.Module, final_dir: Path, checkpoint_dir: Path, adapte
     """A fine-tune's final/: adapter.safetensors (+ adapter_config.json), merged/ (Hugging Face, bf16) and peft/,
     streamed from the trained model. `adapter`: its tensors when already gathered (`full_lora_state_dict`).
 
-    final/ is complete or absent: it is written under a temporary name beside it and renamed when whole, so a run
-    killed while exporting leaves no final/ that a user could take for a finished one (`--resume auto` exports
-    again). An FSDP-sharded or tensor-parallel model has no whole base here: the merged model and PEFT adapter are
+    final/ is complete or absent: it is built as .final.tmp beside it and swapped in by renames when whole
+    (`replace_dir`), so a run killed while exporting leaves no half-written final/ that a user could take for a
+    finished one (`--resume auto` exports again, first removing the leftovers). An FSDP-sharded or tensor-parallel model has no whole base here: the merged model and PEFT adapter are
     then built from the base checkpoint and the written adapter, as `litqlora merge` does (the same NF4 layout,
     recorded as nf4_world_size / nf4_tensor_parallel, gives the same bits)."""
     final_dir = Path(final_dir)
     staging = final_dir.with_name(f".{final_dir.name}.tmp")
-    shutil.rmtree(staging, ignore_errors=True)  # a killed export's leftovers
+    remove_path(staging)  # a killed export's leftovers
     save_adapter(model, staging, adapter_config, adapter)
     if is_sharded(model):
         model = load_model(checkpoint_dir, adapter_dir=staging)
@@ -145,7 +144,4 @@ def export_final(model: nn.Module, final_dir: Path, checkpoint_dir: Path, adapte
     save_hf_checkpoint(staging / "merged", export_config(model, True), hf_tensor_specs(model, torch.bfloat16),
                        tokenizer_dir=Path(checkpoint_dir), dtype=torch.bfloat16)
     write_peft_adapter(model, adapter_config, staging / "peft", str(Path(checkpoint_dir).resolve()))
-    if final_dir.exists():  # a re-export (a finished run's export was interrupted before summary.json)
-        shutil.rmtree(final_dir)
-    os.replace(staging, final_dir)
-    fsync_dir(final_dir.parent)
+    replace_dir(staging, final_dir)  # a re-export replaces an older final/ as a whole too

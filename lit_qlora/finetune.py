@@ -17,7 +17,7 @@ import torch
 
 from lit_qlora.checkpoint import CheckpointError, atomic_write_text
 from lit_qlora.config import DTYPE_NAMES, PRECISION_DTYPES, Quantize, require_checkpoint_dir
-from lit_qlora.data.sft import require_data_file
+from lit_qlora.data.sft import dataset_sha256, require_data_file
 from lit_qlora.export import export_final
 from lit_qlora.gguf_import import convert_gguf
 from lit_qlora.guards import oom_advice
@@ -92,6 +92,7 @@ def finetune(
         finished = finished_summary(Path(out_dir), state, train.max_steps)
         if finished is not None:
             return finished
+        print(f"Resuming from {resume_from}, after optimizer step {state.get('step', 0)}")
     return fit(setup(checkpoint_dir=checkpoint_dir, out_dir=out_dir, quantize=quantize, precision=precision, seed=seed,
                      accelerator=accelerator, devices=devices, num_nodes=num_nodes, strategy=strategy,
                      tensor_parallel=tensor_parallel, nf4_shards=nf4_shards, resume=resume_from or False, lora=lora,
@@ -100,10 +101,12 @@ def finetune(
 
 def recipe(checkpoint_dir: Path, quantize: str, precision: str, seed: int, lora: LoRAArgs, train: TrainArgs,
            data: DataArgs, ignore_modules: Optional[list[str]]) -> dict[str, Any]:
-    """The settings that define a run, as JSON (state.json's "run" holds them)."""
+    """The settings that define a run, as JSON (state.json's "run" holds them), with the sha256 of its dataset file:
+    the same path with edited rows is other data."""
     return {"checkpoint_dir": str(checkpoint_dir), "quantize": Quantize(quantize).value, "precision": precision,
             "seed": seed, "lora": asdict(lora), "train": asdict(train),
-            "data": json.loads(json.dumps(asdict(data), default=str)), "ignore_modules": list(ignore_modules or [])}
+            "data": json.loads(json.dumps(asdict(data), default=str)),
+            "data_sha256": dataset_sha256(data.json_path, data.hf_dataset), "ignore_modules": list(ignore_modules or [])}
 
 
 # What a resume may change: how often it logs and saves, how it spends memory and what it does on a non-finite
@@ -115,7 +118,11 @@ MAY_CHANGE_ON_RESUME = frozenset({"train.save_interval", "train.log_interval", "
 
 
 def require_same_recipe(state: dict[str, Any], checkpoint: Path, now: dict[str, Any]) -> None:
-    """Refuse to resume `checkpoint` with a recipe other than the one its run trained with."""
+    """Refuse to resume `checkpoint` with a recipe other than the one its run trained with (CheckpointError naming
+    each changed setting, old -> new). Compared: every setting `recipe` records (seed, base checkpoint, quantize,
+    precision, lora.*, train.*, data.*, the dataset file's contents, ignore_modules) but MAY_CHANGE_ON_RESUME, and
+    train.max_steps only when it would end before the checkpoint's step. A setting the checkpoint does not record
+    (an option added since) is not compared."""
     before, after = flatten(state.get("run", {})), flatten(now)
     changed = []
     for key, value in after.items():
@@ -126,26 +133,38 @@ def require_same_recipe(state: dict[str, Any], checkpoint: Path, now: dict[str, 
         old = before[key]
         paths = key in ("checkpoint_dir", "data.json_path") and old is not None and value is not None
         same = Path(old).resolve() == Path(value).resolve() if paths else old == value  # ./a and a are one file
-        if not same:
+        if same:
+            continue
+        if key == "data_sha256" and old and value:  # a digest says nothing to a reader: say what it stands for
+            changed.append(f"the dataset file's contents (sha256 {old[:12]}... -> {value[:12]}...)")
+        else:
             changed.append(f"{key} {json.dumps(old)} -> {json.dumps(value)}")
     if changed:
         raise CheckpointError(
             f"--resume: {Path(checkpoint) / 'state.json'} belongs to a run with other settings ({'; '.join(changed)}): "
-            "resuming would silently continue a different run. Resume with the settings the run started with, or "
-            "start a new run in another --out_dir. Only train.save_interval, log_interval, keep_last, "
-            "activation_checkpointing, on_nonfinite, data.num_workers and the devices may change on resume, and "
-            f"train.max_steps may grow (from step {state.get('step', 0)} on).")
+            "resuming would silently continue a different run. Resume with the settings and data the run started "
+            "with, or start a new run in another --out_dir. Only train.save_interval, log_interval, keep_last, "
+            "activation_checkpointing, on_nonfinite, data.num_workers and the devices (devices, num_nodes, strategy) "
+            f"may change on resume, and train.max_steps may grow (from step {state.get('step', 0)} on).")
 
 
 def finished_summary(out_dir: Path, state: dict[str, Any], max_steps: Optional[int]) -> Optional[dict[str, Any]]:
-    """summary.json of a run that is complete (its checkpoint is its last step, final/ and summary.json are
-    written), after saying so; None when there is still something to do."""
+    """summary.json of a run that is complete (its checkpoint is its last step, and final/ and summary.json are
+    that step's), after saying so; None when there is still something to do: train on, or export (a run killed
+    while exporting has its last checkpoint but no final/ or summary.json yet)."""
     summary_file, final = out_dir / "summary.json", out_dir / "final"
     if state.get("step") != state.get("total_steps") or not final.is_dir() or not summary_file.is_file():
         return None
     if max_steps is not None and max_steps != state["total_steps"]:  # asked to train longer
         return None
-    summary = json.loads(summary_file.read_text())
+    try:
+        summary = json.loads(summary_file.read_text())
+    except ValueError:  # not ours as written (atomically): export again, which rewrites it
+        return None
+    # summary.json is written after final/: when it counts the checkpoint's steps, final/ is that step's too. A run
+    # trained longer (a larger --train.max_steps) and killed while exporting still has the shorter run's pair.
+    if not isinstance(summary, dict) or summary.get("steps") != state["step"]:
+        return None
     print(f"{out_dir} is already complete: {state['step']} of {state['total_steps']} steps trained, the adapter and "
           f"exports are in {final}/, the results in {summary_file}. Nothing was changed; to train longer, pass a larger "
           "--train.max_steps, or start a new run in another --out_dir.")
@@ -364,7 +383,8 @@ def resolve_resume(resume: Union[bool, str, Path], out_dir: Path) -> Optional[Pa
         return None
     if str(resume) == "auto":
         found = latest_checkpoint(out_dir)
-        print(f"Resuming from {found}" if found else f"--resume auto: no checkpoint in {out_dir}, starting fresh")
+        if found is None:  # (finetune() says where it resumes from, once it knows the run is not already complete)
+            print(f"--resume auto: no checkpoint in {out_dir}, starting fresh")
         return found
     read_state(Path(resume))  # a clear error now rather than after the model has loaded
     return Path(resume)

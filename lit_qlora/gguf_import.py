@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import re
 import shutil
 import sys
@@ -20,7 +19,7 @@ from typing import Any, Literal, Optional
 import numpy as np
 import torch
 
-from lit_qlora.checkpoint import CheckpointError, TensorSpec, atomic_write_text, write_safetensors
+from lit_qlora.checkpoint import CheckpointError, TensorSpec, atomic_write_text, replace_dir, write_safetensors
 from lit_qlora.config import DTYPES, Config, rope_inv_freq
 
 
@@ -116,11 +115,7 @@ def convert_gguf_command(
     staging = out_dir.with_name(f".{out_dir.name}.converting")
     shutil.rmtree(staging, ignore_errors=True)
     convert_gguf(file, staging, dtype)
-    if out_dir.is_dir():
-        shutil.rmtree(out_dir)
-    elif out_dir.exists():
-        out_dir.unlink()
-    os.replace(staging, out_dir)
+    replace_dir(staging, out_dir)
     print(f"Wrote {out_dir}", file=sys.stderr)
     return str(out_dir)
 

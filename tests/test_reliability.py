@@ -3,6 +3,7 @@ non-finite weights on disk, nothing unpickled."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -18,6 +19,7 @@ import torch
 import torch.nn as nn
 from safetensors.torch import load_file
 
+from lit_qlora.checkpoint import replace_dir
 from lit_qlora.cli import main
 from lit_qlora.train.loss import chunked_cross_entropy_sum
 from lit_qlora.lora import LoRALinear, lora_state_dict
@@ -74,6 +76,20 @@ def child(code: str, *argv) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
+def kill_9_where_it_pauses(code: str, marker: Path, *argv) -> None:
+    """`litqlora ARGV` in a child whose `code` touches `marker` (sys.argv[1]) where it pauses; SIGKILL it there, from
+    outside, as a machine failure would."""
+    proc = child(code, marker, *argv)
+    deadline = time.monotonic() + 300
+    while not marker.exists():
+        assert proc.poll() is None, proc.communicate()[1][-2000:]
+        assert time.monotonic() < deadline, f"the child never reached the point where it touches {marker.name}"
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.communicate()
+    assert proc.returncode == -signal.SIGKILL
+
+
 def test_reference_keeps_the_last_k_checkpoints_as_safetensors_and_json(reference):
     assert sorted(p.name for p in (reference / "checkpoints").iterdir()) == ["step-000002", "step-000003",
                                                                              "step-000004"]
@@ -101,16 +117,8 @@ ts.write_safetensors = write
 
 
 def test_kill_9_mid_checkpoint_then_resume_auto_is_bit_exact(tiny_llama_dir, rows, reference, tmp_path):
-    out, marker = tmp_path / "run", tmp_path / "half-written"
-    proc = child(KILL_DURING_CHECKPOINT_3, marker, *args(tiny_llama_dir, rows, out)[:])
-    deadline = time.monotonic() + 300
-    while not marker.exists():
-        assert proc.poll() is None, proc.communicate()[1][-2000:]
-        assert time.monotonic() < deadline, "the child never reached checkpoint 3"
-        time.sleep(0.05)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.communicate()
-    assert proc.returncode == -signal.SIGKILL
+    out = tmp_path / "run"
+    kill_9_where_it_pauses(KILL_DURING_CHECKPOINT_3, tmp_path / "half-written", *args(tiny_llama_dir, rows, out))
     checkpoints = out / "checkpoints"
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step-000001", "step-000002", "step-000003.tmp"]
     assert sorted(p.name for p in (checkpoints / "step-000003.tmp").iterdir()) == ["adapter.safetensors"]
@@ -267,8 +275,11 @@ def test_resuming_a_finished_run_says_so_and_changes_nothing(tiny_llama_dir, row
     before = snapshot(out)
     capsys.readouterr()
     summary = main(args(tiny_llama_dir, rows, out, "--resume", "auto"))  # main returns: exit code 0
-    printed = capsys.readouterr().out
-    assert f"{out} is already complete: {STEPS} of {STEPS} steps trained" in printed and "Nothing was changed" in printed
+    printed = capsys.readouterr().out.splitlines()
+    assert len(printed) == 1, printed  # one line, and no "Resuming from" before it
+    assert printed[0].startswith(f"{out} is already complete: {STEPS} of {STEPS} steps trained, the adapter and "
+                                 f"exports are in {out / 'final'}/, the results in {out / 'summary.json'}. Nothing was "
+                                 "changed")
     assert snapshot(out) == before
     assert summary is None or summary == json.loads((out / "summary.json").read_text())
 
@@ -309,6 +320,35 @@ def test_resume_with_another_recipe_is_refused_naming_what_changed(tiny_llama_di
     assert snapshot(out) == before
 
 
+def test_resume_after_the_datasets_rows_were_edited_is_refused(tiny_llama_dir, rows, reference, tmp_path, capsys):
+    """Same --data.json_path, other rows: checkpoints record the file's sha256, so the resume is refused."""
+    out, data = tmp_path / "edited", tmp_path / "rows.json"
+    shutil.copytree(reference, out)
+    shutil.copy(rows, data)
+    recorded = json.loads((out / "checkpoints" / "step-000004" / "state.json").read_text())["run"]["data_sha256"]
+    assert recorded == hashlib.sha256(rows.read_bytes()).hexdigest()
+    # The reference run as if started with this copy of its rows (the same bytes: the same sha256).
+    for state_file in (out / "checkpoints").glob("*/state.json"):
+        state = json.loads(state_file.read_text())
+        state["run"]["data"]["json_path"] = str(data)
+        state_file.write_text(json.dumps(state))
+    main(args(tiny_llama_dir, data, out, "--resume", "auto"))  # the same rows: nothing to refuse
+    assert "is already complete" in capsys.readouterr().out
+
+    edited = json.loads(data.read_text())
+    edited[5]["output"] = "5 + 8 = 14."
+    data.write_text(json.dumps(edited))
+    before = snapshot(out)
+    with pytest.raises(SystemExit) as refused:
+        main(args(tiny_llama_dir, data, out, "--resume", "auto"))
+    err = capsys.readouterr().err
+    now = hashlib.sha256(data.read_bytes()).hexdigest()
+    assert refused.value.code == 1 and "Traceback" not in err
+    assert f"step-000004/state.json belongs to a run with other settings (the dataset file's contents (sha256 " \
+           f"{recorded[:12]}... -> {now[:12]}...)):" in err, err
+    assert snapshot(out) == before
+
+
 def test_resume_may_change_how_often_it_logs_and_saves(tiny_llama_dir, rows, reference, tmp_path):
     out = tmp_path / "logs-less"
     shutil.copytree(reference, out)
@@ -317,32 +357,76 @@ def test_resume_may_change_how_often_it_logs_and_saves(tiny_llama_dir, rows, ref
     assert (out / "summary.json").is_file()
 
 
-KILL_DURING_EXPORT = """
-import os, signal
+PAUSE_IN_MERGED_EXPORT = """
+import time
 from pathlib import Path
-import lit_qlora.export as export
-real = export.write_peft_adapter
-def write(model, acfg, out_dir, base_name):
-    assert (Path(out_dir).parent / "merged" / "model.safetensors").is_file()  # merged/ is written, peft/ is next
-    os.kill(os.getpid(), signal.SIGKILL)
-export.write_peft_adapter = write
+import lit_qlora.checkpoint as ck
+real = ck.write_safetensors
+def write(path, specs, metadata=None):
+    if path.parent.name == "merged" and path.parent.parent.name == ".final.tmp":
+        def pause():
+            Path(sys.argv[1]).touch()  # merged/model.safetensors is half written: the parent kills us now
+            time.sleep(600)
+        specs = [specs[0], ck.TensorSpec(specs[1].name, specs[1].shape, specs[1].dtype, pause), *specs[2:]]
+    return real(path, specs, metadata)
+ck.write_safetensors = write
 """
 
 
-def test_a_kill_during_export_leaves_no_final_and_resume_writes_it_whole(tiny_llama_dir, rows, reference, tmp_path):
+def files_of(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_a_kill_9_during_export_leaves_no_final_and_resume_writes_it_whole(tiny_llama_dir, rows, reference, tmp_path):
+    """SIGKILL from outside while the merged model is half written: no final/ (nor summary.json) exists, only the
+    .final.tmp build; `--resume auto` removes it and writes the same final/, byte for byte, as the uninterrupted run."""
     out = tmp_path / "killed-export"
-    proc = child(KILL_DURING_EXPORT, "unused", *args(tiny_llama_dir, rows, out))
-    _, err = proc.communicate(timeout=600)
-    assert proc.returncode == -signal.SIGKILL, err[-2000:]
+    kill_9_where_it_pauses(PAUSE_IN_MERGED_EXPORT, tmp_path / "merged-half-written", *args(tiny_llama_dir, rows, out))
     assert not (out / "final").exists() and not (out / "summary.json").exists()
-    assert (out / ".final.tmp" / "merged" / "model.safetensors").is_file()  # the half-written export, not final/
+    merged = out / ".final.tmp" / "merged"
+    assert [p.name for p in merged.iterdir()] == ["model.safetensors.tmp"]  # killed inside its first file
+    assert latest_checkpoint(out).name == f"step-{STEPS:06d}"  # training itself had finished
 
     main(args(tiny_llama_dir, rows, out, "--resume", "auto"))
-    assert not (out / ".final.tmp").exists()
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []  # no .final.tmp or .final.old left
     assert sorted(p.name for p in (out / "final").iterdir()) == ["adapter.safetensors", "adapter_config.json", "merged",
                                                                  "peft"]
-    assert_same_adapter(out / "final", reference / "final")
-    assert (out / "final" / "peft" / "adapter_model.safetensors").is_file()
+    assert files_of(out / "final") == files_of(reference / "final")
+    summary, ref = json.loads((out / "summary.json").read_text()), json.loads((reference / "summary.json").read_text())
+    assert summary["steps"] == STEPS and summary["resumed_from_step"] == STEPS
+    assert summary["initial_val_loss"] == ref["initial_val_loss"] and summary["train_loss"] == ref["train_loss"]
+    assert summary["val_loss"] == pytest.approx(ref["val_loss"], rel=1e-6)
+
+
+def test_replacing_a_directory_never_leaves_a_half_deleted_one(tmp_path, monkeypatch):
+    """replace_dir swaps by renames only: a kill between them leaves the old directory whole (as .NAME.old) and the
+    target absent, never a partly deleted target; the next call cleans up. A file in the way is replaced too."""
+    target, staging = tmp_path / "final", tmp_path / ".final.tmp"
+    for folder, names in ((target, ["a", "b", "c"]), (staging, ["new"])):
+        folder.mkdir()
+        for name in names:
+            (folder / name).write_text(name)
+    real, renames = os.replace, []
+
+    def killed_before_the_second_rename(src, dst):
+        renames.append((Path(src).name, Path(dst).name))
+        if len(renames) == 2:
+            raise KeyboardInterrupt  # stands for the kill
+        real(src, dst)
+
+    monkeypatch.setattr(os, "replace", killed_before_the_second_rename)
+    with pytest.raises(KeyboardInterrupt):
+        replace_dir(staging, target)
+    monkeypatch.undo()
+    assert renames == [("final", ".final.old"), (".final.tmp", "final")]
+    assert not target.exists() and sorted(p.name for p in (tmp_path / ".final.old").iterdir()) == ["a", "b", "c"]
+    replace_dir(staging, target)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final"] and files_of(target) == {"new": b"new"}
+
+    (tmp_path / "file").write_text("old")
+    (tmp_path / "staged").mkdir()
+    replace_dir(tmp_path / "staged", tmp_path / "file")
+    assert (tmp_path / "file").is_dir() and sorted(p.name for p in tmp_path.iterdir()) == ["file", "final"]
 
 
 def test_a_finished_run_trains_on_when_max_steps_grows_and_refuses_to_shrink(tiny_llama_dir, rows, reference,
@@ -353,6 +437,20 @@ def test_a_finished_run_trains_on_when_max_steps_grows_and_refuses_to_shrink(tin
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == STEPS + 1 and summary["resumed_from_step"] == STEPS
     assert metric_steps(out) == list(range(1, STEPS + 2))
+    longer = files_of(out / "final")
+    assert_same_adapter(out / "final", out / "checkpoints" / f"step-{STEPS + 1:06d}")
+
+    # Killed while exporting the longer run: its last checkpoint is written, final/ and summary.json are still the
+    # shorter run's. That run is not complete: the resume exports the longer one, it does not report the old one.
+    shutil.rmtree(out / "final")
+    shutil.copytree(reference / "final", out / "final")
+    shutil.copy(reference / "summary.json", out / "summary.json")
+    capsys.readouterr()
+    main(args(tiny_llama_dir, rows, out, "--resume", "auto", "--train.max_steps", STEPS + 1))
+    assert "already complete" not in capsys.readouterr().out
+    assert json.loads((out / "summary.json").read_text())["steps"] == STEPS + 1
+    assert files_of(out / "final") == longer
+
     with pytest.raises(SystemExit):
         main(args(tiny_llama_dir, rows, out, "--resume", "auto", "--train.max_steps", 2))
     assert f"train.max_steps {STEPS + 1} -> 2" in capsys.readouterr().err

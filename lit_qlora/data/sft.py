@@ -7,6 +7,8 @@ ignoring -100, i.e. the logits at position t predict token t+1. Labels are -100 
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import warnings
 from dataclasses import dataclass
@@ -38,6 +40,28 @@ def require_data_file(path: Path) -> Path:
         what = "is a directory, not a file" if path.is_dir() else "does not exist"
         raise DataError(f"The dataset {path} {what}. Pass --data.json_path pointing to a .json or .jsonl file.")
     return path
+
+
+def dataset_sha256(json_path: Optional[Path], hf_dataset: Optional[str]) -> Optional[str]:
+    """sha256 of the local file a run's rows come from (the shipped demo set when none is named); None for a Hub
+    dataset or a missing file. Resumable checkpoints record it: rows edited under the same path are another run's
+    data, which a resume must not silently continue with."""
+    path = Path(json_path or DEMO_DATASET)
+    if hf_dataset is not None or not path.is_file():
+        return None
+    stat = path.stat()
+    return _file_sha256(path.resolve(), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _file_sha256(path: Path, size: int, mtime_ns: int) -> str:
+    # Keyed on size and mtime too: a run asks for its recipe several times and reads the file once, an edited file
+    # is read again.
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def read_rows(path: Path) -> tuple[list[Any], Optional[list[int]]]:

@@ -8,7 +8,6 @@ so a kill at any moment leaves the previous checkpoint loadable.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 from pathlib import Path
@@ -16,7 +15,7 @@ from typing import Any, Optional
 
 import torch
 
-from lit_qlora.checkpoint import TensorSpec, atomic_write_text, fsync_dir, iter_safetensors, write_safetensors
+from lit_qlora.checkpoint import TensorSpec, atomic_write_text, iter_safetensors, replace_dir, write_safetensors
 from lit_qlora.guards import require_finite
 from lit_qlora.lora import full_lora_state_dict, load_adapter
 from lit_qlora.parallel.distributed import full, shard_like
@@ -91,10 +90,7 @@ def save_training_state(out_dir: Path, step: int, model: Optional[torch.nn.Modul
     write_safetensors(tmp / "rng.safetensors", _specs(rng_tensors()))
     atomic_write_text(tmp / STATE_FILE, json.dumps({**state, "step": step, "param_groups": collected["param_groups"]},
                                                    indent=2))
-    if final.exists():  # a re-run reached the same step: replace it
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    fsync_dir(final.parent)
+    replace_dir(tmp, final)  # a re-run that reached the same step replaces it as a whole
     for old in complete_checkpoints(out_dir)[: -max(1, keep_last)]:
         shutil.rmtree(old, ignore_errors=True)
     return final
