@@ -15,6 +15,7 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 from lit_qlora.checkpoint import copy_tokenizer_files  # noqa: E402
+from lit_qlora.config import HF_DEFAULTS, PRESETS, Config  # noqa: E402
 from lit_qlora.export import export_peft, merge  # noqa: E402
 from lit_qlora.finetune import finetune  # noqa: E402
 from lit_qlora.generate import generate  # noqa: E402
@@ -28,6 +29,21 @@ FAMILIES = {
     "qwen3-tied": ("Qwen3Config", dict(tie_word_embeddings=True)),
     "qwen3-untied-head-dim": ("Qwen3Config", dict(tie_word_embeddings=False, head_dim=32)),
 }
+
+# config.json as published on the Hugging Face Hub, field for field.
+_QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+          "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
+          "initializer_range": 0.02, "max_position_embeddings": 40960, "model_type": "qwen3", "num_key_value_heads": 8,
+          "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None,
+          "torch_dtype": "bfloat16", "transformers_version": "4.51.0", "use_cache": True, "use_sliding_window": False,
+          "vocab_size": 151936}
+PUBLISHED = {
+    "Qwen3-0.6B": {**_QWEN3, "hidden_size": 1024, "intermediate_size": 3072, "max_window_layers": 28,
+                   "num_attention_heads": 16, "num_hidden_layers": 28, "tie_word_embeddings": True},
+    "Qwen3-8B": {**_QWEN3, "hidden_size": 4096, "intermediate_size": 12288, "max_window_layers": 36,
+                 "num_attention_heads": 32, "num_hidden_layers": 36, "tie_word_embeddings": False},
+}
+TRAINING_ONLY = {"attention_dropout", "initializer_range", "transformers_version"}  # at transformers' defaults
 
 
 def hf_checkpoint(kind: str, extra: dict, out: Path, tokenizer_dir: Path | None = None):
@@ -56,6 +72,34 @@ def random_adapter(model, out_dir: Path, quantize: str) -> Path:
             layer.lora_B.normal_(0, 0.05)
     return save_adapter(model, out_dir, {"r": 4, "alpha": 8, "targets": ["all"], "quantize": quantize,
                                          "base_dtype": "float32", "lora_dtype": "float32"})
+
+
+def hf_read(hf: dict) -> dict:
+    """What transformers makes of a config.json dict, less its own version stamp."""
+    read = transformers.AutoConfig.for_model(**hf).to_dict()
+    read.pop("transformers_version", None)
+    return read
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_published_config_json_reads_as_the_preset_and_writes_back_the_same_model(name):
+    published = PUBLISHED[name]
+    config = Config.from_hf_config(published, name=name)
+    assert config == PRESETS[name]
+    written = config.to_hf_config()
+    assert set(published) - set(written) == TRAINING_ONLY
+    assert {k: written[k] for k in published if k in written} == {k: published[k] for k in written if k in published}
+    assert hf_read(written) == hf_read(published)  # to transformers, our export is the published model
+
+
+@pytest.mark.parametrize("model_type", list(HF_DEFAULTS))
+def test_a_field_left_out_means_what_it_means_to_transformers(model_type):
+    minimal = {"model_type": model_type, "vocab_size": 97, "hidden_size": 64, "intermediate_size": 96,
+               "num_hidden_layers": 2, "num_attention_heads": 4}
+    ours, theirs = Config.from_hf_config(minimal).to_hf_config(), transformers.AutoConfig.for_model(**minimal)
+    assert {key: ours[key] for key in HF_DEFAULTS[model_type]} == {key: getattr(theirs, key)
+                                                                    for key in HF_DEFAULTS[model_type]}
+    assert ours["head_dim"] == theirs.head_dim  # (Qwen3's 128, not 64 / 4)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
