@@ -14,6 +14,14 @@ import torch
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2")
 
+# transformers' defaults for fields a family's config.json may leave out, where they differ from Llama's: a field
+# left out means what it means to transformers (a Qwen3 head is 128 wide there, not hidden_size / heads).
+HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    "qwen3": {"head_dim": 128, "max_position_embeddings": 32768},
+    "gemma2": {"head_dim": 256, "max_position_embeddings": 8192, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+               "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "tie_word_embeddings": True},
+}
+
 # The one precision/dtype table: Lightning's precision name, the dtype's name in our files (adapter_config.json's
 # base_dtype / lora_dtype, `convert_gguf --dtype`), the torch dtype. Everything below is a view of it.
 _PRECISION_TABLE = (
@@ -129,6 +137,7 @@ class Config:
         """Build from a Hugging Face `config.json` dict (transformers 4.x `rope_theta`/`rope_scaling` or 5.x
         `rope_parameters` layout)."""
         model_type = hf.get("model_type", "llama")
+        hf = {**HF_DEFAULTS.get(model_type, {}), **hf}
         rope = dict(hf.get("rope_parameters") or {})
         rope_base = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
         scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
@@ -228,6 +237,8 @@ class Config:
             hf.update(hidden_activation=hf["hidden_act"], attention_bias=self.qkv_bias, sliding_window=self.sliding_window,
                       layer_types=self.layer_types, query_pre_attn_scalar=self.query_pre_attn_scalar,
                       attn_logit_softcapping=self.attn_softcap, final_logit_softcapping=self.final_softcap)
+        if self.model_type == "qwen3":  # inert with sliding off; written as the released checkpoints have it
+            hf["max_window_layers"] = self.n_layer
         return hf
 
     def replace(self, **changes: Any) -> "Config":

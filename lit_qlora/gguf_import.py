@@ -24,7 +24,7 @@ from lit_qlora.config import DTYPES, Config, rope_inv_freq
 
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
 _TOP_LEVEL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _PER_BLOCK = {
@@ -36,6 +36,8 @@ _PER_BLOCK = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_norm": "post_attention_layernorm",
 }
 
@@ -180,6 +182,7 @@ def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any], path: Path |
         o_bias="blk.0.attn_output.bias" in tensors,
         mlp_bias="blk.0.ffn_up.bias" in tensors,
         tie_embeddings="output.weight" not in tensors,
+        qk_norm=arch == "qwen3",
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=None if eos is None else int(eos),
     )
@@ -273,6 +276,9 @@ def expected_shapes(config: Config) -> dict[str, tuple[int, ...]]:
                 shapes[f"model.layers.{i}.{name}.bias"] = (out,)
         for norm in ("input_layernorm", "post_attention_layernorm"):
             shapes[f"model.layers.{i}.{norm}.weight"] = (c.n_embd,)
+        if c.qk_norm:
+            for norm in ("self_attn.q_norm", "self_attn.k_norm"):
+                shapes[f"model.layers.{i}.{norm}.weight"] = (c.head_dim,)
     return shapes
 
 
@@ -286,7 +292,7 @@ def weight_specs(tensors: dict[str, Any], config: Config, dtype: torch.dtype, pa
     missing = sorted(set(expected) - set(names.values()))
     if missing:
         raise ValueError(f"{path}: GGUF file lacks tensors for {', '.join(missing[:8])}.")
-    # Only llama.cpp's llama converter permutes q/k (its rope kernel is interleaved); qwen2 keeps the HF layout.
+    # Only llama.cpp's llama converter permutes q/k (its rope kernel is interleaved); qwen2/3 keep the HF layout.
     permuted = config.model_type == "llama"
     specs = []
     for gguf_name, name in names.items():

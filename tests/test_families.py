@@ -1,7 +1,8 @@
-"""Model families beyond Llama, end to end against transformers and peft: a checkpoint transformers wrote loads,
-generates the same tokens, trains with QLoRA through `litqlora finetune`, and its merged and PEFT exports load
-back in transformers and peft with the same outputs. Tiny random models built by transformers itself; each family
-is one entry of FAMILIES (the per-layer parity of logits and the KV cache is in test_model.py)."""
+"""Model families beyond Llama, end to end against transformers and peft: a published config.json reads and writes
+back, a checkpoint transformers wrote loads with its logits and greedy tokens, keeps its norms out of NF4 and LoRA,
+trains with QLoRA through `litqlora finetune`, and its merged and PEFT exports load back in transformers and peft
+with the same outputs. Tiny random models built by transformers itself; a family is one entry of FAMILIES (and its
+published configs in PUBLISHED). Block-level parity of many config variants and the KV cache is in test_model.py."""
 
 from __future__ import annotations
 
@@ -10,30 +11,53 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 from lit_qlora.checkpoint import copy_tokenizer_files  # noqa: E402
+from lit_qlora.config import HF_DEFAULTS, PRESETS, Config  # noqa: E402
 from lit_qlora.export import export_peft, merge  # noqa: E402
 from lit_qlora.finetune import finetune  # noqa: E402
 from lit_qlora.generate import generate  # noqa: E402
 from lit_qlora.loading import load_model  # noqa: E402
 from lit_qlora.lora import apply_lora, lora_modules, save_adapter  # noqa: E402
+from lit_qlora.nf4 import count_linears, is_nf4  # noqa: E402
 from lit_qlora.train.args import DataArgs, LoRAArgs, TrainArgs  # noqa: E402
 
 VOCAB = 49152  # SmolLM2's tokenizer, so `litqlora finetune` can tokenize text for these models
+LINEARS = 2 * 7 + 1  # two blocks of q, k, v, o, gate, up, down, and the head
+PEFT_TARGETS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"}
 
+# (transformers config class, its arguments beyond the shared tiny shape).
 FAMILIES = {
-    "qwen3-tied": ("Qwen3Config", dict(tie_word_embeddings=True)),
-    "qwen3-untied-head-dim": ("Qwen3Config", dict(tie_word_embeddings=False, head_dim=32)),
+    # Tied like Qwen3-0.6B, whose head_dim (128) is not hidden_size / heads (64) either.
+    "qwen3-tied": ("Qwen3Config", dict(tie_word_embeddings=True, head_dim=32)),
+    "qwen3-untied-bias": ("Qwen3Config", dict(tie_word_embeddings=False, head_dim=16, attention_bias=True)),
     "gemma2-sliding-softcapped": ("Gemma2Config", dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=4,
                                                        attn_logit_softcapping=0.05, final_logit_softcapping=3.0)),
 }
 
+# config.json as published on the Hugging Face Hub, field for field.
+_QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+          "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
+          "initializer_range": 0.02, "max_position_embeddings": 40960, "model_type": "qwen3", "num_key_value_heads": 8,
+          "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None,
+          "torch_dtype": "bfloat16", "transformers_version": "4.51.0", "use_cache": True, "use_sliding_window": False,
+          "vocab_size": 151936}
+PUBLISHED = {
+    "Qwen3-0.6B": {**_QWEN3, "hidden_size": 1024, "intermediate_size": 3072, "max_window_layers": 28,
+                   "num_attention_heads": 16, "num_hidden_layers": 28, "tie_word_embeddings": True},
+    "Qwen3-8B": {**_QWEN3, "hidden_size": 4096, "intermediate_size": 12288, "max_window_layers": 36,
+                 "num_attention_heads": 32, "num_hidden_layers": 36, "tie_word_embeddings": False},
+}
+TRAINING_ONLY = {"attention_dropout", "initializer_range", "transformers_version"}  # at transformers' defaults
+
 
 def hf_checkpoint(kind: str, extra: dict, out: Path, tokenizer_dir: Path | None = None):
-    """A tiny random model written by transformers (safetensors), with non-trivial norms."""
+    """A tiny random model written by transformers (safetensors), with non-trivial norms and biases."""
     torch.manual_seed(0)
     config = getattr(transformers, kind)(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -42,7 +66,7 @@ def hf_checkpoint(kind: str, extra: dict, out: Path, tokenizer_dir: Path | None 
     model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:
+            if "norm" in name or name.endswith("bias"):
                 p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(out, safe_serialization=True)
     if tokenizer_dir is not None:
@@ -51,6 +75,7 @@ def hf_checkpoint(kind: str, extra: dict, out: Path, tokenizer_dir: Path | None 
 
 
 def random_adapter(model, out_dir: Path, quantize: str) -> Path:
+    """LoRA on every target with a random B, so every adapted layer changes the output."""
     apply_lora(model, r=4, alpha=8, dtype=torch.float32)
     torch.manual_seed(1)
     with torch.no_grad():
@@ -60,33 +85,81 @@ def random_adapter(model, out_dir: Path, quantize: str) -> Path:
                                          "base_dtype": "float32", "lora_dtype": "float32"})
 
 
+def tokens(shape: tuple[int, ...], seed: int = 2) -> torch.Tensor:
+    return torch.randint(0, VOCAB, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def hf_read(hf: dict) -> dict:
+    """What transformers makes of a config.json dict, less its own version stamp."""
+    read = transformers.AutoConfig.for_model(**hf).to_dict()
+    read.pop("transformers_version", None)
+    return read
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_published_config_json_reads_as_the_preset_and_writes_back_the_same_model(name):
+    published = PUBLISHED[name]
+    config = Config.from_hf_config(published, name=name)
+    assert config == PRESETS[name]
+    written = config.to_hf_config()
+    assert set(published) - set(written) == TRAINING_ONLY
+    assert {k: written[k] for k in published if k in written} == {k: published[k] for k in written if k in published}
+    assert hf_read(written) == hf_read(published)  # to transformers, our export is the published model
+
+
+@pytest.mark.parametrize("model_type", list(HF_DEFAULTS))
+def test_a_field_left_out_means_what_it_means_to_transformers(model_type):
+    minimal = {"model_type": model_type, "vocab_size": 97, "hidden_size": 64, "intermediate_size": 96,
+               "num_hidden_layers": 2, "num_attention_heads": 4}
+    ours, theirs = Config.from_hf_config(minimal).to_hf_config(), transformers.AutoConfig.for_model(**minimal)
+    assert {key: ours[key] for key in HF_DEFAULTS[model_type]} == {key: getattr(theirs, key)
+                                                                    for key in HF_DEFAULTS[model_type]}
+    assert ours["head_dim"] == theirs.head_dim  # (Qwen3's 128, not 64 / 4)
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_greedy_generation_equals_transformers_token_for_token(family, tmp_path):
-    kind, extra = FAMILIES[family]
-    reference = hf_checkpoint(kind, extra, tmp_path / "hf")
+def test_checkpoint_loads_with_transformers_logits_and_generates_its_greedy_tokens(family, tmp_path):
+    reference = hf_checkpoint(*FAMILIES[family], tmp_path / "hf")
     ours = load_model(tmp_path / "hf", "none", "32-true")
+    idx = tokens((2, 24))
     prompt = [5, 17, 300, 42, 7]
     with torch.no_grad():
+        diff = (ours(idx) - reference(idx).logits).abs().max().item()
         expected = reference.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, eos_token_id=None,
                                       pad_token_id=0)[0, len(prompt):].tolist()
+    assert diff <= 1e-4
     assert list(generate(ours, prompt, 20)) == expected
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
+def test_nf4_load_quantizes_every_linear_and_leaves_the_norms_alone(family, tmp_path):
+    """q_norm and k_norm (per head) are norms, not linears: high precision, their checkpoint values, no adapter."""
+    reference = hf_checkpoint(*FAMILIES[family], tmp_path / "hf").state_dict()
+    model = apply_lora(load_model(tmp_path / "hf", "nf4", "bf16-true"), r=4, alpha=8)
+    assert count_linears(model) == (LINEARS, LINEARS)
+    norms = {name: p for name, p in model.named_parameters() if "norm" in name}
+    assert set(norms) == {name for name in reference if "norm" in name}  # by their Hugging Face names
+    for name, p in norms.items():
+        assert not is_nf4(p) and not p.requires_grad and torch.equal(p, reference[name].bfloat16()), name
+    assert {name.rpartition(".")[2] for name in lora_modules(model)} == PEFT_TARGETS
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_merged_and_peft_exports_load_in_transformers_and_peft_with_our_outputs(family, tmp_path):
-    kind, extra = FAMILIES[family]
-    hf_checkpoint(kind, extra, tmp_path / "hf")
+    hf_checkpoint(*FAMILIES[family], tmp_path / "hf")
     model = load_model(tmp_path / "hf", "none", "32-true")
     adapter_dir = random_adapter(model, tmp_path / "adapter", "none")
-    idx = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(2))
+    idx = tokens((2, 12))
     with torch.no_grad():
         ours = model.eval()(idx).float()
 
     merged = transformers.AutoModelForCausalLM.from_pretrained(merge(tmp_path / "hf", adapter_dir, tmp_path / "m"),
                                                                dtype=torch.float32).eval()
     assert merged.config.model_type == json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"]
+    peft_dir = export_peft(tmp_path / "hf", adapter_dir, tmp_path / "p")
+    assert set(json.loads((peft_dir / "adapter_config.json").read_text())["target_modules"]) == PEFT_TARGETS
     base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
-    with_adapter = peft.PeftModel.from_pretrained(base, export_peft(tmp_path / "hf", adapter_dir, tmp_path / "p"))
+    with_adapter = peft.PeftModel.from_pretrained(base, peft_dir)
     with torch.no_grad():
         from_merged, from_peft = merged(idx).logits.float(), with_adapter.eval()(idx).logits.float()
     assert (from_peft - ours).abs().max() <= 1e-4  # fp32 adapter on the fp32 base: the same computation
@@ -98,8 +171,7 @@ def test_merged_and_peft_exports_load_in_transformers_and_peft_with_our_outputs(
 
 @pytest.mark.parametrize("family", ["qwen3-tied", "gemma2-sliding-softcapped"])
 def test_qlora_finetune_writes_every_artifact_and_lowers_the_loss(family, smollm2_dir, tmp_path):
-    kind, extra = FAMILIES[family]
-    hf_checkpoint(kind, extra, tmp_path / "hf", tokenizer_dir=smollm2_dir)
+    hf_checkpoint(*FAMILIES[family], tmp_path / "hf", tokenizer_dir=smollm2_dir)
     rows = [{"instruction": f"Add {i} and {i + 3}.", "output": f"{i} + {i + 3} = {2 * i + 3}."} for i in range(24)]
     (tmp_path / "rows.json").write_text(json.dumps(rows))
     out = tmp_path / "run"
@@ -108,11 +180,41 @@ def test_qlora_finetune_writes_every_artifact_and_lowers_the_loss(family, smollm
                        train=TrainArgs(max_steps=6, micro_batch_size=2, global_batch_size=4, max_seq_length=64,
                                        lr=1e-2, warmup_steps=1),
                        data=DataArgs(json_path=tmp_path / "rows.json", val_split=0.25))
-    assert summary["quantized_linears"] == summary["total_linears"] == 2 * 7 + 1  # lm_head too (its own NF4 copy)
+    assert summary["quantized_linears"] == summary["total_linears"] == LINEARS  # lm_head too (its own NF4 copy)
+    assert json.loads((out / "summary.json").read_text()) == summary
     losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert losses[-1] < losses[0] and summary["val_loss"] < summary["initial_val_loss"]
+    final = out / "final"
     for name in ("adapter.safetensors", "adapter_config.json", "merged/model.safetensors", "merged/config.json",
                  "peft/adapter_model.safetensors", "peft/adapter_config.json"):
-        assert (out / "final" / name).is_file(), name
-    merged = transformers.AutoModelForCausalLM.from_pretrained(out / "final" / "merged")
+        assert (final / name).is_file(), name
+    assert len(load_file(str(final / "adapter.safetensors"))) == 2 * LINEARS  # A and B of each; none on a norm
+
+    # The merged model is the trained one: NF4 base + adapter here, dequant(NF4(W)) + BA in bf16 there. Its norms,
+    # never quantized, are the checkpoint's (in bf16).
+    merged = transformers.AutoModelForCausalLM.from_pretrained(final / "merged", dtype=torch.bfloat16).eval()
     assert merged.config.model_type == family.split("-")[0] and merged.config.tie_word_embeddings is False
+    trained = load_model(tmp_path / "hf", adapter_dir=final)
+    idx = tokens((2, 16))
+    with torch.no_grad():
+        ours, theirs = trained(idx).float(), merged(idx).logits.float()
+    assert (ours - theirs).abs().max() <= 0.05 * ours.abs().max()  # bf16: merged weights vs rounded activations
+    assert torch.allclose(ours.softmax(-1), theirs.softmax(-1), atol=2e-2)
+    original, exported = load_file(str(tmp_path / "hf" / "model.safetensors")), load_file(str(final / "merged" /
+                                                                                               "model.safetensors"))
+    norms = [name for name in original if "norm" in name]
+    if family.startswith("qwen3"):
+        assert any(".q_norm." in name for name in norms) and any(".k_norm." in name for name in norms)
+    assert all(torch.equal(exported[name], original[name].bfloat16()) for name in norms)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs gloo")
+@pytest.mark.parametrize("family", ["qwen3-tied"])
+def test_tensor_parallel_qlora_equals_one_process(family, tmp_path):
+    """Each rank normalizes its own heads' q and k with the whole (replicated) q_norm and k_norm."""
+    from conftest import spawn_ranks
+    from test_tensor_parallel import _worker, assert_equals_one_process
+
+    hf_checkpoint(*FAMILIES[family], tmp_path / "hf")
+    assert_equals_one_process(spawn_ranks(_worker, 2, str(tmp_path / "hf"), "nf4", str(tmp_path / "store")))

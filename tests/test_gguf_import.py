@@ -52,14 +52,16 @@ QTYPES = {"token_embd": T.F16, "attn_q": T.Q8_0, "attn_k": T.Q4_0, "attn_v": T.Q
 def write_tiny_llama(path: Path, tied: bool = False, add_bos: bool = False, arch: str = "llama",
                      raw: dict[str, tuple[np.ndarray, T]] | None = None) -> tuple[Config, dict[str, np.ndarray]]:
     """A 2-layer llama GGUF with random weights; returns its Config and the HF-layout weights we expect back.
-    `raw` writes the given (data, type) under a name instead of the generated tensor (or in addition to them)."""
+    `raw` writes the given (data, type) under a name instead of the generated tensor (or in addition to them).
+    arch="qwen3" adds per-head q/k norms and heads narrower than hidden / heads, as Qwen3-0.6B has."""
     raw = dict(raw or {})
     rng = np.random.default_rng(0)
     tokens = SPECIAL + byte_alphabet() + ["Ġt", "he", "Ġthe"]
     merges = ["Ġ t", "h e", "Ġt he"]
+    qwen3 = arch == "qwen3"
     config = Config(vocab_size=len(tokens), n_layer=2, n_embd=256, n_head=4, n_query_groups=2,
-                    intermediate_size=256, norm_eps=1e-5, rope_base=500000.0, max_seq_length=512,
-                    tie_embeddings=tied, bos_token_id=1, eos_token_id=2)
+                    head_dim=32 if qwen3 else None, intermediate_size=256, norm_eps=1e-5, rope_base=500000.0,
+                    max_seq_length=512, tie_embeddings=tied, qk_norm=qwen3, bos_token_id=1, eos_token_id=2)
     hd = config.head_dim
     shapes = {"token_embd": (config.vocab_size, 256), "attn_q": (4 * hd, 256), "attn_k": (2 * hd, 256),
               "attn_v": (2 * hd, 256), "attn_output": (256, 4 * hd), "ffn_gate": (256, 256), "ffn_up": (256, 256),
@@ -72,6 +74,9 @@ def write_tiny_llama(path: Path, tied: bool = False, add_bos: bool = False, arch
     w.add_head_count(4)
     w.add_head_count_kv(2)
     w.add_rope_dimension_count(hd)
+    if qwen3:
+        w.add_key_length(hd)
+        w.add_value_length(hd)
     w.add_rope_freq_base(500000.0)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_tokenizer_model("gpt2")
@@ -113,6 +118,9 @@ def write_tiny_llama(path: Path, tied: bool = False, add_bos: bool = False, arch
             add(f"blk.{i}.{kind}.weight", f"model.layers.{i}.{hf}.weight", rand(kind), QTYPES[kind], heads)
         for kind, hf in (("attn_norm", "input_layernorm"), ("ffn_norm", "post_attention_layernorm")):
             add(f"blk.{i}.{kind}.weight", f"model.layers.{i}.{hf}.weight", 1 + rand("ffn_up")[0], T.F32)
+        if qwen3:
+            for kind, hf in (("attn_q_norm", "self_attn.q_norm"), ("attn_k_norm", "self_attn.k_norm")):
+                add(f"blk.{i}.{kind}.weight", f"model.layers.{i}.{hf}.weight", 1 + rand("ffn_up")[0, :hd], T.F32)
     add("output_norm.weight", "model.norm.weight", 1 + rand("ffn_up")[0], T.F32)
     if not tied:
         add("output.weight", "lm_head.weight", rand("output"), QTYPES["output"])
@@ -166,6 +174,23 @@ def test_qwen2_is_not_permuted(tmp_path: Path) -> None:
     got = load_file(out / "model.safetensors")
     assert torch.equal(got["model.layers.0.self_attn.q_proj.weight"],
                        torch.from_numpy(expected["model.layers.0.self_attn.q_proj.weight"]))
+
+
+def test_qwen3_converts_with_its_head_dim_and_qk_norms_and_transformers_agrees(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    config, expected = write_tiny_llama(tmp_path / "qwen3.gguf", arch="qwen3")
+    out = convert_gguf(tmp_path / "qwen3.gguf", tmp_path / "out")
+    got = load_file(out / "model.safetensors")
+    assert set(got) == set(expected) and "model.layers.1.self_attn.k_norm.weight" in got
+    assert all(torch.equal(got[name], torch.from_numpy(value)) for name, value in expected.items())  # not permuted
+    written = Config.from_checkpoint(out)
+    assert (written.model_type, written.qk_norm, written.head_dim) == ("qwen3", True, 32)
+    ours = Transformer(written).eval()
+    ours.load_state_dict(got, strict=True)  # raises on a tensor missing or left over
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    idx = torch.randint(0, config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (ours(idx) - theirs(idx).logits).abs().max() <= 1e-4
 
 
 def test_unpermute_makes_interleaved_rope_equal_rotate_half_rope() -> None:

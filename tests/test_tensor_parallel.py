@@ -141,13 +141,8 @@ def _worker(rank: int, ckpt: str, quantize: str, init_file: str, queue) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.slow
-@needs_gloo
-@pytest.mark.parametrize("quantize", ["none", "nf4"])
-def test_tensor_parallel_equals_one_process(quantize, tiny_llama_dir, tmp_path):
-    from conftest import spawn_ranks
-
-    results = spawn_ranks(_worker, 2, str(tiny_llama_dir), quantize, str(tmp_path / "store"))
+def assert_equals_one_process(results: dict) -> None:
+    """What `_worker` measured on two ranks of a 2-block model matches one process."""
     for rank in (0, 1):
         r = results[rank]
         assert "error" not in r, r.get("error")
@@ -164,6 +159,15 @@ def test_tensor_parallel_equals_one_process(quantize, tiny_llama_dir, tmp_path):
         # Without the tensor-parallel sum A's (and the inputs') gradients miss the other rank's share.
         assert r["unreduced_grad_rel_diff"] > 1e-2
     assert results[0]["loss"] == results[1]["loss"]
+
+
+@pytest.mark.slow
+@needs_gloo
+@pytest.mark.parametrize("quantize", ["none", "nf4"])
+def test_tensor_parallel_equals_one_process(quantize, tiny_llama_dir, tmp_path):
+    from conftest import spawn_ranks
+
+    assert_equals_one_process(spawn_ranks(_worker, 2, str(tiny_llama_dir), quantize, str(tmp_path / "store")))
 
 
 @pytest.mark.slow
