@@ -89,7 +89,8 @@ DEBUG_HELP = "Show the full traceback of an error (also LITQLORA_DEBUG=1 or `deb
 BUILTIN_OPTIONS = ("config", "print_config", "help", "debug")
 """Options every command has besides its own parameters."""
 
-TRUE, FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+FALSE = ("false", "0", "no", "off")
+"""--debug VALUE spellings that turn it off; any other value (or none) turns it on."""
 
 
 def expand_positional(argv: list[str]) -> list[str]:

@@ -131,8 +131,10 @@ def export_final(model: nn.Module, final_dir: Path, checkpoint_dir: Path, adapte
 
     final/ is complete or absent: it is built as .final.tmp beside it and swapped in by renames when whole
     (`replace_dir`), so a run killed while exporting leaves no half-written final/ that a user could take for a
-    finished one (`--resume auto` exports again, first removing the leftovers). An FSDP-sharded or tensor-parallel model has no whole base here: the merged model and PEFT adapter are
-    then built from the base checkpoint and the written adapter, as `litqlora merge` does (the same NF4 layout,
+    finished one (`--resume auto` exports again, first removing the leftovers).
+
+    An FSDP-sharded or tensor-parallel model has no whole base here: the merged model and PEFT adapter are then
+    built from the base checkpoint and the written adapter, as `litqlora merge` does (the same NF4 layout,
     recorded as nf4_world_size / nf4_tensor_parallel, gives the same bits)."""
     final_dir = Path(final_dir)
     staging = final_dir.with_name(f".{final_dir.name}.tmp")

@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
-import shutil
 import sys
 import warnings
 from pathlib import Path
@@ -19,7 +18,8 @@ from typing import Any, Literal, Optional
 import numpy as np
 import torch
 
-from lit_qlora.checkpoint import CheckpointError, TensorSpec, atomic_write_text, replace_dir, write_safetensors
+from lit_qlora.checkpoint import (CheckpointError, TensorSpec, atomic_write_text, remove_path, replace_dir,
+                                  write_safetensors)
 from lit_qlora.config import DTYPES, Config, rope_inv_freq
 
 
@@ -115,7 +115,7 @@ def convert_gguf_command(
     # Converted next to it and swapped in when complete: the old directory survives a failed or killed conversion,
     # and no file of the old checkpoint (say, a second safetensors shard) is left beside the new ones.
     staging = out_dir.with_name(f".{out_dir.name}.converting")
-    shutil.rmtree(staging, ignore_errors=True)
+    remove_path(staging)  # a killed conversion's leftovers
     convert_gguf(file, staging, dtype)
     replace_dir(staging, out_dir)
     print(f"Wrote {out_dir}", file=sys.stderr)
