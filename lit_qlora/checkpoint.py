@@ -20,6 +20,7 @@ import torch.nn as nn
 
 from lit_qlora.config import Config, require_checkpoint_dir
 from lit_qlora.errors import UserError
+from lit_qlora.hf_layout import fuse_plan, split_fused
 from lit_qlora.memory import release_free_memory
 from lit_qlora.model import Transformer
 
@@ -174,7 +175,7 @@ def load_checkpoint(
     expected = dict(model.state_dict(keep_vars=True))
     tied = config.tie_embeddings
     loaded: set[str] = set()
-    for name, tensor in iter_tensors(checkpoint_dir):
+    for name, tensor in (part for item in iter_tensors(checkpoint_dir) for part in split_fused(config, *item)):
         if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
             continue
         if name not in expected:
@@ -305,6 +306,25 @@ def write_safetensors(path: Path, specs: list[TensorSpec], metadata: Optional[di
     os.replace(tmp, path)
 
 
+def hf_layout_specs(config: Config, specs: list[TensorSpec]) -> list[TensorSpec]:
+    """The specs under the checkpoint's own names: fused projections (Phi-3) written as one tensor again."""
+    plan = fuse_plan(config, [spec.name for spec in specs])
+    if not plan:
+        return specs
+    by_name = {spec.name: spec for spec in specs}
+    out = []
+    for spec in specs:
+        fused, members = plan.get(spec.name, (spec.name, []))
+        if not members:
+            if fused:
+                out.append(spec)
+            continue
+        parts = [by_name[member] for member in members]
+        shape = (sum(part.shape[0] for part in parts), *spec.shape[1:])
+        out.append(TensorSpec(fused, shape, spec.dtype, lambda parts=parts: torch.cat([p.produce() for p in parts])))
+    return out
+
+
 def copy_tokenizer_files(src_dir: Path, out_dir: Path) -> list[str]:
     copied = []
     for name in TOKENIZER_FILES:
@@ -325,7 +345,7 @@ def save_hf_checkpoint(
     """Write a Hugging Face directory (`config.json`, `model.safetensors`, tokenizer files) that transformers loads."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    write_safetensors(out_dir / "model.safetensors", specs, metadata={"format": "pt"})
+    write_safetensors(out_dir / "model.safetensors", hf_layout_specs(config, specs), metadata={"format": "pt"})
     if tokenizer_dir is not None:
         copy_tokenizer_files(Path(tokenizer_dir), out_dir)
     hf = config.to_hf_config(torch_dtype=str(dtype).removeprefix("torch."))

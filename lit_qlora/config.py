@@ -12,14 +12,22 @@ from typing import Any, Literal
 
 import torch
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3")
+GEMMA = ("gemma2", "gemma3_text")
 
 # transformers' defaults for fields a family's config.json may leave out, where they differ from Llama's: a field
 # left out means what it means to transformers (a Qwen3 head is 128 wide there, not hidden_size / heads).
 HF_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3": {"head_dim": 128, "max_position_embeddings": 32768},
     "gemma2": {"head_dim": 256, "max_position_embeddings": 8192, "query_pre_attn_scalar": 256, "sliding_window": 4096,
-               "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "tie_word_embeddings": True},
+               "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "tie_word_embeddings": True,
+               "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0},
+    "gemma3_text": {"head_dim": 256, "max_position_embeddings": 131072, "query_pre_attn_scalar": 256,
+                    "sliding_window": 4096, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
+                    "tie_word_embeddings": True, "bos_token_id": 2, "eos_token_id": 1,
+                    "pad_token_id": 0},
+    "phi3": {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "bos_token_id": 1, "eos_token_id": 32000,
+             "pad_token_id": 32000},
 }
 
 # The one precision/dtype table: Lightning's precision name, the dtype's name in our files (adapter_config.json's
@@ -58,12 +66,13 @@ def require_checkpoint_dir(checkpoint_dir: str | Path, error: type[Exception] = 
 
 @dataclass
 class Config:
-    """Shape and numerics of a Llama-family decoder (Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3, Gemma 2, SmolLM2,
-    TinyLlama)."""
+    """Shape and numerics of a Llama-family decoder (Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3, Gemma 2 and 3, Phi-3
+    and Phi-4, SmolLM2, TinyLlama)."""
 
     name: str = "custom"
     model_type: str = "llama"
-    """Hugging Face `model_type` written back on export: llama, mistral, qwen2, qwen3 or gemma2."""
+    """Hugging Face `model_type` written back on export: llama, mistral, qwen2, qwen3, gemma2, gemma3_text or phi3
+    (Phi-3 and Phi-4, whose checkpoints fuse q/k/v and gate/up: split on load, fused again on export)."""
     vocab_size: int = 32000
     n_layer: int = 2
     n_embd: int = 256
@@ -77,7 +86,8 @@ class Config:
     rope_base: float = 10000.0
     rope_scaling: dict[str, Any] | None = None
     """HF rope scaling dict: {"rope_type": "llama3", factor, low_freq_factor, high_freq_factor,
-    original_max_position_embeddings} or {"rope_type": "linear", factor}."""
+    original_max_position_embeddings}, {"rope_type": "linear", factor} or Phi-3's {"rope_type": "longrope",
+    short_factor, long_factor, original_max_position_embeddings}. Gemma 3 scales its full-attention layers only."""
     max_seq_length: int = 4096
     qkv_bias: bool = False
     o_bias: bool = False
@@ -86,12 +96,17 @@ class Config:
     sliding_window: int | None = None
     """Mistral-style local attention: a token sees itself and the sliding_window - 1 tokens before it."""
     qk_norm: bool = False
-    """Qwen3: each head's query and key are RMS-normalized (weights `q_norm`, `k_norm` of size head_dim) before
-    RoPE."""
+    """Qwen3, Gemma 3: each head's query and key are RMS-normalized (weights `q_norm`, `k_norm` of size head_dim)
+    before RoPE."""
     layer_types: list[str] | None = None
-    """Per layer, "sliding_attention" (within sliding_window) or "full_attention" (Gemma 2 alternates them); None:
-    every layer uses sliding_window."""
-    # Gemma 2.
+    """Per layer, "sliding_attention" (within sliding_window) or "full_attention" (Gemma 2 alternates them, Gemma 3
+    has five sliding layers to a full one); None: every layer uses sliding_window."""
+    rope_local_base: float | None = None
+    """Gemma 3: the RoPE base of the sliding-window layers (unscaled); None: every layer uses rope_base."""
+    partial_rotary_factor: float = 1.0
+    """RoPE rotates the first head_dim * partial_rotary_factor dims of each head, the rest pass as they are
+    (Phi-4-mini: 0.75)."""
+    # Gemma 2 and 3.
     norm_plus_one: bool = False
     """RMSNorm scales by (1 + weight), in fp32: the checkpoint's norm weights are centered on 0."""
     embed_scale: bool = False
@@ -108,6 +123,8 @@ class Config:
     """Logits become softcap * tanh(logits / softcap)."""
     bos_token_id: int | None = 1
     eos_token_id: int | list[int] | None = 2
+    pad_token_id: int | None = None
+    """Written back to config.json when the checkpoint names one (generation pads batches with it)."""
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -120,10 +137,17 @@ class Config:
             raise ValueError(f"n_head ({self.n_head}) must be a multiple of n_query_groups ({self.n_query_groups}).")
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
-            if kind not in ("default", "llama3", "linear"):
-                raise ValueError(f"rope scaling type {kind!r} is not supported (default, linear, llama3 are).")
+            if kind not in ("default", "llama3", "linear", "longrope"):
+                raise ValueError(f"rope scaling type {kind!r} is not supported (default, linear, llama3, longrope are).")
             if kind == "default":
                 self.rope_scaling = None
+            if kind == "longrope":
+                wanted = int(self.head_dim * self.partial_rotary_factor) // 2
+                for key in ("short_factor", "long_factor"):
+                    if len(self.rope_scaling.get(key) or []) != wanted:
+                        raise ValueError(f"rope_scaling.{key} needs {wanted} values (one per rotated dim pair of "
+                                         f"head_dim {self.head_dim} x partial_rotary_factor "
+                                         f"{self.partial_rotary_factor}); check config.json.")
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -137,21 +161,41 @@ class Config:
         """Build from a Hugging Face `config.json` dict (transformers 4.x `rope_theta`/`rope_scaling` or 5.x
         `rope_parameters` layout)."""
         model_type = hf.get("model_type", "llama")
+        if model_type == "gemma3":
+            raise ValueError("This config.json is a multimodal Gemma 3 (model_type gemma3: text and vision); "
+                             "lit-qlora fine-tunes the text-only Gemma 3 checkpoints (model_type gemma3_text, e.g. "
+                             "google/gemma-3-1b-it).")
         hf = {**HF_DEFAULTS.get(model_type, {}), **hf}
         rope = dict(hf.get("rope_parameters") or {})
+        local_rope = {}
+        if "full_attention" in rope:  # transformers 5's Gemma 3 layout: one RoPE per layer type
+            rope, local_rope = dict(rope["full_attention"] or {}), dict(rope.get("sliding_attention") or {})
         rope_base = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
+        partial_rotary = rope.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
         scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        if model_type == "phi3" and scaling:  # long-context RoPE; its pretraining length is a top-level field
+            key = "rope_type" if "rope_type" in scaling else "type"
+            scaling = {**scaling, key: "longrope" if scaling[key] in ("su", "yarn") else scaling[key]}
+            scaling.setdefault("original_max_position_embeddings",
+                               hf.get("original_max_position_embeddings", hf["max_position_embeddings"]))
         window = hf.get("sliding_window")
         if model_type in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
             window = None
-        layer_types = hf.get("layer_types") if model_type == "gemma2" else None
-        if model_type == "gemma2" and layer_types is None:  # transformers' default: sliding first, then alternating
-            layer_types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(hf["num_hidden_layers"])]
-        gemma = model_type == "gemma2"
+        gemma = model_type in GEMMA
+        layer_types = hf.get("layer_types") if gemma else None
+        if gemma and layer_types is None:  # transformers' defaults: Gemma 2 alternates, Gemma 3 every 6th is full
+            every = 2 if model_type == "gemma2" else hf.get("sliding_window_pattern", 6)
+            layer_types = _sliding_pattern(hf["num_hidden_layers"], every)
         if model_type == "qwen3" and window is not None:
             raise ValueError("This Qwen3 config.json sets use_sliding_window: true (sliding attention in the layers "
                              "from max_window_layers on), which lit-qlora does not model; the released Qwen3 "
                              "checkpoints leave it false.")
+        if hf.get("use_bidirectional_attention"):
+            raise ValueError("This config.json sets use_bidirectional_attention: true (an embedding model, not a "
+                             "causal LM); lit-qlora fine-tunes causal language models.")
+        local_base = None
+        if model_type == "gemma3_text":
+            local_base = float(local_rope.get("rope_theta", hf.get("rope_local_base_freq", 10000.0)))
         return cls(
             name=name,
             model_type=model_type,
@@ -165,6 +209,8 @@ class Config:
             norm_eps=hf.get("rms_norm_eps", 1e-6),
             rope_base=float(rope_base),
             rope_scaling=dict(scaling) if scaling else None,
+            rope_local_base=local_base,
+            partial_rotary_factor=float(partial_rotary),
             max_seq_length=hf.get("max_position_embeddings", 4096),
             # Qwen2 always has q/k/v biases; Llama's `attention_bias` covers q, k, v and o.
             qkv_bias=model_type == "qwen2" or bool(hf.get("attention_bias", False)),
@@ -172,17 +218,19 @@ class Config:
             mlp_bias=bool(hf.get("mlp_bias", False)),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
             sliding_window=window,
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "gemma3_text"),
             layer_types=list(layer_types) if layer_types else None,
             norm_plus_one=gemma,
             embed_scale=gemma,
             sandwich_norms=gemma,
             mlp_activation="gelu_tanh" if gemma else "silu",
             query_pre_attn_scalar=hf.get("query_pre_attn_scalar") if gemma else None,
-            attn_softcap=hf.get("attn_logit_softcapping") if gemma else None,
+            # transformers' Gemma 3 reads attn_logit_softcapping but never applies it (the released ones set null)
+            attn_softcap=hf.get("attn_logit_softcapping") if model_type == "gemma2" else None,
             final_softcap=hf.get("final_logit_softcapping") if gemma else None,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=hf.get("eos_token_id"),
+            pad_token_id=hf.get("pad_token_id"),
         )
 
     @classmethod
@@ -203,7 +251,8 @@ class Config:
     def to_hf_config(self, torch_dtype: str = "bfloat16") -> dict[str, Any]:
         """The `config.json` dict `transformers` reads (4.x key names, which 5.x also accepts)."""
         arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM"}
+                "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+                "phi3": "Phi3ForCausalLM"}
         hf: dict[str, Any] = {
             "architectures": [arch[self.model_type]],
             "model_type": self.model_type,
@@ -225,6 +274,8 @@ class Config:
             "torch_dtype": torch_dtype,
             "use_cache": True,
         }
+        if self.pad_token_id is not None:
+            hf["pad_token_id"] = self.pad_token_id
         if self.model_type in ("llama", "qwen3"):
             hf["attention_bias"] = self.qkv_bias
         if self.model_type == "llama":
@@ -233,10 +284,19 @@ class Config:
             hf["sliding_window"] = self.sliding_window
         if self.model_type in ("qwen2", "qwen3"):
             hf["use_sliding_window"] = self.sliding_window is not None
-        if self.model_type == "gemma2":
+        if self.model_type in GEMMA:
             hf.update(hidden_activation=hf["hidden_act"], attention_bias=self.qkv_bias, sliding_window=self.sliding_window,
                       layer_types=self.layer_types, query_pre_attn_scalar=self.query_pre_attn_scalar,
                       attn_logit_softcapping=self.attn_softcap, final_logit_softcapping=self.final_softcap)
+        if self.model_type == "gemma3_text":
+            hf.update(rope_local_base_freq=self.rope_local_base, use_bidirectional_attention=False)
+        if self.model_type == "phi3":
+            if self.head_dim == self.n_embd // self.n_head:
+                del hf["head_dim"]  # Phi-3's config.json has none (transformers reads it only when it differs)
+            rope = dict(self.rope_scaling or {})
+            original = rope.pop("original_max_position_embeddings", self.max_seq_length)  # top-level in Phi-3's
+            hf.update(rope_scaling=rope or None, original_max_position_embeddings=original,
+                      sliding_window=self.sliding_window, partial_rotary_factor=self.partial_rotary_factor)
         if self.model_type == "qwen3":  # inert with sliding off; written as the released checkpoints have it
             hf["max_window_layers"] = self.n_layer
         return hf
@@ -264,10 +324,24 @@ def _llama3_scaling(factor: float, original: int) -> dict[str, Any]:
     }
 
 
-def _alternating(n_layer: int) -> list[str]:
-    """Gemma 2's layer pattern: sliding-window attention first, then full, alternating."""
-    return ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n_layer)]
+def _sliding_pattern(n_layer: int, every: int) -> list[str]:
+    """Gemma's layer pattern: every `every`-th layer attends fully, the others within the sliding window (Gemma 2:
+    every 2nd, Gemma 3: every 6th)."""
+    return ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n_layer)]
 
+
+# Phi-4-mini-instruct's long-context RoPE (config.json): short factors within its 4096 pretraining tokens.
+_PHI4_MINI_ROPE = {
+    "long_factor": [1, 1.118320672, 1.250641126, 1.398617824, 1.564103225, 1.74916897, 1.956131817, 2.187582649,
+                    2.446418898, 2.735880826, 3.059592084, 3.421605075, 3.826451687, 4.279200023, 4.785517845,
+                    5.351743533, 5.984965424, 6.693110555, 7.485043894, 8.370679318, 9.36110372, 10.4687158,
+                    11.70738129, 13.09260651, 14.64173252, 16.37415215, 18.31155283, 20.47818807, 22.90118105,
+                    25.61086418, 28.64115884, 32.03, 32.1, 32.13, 32.23, 32.6, 32.61, 32.64, 32.66, 32.7, 32.71,
+                    32.93, 32.97, 33.28, 33.49, 33.5, 44.16, 47.77],
+    "short_factor": [1.0] * 48,
+    "type": "longrope",
+    "original_max_position_embeddings": 4096,
+}
 
 # Shapes of the common checkpoints (from their published config.json files).
 PRESETS: dict[str, Config] = {
@@ -301,27 +375,43 @@ PRESETS: dict[str, Config] = {
         Config("Qwen3-8B", "qwen3", 151936, 36, 4096, 32, 8, 128, 12288, 1e-6, 1000000.0, None, 40960,
                qk_norm=True, bos_token_id=151643, eos_token_id=151645),
         Config("Gemma-2-2B", "gemma2", 256000, 26, 2304, 8, 4, 256, 9216, 1e-6, 10000.0, None, 8192,
-               tie_embeddings=True, sliding_window=4096, layer_types=_alternating(26), norm_plus_one=True,
+               tie_embeddings=True, sliding_window=4096, layer_types=_sliding_pattern(26, 2), norm_plus_one=True,
                embed_scale=True, sandwich_norms=True, mlp_activation="gelu_tanh", query_pre_attn_scalar=256,
-               attn_softcap=50.0, final_softcap=30.0, bos_token_id=2, eos_token_id=1),
+               attn_softcap=50.0, final_softcap=30.0, bos_token_id=2, eos_token_id=1, pad_token_id=0),
         Config("Gemma-2-9B", "gemma2", 256000, 42, 3584, 16, 8, 256, 14336, 1e-6, 10000.0, None, 8192,
-               tie_embeddings=True, sliding_window=4096, layer_types=_alternating(42), norm_plus_one=True,
+               tie_embeddings=True, sliding_window=4096, layer_types=_sliding_pattern(42, 2), norm_plus_one=True,
                embed_scale=True, sandwich_norms=True, mlp_activation="gelu_tanh", query_pre_attn_scalar=256,
-               attn_softcap=50.0, final_softcap=30.0, bos_token_id=2, eos_token_id=1),
+               attn_softcap=50.0, final_softcap=30.0, bos_token_id=2, eos_token_id=1, pad_token_id=0),
+        Config("Gemma-3-1B", "gemma3_text", 262144, 26, 1152, 4, 1, 256, 6912, 1e-6, 1000000.0, None, 32768,
+               tie_embeddings=True, sliding_window=512, layer_types=_sliding_pattern(26, 6), rope_local_base=10000.0,
+               qk_norm=True, norm_plus_one=True, embed_scale=True, sandwich_norms=True, mlp_activation="gelu_tanh",
+               query_pre_attn_scalar=256, bos_token_id=2, eos_token_id=[1, 106], pad_token_id=0),
+        Config("Phi-3-mini-4k", "phi3", 32064, 32, 3072, 32, 32, 96, 8192, 1e-5, 10000.0, None, 4096,
+               sliding_window=2047, bos_token_id=1, eos_token_id=32000, pad_token_id=32000),
+        Config("Phi-4-mini", "phi3", 200064, 32, 3072, 24, 8, 128, 8192, 1e-5, 10000.0, _PHI4_MINI_ROPE, 131072,
+               tie_embeddings=True, sliding_window=262144, partial_rotary_factor=0.75, bos_token_id=199999,
+               eos_token_id=200020, pad_token_id=199999),
         Config("Qwen2.5-7B", "qwen2", 152064, 28, 3584, 28, 4, 128, 18944, 1e-6, 1000000.0, None, 32768,
                qkv_bias=True, bos_token_id=151643, eos_token_id=151643),
     ]
 }
 
 
-def rope_inv_freq(config: Config, device=None):
-    """RoPE inverse frequencies, with Llama-3 or linear scaling applied (matches transformers)."""
-    dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_base ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim))
-    scaling = config.rope_scaling
+def rope_inv_freq(config: Config, device=None, sliding: bool = False, long: bool = False):
+    """RoPE inverse frequencies of the rotated dims, scaled as transformers does (Llama 3, linear, Phi-3's longrope:
+    its `long` factors past the pretraining length, else the short ones). Gemma 3's sliding layers use their own
+    unscaled base."""
+    dim = rotary_dim(config)
+    local = sliding and config.rope_local_base is not None
+    base = config.rope_local_base if local else config.rope_base
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim))
+    scaling = None if local else config.rope_scaling
     if not scaling:
         return inv_freq
     kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "longrope":
+        factors = scaling["long_factor" if long else "short_factor"]
+        return inv_freq / torch.tensor(factors, dtype=torch.float32, device=device)
     factor = float(scaling["factor"])
     if kind == "linear":
         return inv_freq / factor
@@ -335,3 +425,20 @@ def rope_inv_freq(config: Config, device=None):
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
     return torch.where(is_medium, smoothed, scaled)
+
+
+def rotary_dim(config: Config) -> int:
+    return int(config.head_dim * config.partial_rotary_factor)
+
+
+def rope_attention_factor(config: Config) -> float:
+    """longrope scales cos and sin by sqrt(1 + ln(s) / ln(L)), s the context extension over the pretraining length
+    L (unless the config gives attention_factor); 1 otherwise."""
+    scaling = config.rope_scaling or {}
+    if scaling.get("rope_type", scaling.get("type")) != "longrope":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    original = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or config.max_seq_length / original
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))

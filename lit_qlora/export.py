@@ -12,6 +12,7 @@ import torch.nn as nn
 
 from lit_qlora.checkpoint import (TensorSpec, atomic_write_text, remove_path, replace_dir, save_hf_checkpoint,
                                   write_safetensors)
+from lit_qlora.hf_layout import fuse_lora
 from lit_qlora.loading import load_model
 from lit_qlora.lora import LoRALinear, lora_modules, read_adapter_config, save_adapter
 from lit_qlora.nf4 import dequantize_nf4, is_nf4
@@ -111,15 +112,14 @@ def write_peft_adapter(model: nn.Module, acfg: dict, out_dir: Path, base_name: s
     """adapter_model.safetensors (PEFT key names) + adapter_config.json for the LoRA layers of `model`."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    modules = lora_modules(model)
-    specs = []
-    for name, module in modules.items():
-        for leaf in ("lora_A", "lora_B"):
-            tensor = getattr(module, leaf).detach()
-            specs.append(TensorSpec(f"base_model.model.{name}.{leaf}.weight", tensor.shape, tensor.dtype,
-                                    lambda t=tensor: t))
+    adapters = {name: (m.lora_A.detach(), m.lora_B.detach()) for name, m in lora_modules(model).items()}
+    # Phi-3's fused projections: one adapter per fused module, as peft sees the Hugging Face model.
+    adapters, ranks, alphas = fuse_lora(model.config, adapters, acfg["alpha"], acfg.get("rslora", False))
+    specs = [TensorSpec(f"base_model.model.{name}.{leaf}.weight", t.shape, t.dtype, lambda t=t: t)
+             for name, pair in adapters.items() for leaf, t in zip(("lora_A", "lora_B"), pair)]
     write_safetensors(out_dir / "adapter_model.safetensors", specs, metadata={"format": "pt"})
-    config = peft_config({**acfg, "module_names": list(modules)}, base_name)
+    config = peft_config({**acfg, "module_names": list(adapters)}, base_name)
+    config.update(rank_pattern=ranks, alpha_pattern=alphas)
     atomic_write_text(out_dir / "adapter_config.json", json.dumps(config, indent=2) + "\n")
     return out_dir
 

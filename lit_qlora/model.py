@@ -1,7 +1,9 @@
-"""The Llama-family decoder, in one file.
+"""The Llama-family decoder, in one file (Llama, Mistral, Qwen2/3, Gemma 2/3 and Phi-3 differ in small, named
+branches driven by Config).
 
 Module names follow Hugging Face's (`model.layers.3.self_attn.q_proj`, `lm_head`) so checkpoints map 1:1 and
-PEFT adapters need no renaming. Every projection is its own `nn.Linear`: LoRA and NF4 see each one separately.
+PEFT adapters need no renaming. Every projection is its own `nn.Linear`: LoRA and NF4 see each one separately
+(Phi-3's fused checkpoint tensors are split on load and fused again on export: `hf_layout.py`).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from lit_qlora.config import Config, rope_inv_freq
+from lit_qlora.config import Config, rope_attention_factor, rope_inv_freq
 
 
 class RMSNorm(nn.Module):
@@ -44,6 +46,9 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    d = cos.size(-1)
+    if d < x.size(-1):  # partial rotary (Phi-4-mini): the dims past d pass unrotated
+        return torch.cat((apply_rope(x[..., :d], cos, sin), x[..., d:]), dim=-1)
     return x * cos + rotate_half(x) * sin
 
 
@@ -87,8 +92,8 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(config.n_embd, nkv * hd, bias=config.qkv_bias)
         self.o_proj = nn.Linear(nh * hd, config.n_embd, bias=config.o_bias)
         if config.qk_norm:
-            self.q_norm = RMSNorm(hd, config.norm_eps)
-            self.k_norm = RMSNorm(hd, config.norm_eps)
+            self.q_norm = RMSNorm(hd, config.norm_eps, config.norm_plus_one)
+            self.k_norm = RMSNorm(hd, config.norm_eps, config.norm_plus_one)
         self.scale = (config.query_pre_attn_scalar or hd) ** -0.5
         self.kv_cache: Optional[KVCache] = None
 
@@ -97,7 +102,7 @@ class Attention(nn.Module):
         hd = self.config.head_dim
         q = self.q_proj(x).view(B, T, -1, hd)
         k = self.k_proj(x).view(B, T, -1, hd)
-        if self.config.qk_norm:  # Qwen3: per head, over head_dim, before RoPE
+        if self.config.qk_norm:  # Qwen3, Gemma 3: per head, over head_dim, before RoPE
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(B, T, -1, hd).transpose(1, 2)
@@ -176,11 +181,19 @@ class Transformer(nn.Module):
     def blocks(self) -> nn.ModuleList:
         return self.model.layers
 
-    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        inv_freq = rope_inv_freq(self.config, positions.device)
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype, sliding: bool = False):
+        """cos and sin at `positions` for a block of this kind (Gemma 3's sliding blocks have their own base)."""
+        inv_freq = rope_inv_freq(self.config, positions.device, sliding)
+        scaling = self.config.rope_scaling or {}
+        if scaling.get("rope_type", scaling.get("type")) == "longrope":
+            # Phi-3 switches to its long factors once the sequence passes the pretraining length, as transformers
+            # does (decided per call: a KV cache filled before the switch keeps its short-factor keys).
+            long = positions.max() + 1 > scaling["original_max_position_embeddings"]
+            inv_freq = torch.where(long, rope_inv_freq(self.config, positions.device, long=True), inv_freq)
         freqs = positions.float()[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        factor = rope_attention_factor(self.config)
+        return (emb.cos() * factor).to(dtype), (emb.sin() * factor).to(dtype)
 
     def attention_mask(self, q_pos: torch.Tensor, kv_len: int, window: Optional[int]) -> Optional[torch.Tensor]:
         """Boolean (T, kv_len) mask, or None when plain causal attention (`is_causal`) is exact."""
@@ -202,12 +215,13 @@ class Transformer(nn.Module):
         x = self.model.embed_tokens(idx)
         if self.config.embed_scale:  # Gemma: sqrt(n_embd), rounded to the activations' dtype as transformers does
             x = x * torch.tensor(self.config.n_embd**0.5, dtype=x.dtype)
-        cos, sin = self.rope(positions, x.dtype)
         kv_len = self.max_cache_len if self.max_cache_len else T
+        kinds = {block.sliding for block in self.model.layers}
         masks = {sliding: self.attention_mask(positions, kv_len, self.config.sliding_window if sliding else None)
-                 for sliding in {block.sliding for block in self.model.layers}}
+                 for sliding in kinds}
+        ropes = {sliding: self.rope(positions, x.dtype, sliding) for sliding in kinds}
         for i, block in enumerate(self.model.layers):
-            mask = masks[block.sliding]
+            mask, (cos, sin) = masks[block.sliding], ropes[block.sliding]
             if i < self.checkpoint_blocks and torch.is_grad_enabled():
                 x = checkpoint(block, x, cos, sin, mask, input_pos, use_reentrant=False)
             else:

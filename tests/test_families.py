@@ -38,7 +38,19 @@ FAMILIES = {
     "qwen3-untied-bias": ("Qwen3Config", dict(tie_word_embeddings=False, head_dim=16, attention_bias=True)),
     "gemma2-sliding-softcapped": ("Gemma2Config", dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=4,
                                                        attn_logit_softcapping=0.05, final_logit_softcapping=3.0)),
+    "gemma3-local-rope": ("Gemma3TextConfig", dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=4,
+                                                   rope_local_base_freq=1000.0,
+                                                   layer_types=["sliding_attention", "full_attention"])),
+    # Phi-4-mini's shape of RoPE (partial, longrope; short factors within 64 tokens), fused q/k/v and gate/up.
+    "phi3-partial-longrope-tied": ("Phi3Config", dict(partial_rotary_factor=0.5, original_max_position_embeddings=64,
+                                                      tie_word_embeddings=True, pad_token_id=0,
+                                                      rope_scaling={"type": "longrope",
+                                                                    "short_factor": [1.0, 1.5, 2.0, 3.0],
+                                                                    "long_factor": [2.0, 5.0, 9.0, 20.0]})),
+    "phi3-sliding-untied": ("Phi3Config", dict(sliding_window=6, pad_token_id=0)),
 }
+# peft sees Phi-3's fused modules: one adapter on each (ours, per projection, stacked block-diagonally).
+PHI3_PEFT_TARGETS = {"qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head"}
 
 # config.json as published on the Hugging Face Hub, field for field.
 _QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
@@ -47,13 +59,29 @@ _QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "atten
           "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None,
           "torch_dtype": "bfloat16", "transformers_version": "4.51.0", "use_cache": True, "use_sliding_window": False,
           "vocab_size": 151936}
+_PHI4_MINI = {"architectures": ["Phi3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+              "bos_token_id": 199999, "embd_pdrop": 0.0, "eos_token_id": 200020, "full_attn_mod": 1,
+              "hidden_act": "silu", "hidden_size": 3072, "initializer_range": 0.02, "intermediate_size": 8192,
+              "interpolate_factor": 1, "lm_head_bias": False, "max_position_embeddings": 131072, "mlp_bias": False,
+              "model_type": "phi3", "num_attention_heads": 24, "num_hidden_layers": 32, "num_key_value_heads": 8,
+              "original_max_position_embeddings": 4096, "pad_token_id": 199999, "partial_rotary_factor": 0.75,
+              "resid_pdrop": 0.0, "rms_norm_eps": 1e-05,
+              "rope_scaling": {key: value for key, value in PRESETS["Phi-4-mini"].rope_scaling.items()
+                               if key != "original_max_position_embeddings"},
+              "rope_theta": 10000.0, "sliding_window": 262144, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+              "transformers_version": "4.45.0", "use_cache": True, "vocab_size": 200064}
 PUBLISHED = {
+    "Phi-4-mini": _PHI4_MINI,
     "Qwen3-0.6B": {**_QWEN3, "hidden_size": 1024, "intermediate_size": 3072, "max_window_layers": 28,
                    "num_attention_heads": 16, "num_hidden_layers": 28, "tie_word_embeddings": True},
     "Qwen3-8B": {**_QWEN3, "hidden_size": 4096, "intermediate_size": 12288, "max_window_layers": 36,
                  "num_attention_heads": 32, "num_hidden_layers": 36, "tie_word_embeddings": False},
 }
 TRAINING_ONLY = {"attention_dropout", "initializer_range", "transformers_version"}  # at transformers' defaults
+# Fields of a published config.json that transformers' class for it does not read (Phi-4-mini's are vLLM's), and more
+# training-only ones at their defaults.
+UNREAD = {"Phi-4-mini": {"full_attn_mod", "interpolate_factor", "lm_head_bias", "mlp_bias", "attention_bias"}}
+MORE_TRAINING_ONLY = {"Phi-4-mini": {"embd_pdrop", "resid_pdrop"}}
 
 
 def hf_checkpoint(kind: str, extra: dict, out: Path, tokenizer_dir: Path | None = None):
@@ -102,19 +130,22 @@ def test_published_config_json_reads_as_the_preset_and_writes_back_the_same_mode
     config = Config.from_hf_config(published, name=name)
     assert config == PRESETS[name]
     written = config.to_hf_config()
-    assert set(published) - set(written) == TRAINING_ONLY
+    assert set(published) - set(written) == TRAINING_ONLY | UNREAD.get(name, set()) | MORE_TRAINING_ONLY.get(name, set())
     assert {k: written[k] for k in published if k in written} == {k: published[k] for k in written if k in published}
-    assert hf_read(written) == hf_read(published)  # to transformers, our export is the published model
+    unread = UNREAD.get(name, set())
+    assert hf_read(written) == {k: v for k, v in hf_read(published).items() if k not in unread}  # the same model
 
 
 @pytest.mark.parametrize("model_type", list(HF_DEFAULTS))
 def test_a_field_left_out_means_what_it_means_to_transformers(model_type):
     minimal = {"model_type": model_type, "vocab_size": 97, "hidden_size": 64, "intermediate_size": 96,
-               "num_hidden_layers": 2, "num_attention_heads": 4}
-    ours, theirs = Config.from_hf_config(minimal).to_hf_config(), transformers.AutoConfig.for_model(**minimal)
-    assert {key: ours[key] for key in HF_DEFAULTS[model_type]} == {key: getattr(theirs, key)
-                                                                    for key in HF_DEFAULTS[model_type]}
-    assert ours["head_dim"] == theirs.head_dim  # (Qwen3's 128, not 64 / 4)
+               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+    config, theirs = Config.from_hf_config(minimal), transformers.AutoConfig.for_model(**minimal)
+    assert config == Config.from_hf_config(theirs.to_dict())  # the config transformers fills in reads the same
+    ours = config.to_hf_config()
+    flat = [key for key in HF_DEFAULTS[model_type] if hasattr(theirs, key)]  # (Gemma 3 nests its RoPE bases)
+    assert {key: ours[key] for key in flat} == {key: getattr(theirs, key) for key in flat}
+    assert ours.get("head_dim", 64 // 4) == getattr(theirs, "head_dim", 64 // 4)  # (Qwen3: 128, not 64 / 4)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -157,7 +188,8 @@ def test_merged_and_peft_exports_load_in_transformers_and_peft_with_our_outputs(
                                                                dtype=torch.float32).eval()
     assert merged.config.model_type == json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"]
     peft_dir = export_peft(tmp_path / "hf", adapter_dir, tmp_path / "p")
-    assert set(json.loads((peft_dir / "adapter_config.json").read_text())["target_modules"]) == PEFT_TARGETS
+    targets = PHI3_PEFT_TARGETS if family.startswith("phi3") else PEFT_TARGETS
+    assert set(json.loads((peft_dir / "adapter_config.json").read_text())["target_modules"]) == targets
     base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
     with_adapter = peft.PeftModel.from_pretrained(base, peft_dir)
     with torch.no_grad():
@@ -169,7 +201,8 @@ def test_merged_and_peft_exports_load_in_transformers_and_peft_with_our_outputs(
     assert (untouched - ours).abs().max() > 10 * (from_merged - ours).abs().max()  # the adapter mattered
 
 
-@pytest.mark.parametrize("family", ["qwen3-tied", "gemma2-sliding-softcapped"])
+@pytest.mark.parametrize("family", ["qwen3-tied", "gemma2-sliding-softcapped", "gemma3-local-rope",
+                                    "phi3-partial-longrope-tied"])
 def test_qlora_finetune_writes_every_artifact_and_lowers_the_loss(family, smollm2_dir, tmp_path):
     hf_checkpoint(*FAMILIES[family], tmp_path / "hf", tokenizer_dir=smollm2_dir)
     rows = [{"instruction": f"Add {i} and {i + 3}.", "output": f"{i} + {i + 3} = {2 * i + 3}."} for i in range(24)]
@@ -193,7 +226,8 @@ def test_qlora_finetune_writes_every_artifact_and_lowers_the_loss(family, smollm
     # The merged model is the trained one: NF4 base + adapter here, dequant(NF4(W)) + BA in bf16 there. Its norms,
     # never quantized, are the checkpoint's (in bf16).
     merged = transformers.AutoModelForCausalLM.from_pretrained(final / "merged", dtype=torch.bfloat16).eval()
-    assert merged.config.model_type == family.split("-")[0] and merged.config.tie_word_embeddings is False
+    model_type = json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"]
+    assert merged.config.model_type == model_type and merged.config.tie_word_embeddings is False
     trained = load_model(tmp_path / "hf", adapter_dir=final)
     idx = tokens((2, 16))
     with torch.no_grad():
@@ -210,9 +244,10 @@ def test_qlora_finetune_writes_every_artifact_and_lowers_the_loss(family, smollm
 
 @pytest.mark.slow
 @pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs gloo")
-@pytest.mark.parametrize("family", ["qwen3-tied"])
+@pytest.mark.parametrize("family", ["qwen3-tied", "phi3-sliding-untied"])
 def test_tensor_parallel_qlora_equals_one_process(family, tmp_path):
-    """Each rank normalizes its own heads' q and k with the whole (replicated) q_norm and k_norm."""
+    """Each rank normalizes its own heads' q and k with the whole (replicated) q_norm and k_norm; Phi-3's fused
+    q/k/v and gate/up, split on load, split across ranks like any other family's."""
     from conftest import spawn_ranks
     from test_tensor_parallel import _worker, assert_equals_one_process
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from lit_qlora.config import PRESETS, Config
+from lit_qlora.hf_layout import split_fused
 from lit_qlora.model import Transformer
 
 transformers = pytest.importorskip("transformers")
@@ -33,6 +34,22 @@ CASES = {
     "gemma2": ("Gemma2Config", dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=5)),
     "gemma2-tight-softcaps": ("Gemma2Config", dict(head_dim=32, sliding_window=7, attn_logit_softcapping=0.005,
                                                     final_logit_softcapping=1.5, num_hidden_layers=3)),
+    # Gemma 3: a full layer between sliding ones, each kind with its own RoPE base (the full one scaled).
+    "gemma3-local-rope-scaled": ("Gemma3TextConfig", dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=5,
+                                                          num_hidden_layers=3, rope_theta=50000.0,
+                                                          rope_local_base_freq=700.0,
+                                                          rope_scaling={"rope_type": "linear", "factor": 4.0},
+                                                          layer_types=["sliding_attention", "full_attention",
+                                                                       "sliding_attention"])),
+    "gemma3-untied-softcapped": ("Gemma3TextConfig", dict(head_dim=32, sliding_window=6, tie_word_embeddings=False,
+                                                          attn_logit_softcapping=0.5, final_logit_softcapping=2.0)),
+    "phi3-sliding": ("Phi3Config", dict(sliding_window=5, bos_token_id=1, eos_token_id=2, pad_token_id=0)),
+    # Past the pretraining length (16 < 40 tokens): the long factors and sqrt(1 + ln 4 / ln 16) on cos and sin.
+    "phi3-partial-longrope": ("Phi3Config", dict(partial_rotary_factor=0.5, max_position_embeddings=64,
+                                                 original_max_position_embeddings=16, tie_word_embeddings=True,
+                                                 bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                                                 rope_scaling={"type": "longrope", "short_factor": [1.0, 1.5, 2, 3],
+                                                               "long_factor": [2.0, 5.0, 9.0, 20.0]})),
 }
 
 
@@ -48,7 +65,8 @@ def reference_and_ours(kind, extra, seed=0):
                 p.add_(torch.randn_like(p) * 0.1)
     config = Config.from_hf_config(hf_config.to_dict())
     ours = Transformer(config).eval()
-    missing, unexpected = ours.load_state_dict(hf_model.state_dict(), strict=False)
+    state = dict(part for item in hf_model.state_dict().items() for part in split_fused(config, *item))
+    missing, unexpected = ours.load_state_dict(state, strict=False)
     assert not unexpected
     assert set(missing) <= {"lm_head.weight"}
     return hf_model, ours, config
@@ -78,7 +96,8 @@ def test_sliding_window_changes_the_result():
 
 
 @pytest.mark.parametrize("case", ["llama-untied", "mistral-sliding-window", "qwen2-qkv-bias-tied",
-                                  "qwen3-untied-head-dim-bias", "gemma2", "gemma2-tight-softcaps"])
+                                  "qwen3-untied-head-dim-bias", "gemma2", "gemma2-tight-softcaps",
+                                  "gemma3-local-rope-scaled", "gemma3-untied-softcapped", "phi3-sliding"])
 def test_kv_cache_decoding_matches_full_forward(case):
     kind, extra = CASES[case]
     _, ours, _ = reference_and_ours(kind, extra)
@@ -130,3 +149,45 @@ def test_gemma2_softcaps_and_sliding_layers_change_the_result():
             other = Transformer(config.replace(**change)).eval()
             other.load_state_dict(ours.state_dict())
             assert (other(idx) - logits).abs().max() > 1e-3, change
+
+
+def test_phi3_long_factors_apply_past_the_pretraining_length_and_partial_rotary_leaves_the_rest():
+    """Guards the longrope case above: within 16 tokens the short factors (transformers agrees there too), past them
+    the long ones; the unrotated half of each head matters."""
+    reference, ours, config = reference_and_ours(*CASES["phi3-partial-longrope"])
+    short_idx, long_idx = torch.randint(0, 97, (1, 12)), torch.randint(0, 97, (1, 40))
+    only_short = dict(config.rope_scaling, long_factor=config.rope_scaling["short_factor"])
+    with torch.no_grad():
+        assert (ours(short_idx) - reference(short_idx).logits).abs().max() <= 1e-4
+        other = Transformer(config.replace(rope_scaling=only_short)).eval()
+        other.load_state_dict(ours.state_dict())
+        assert (other(long_idx) - ours(long_idx)).abs().max() > 1e-3
+        half, whole = (Transformer(config.replace(rope_scaling=None, partial_rotary_factor=f)).eval() for f in (0.5, 1))
+        half.load_state_dict(ours.state_dict()), whole.load_state_dict(ours.state_dict())
+        assert (half(short_idx) - whole(short_idx)).abs().max() > 1e-3
+
+
+def test_gemma3_sliding_layers_use_their_own_rope_base():
+    _, ours, config = reference_and_ours(*CASES["gemma3-local-rope-scaled"])
+    assert (config.rope_local_base, config.rope_base) == (700.0, 50000.0) and config.qk_norm and config.norm_plus_one
+    idx = torch.randint(0, 97, (1, 30))
+    with torch.no_grad():
+        for change in (dict(rope_local_base=None), dict(rope_scaling=None)):
+            other = Transformer(config.replace(**change)).eval()
+            other.load_state_dict(ours.state_dict())
+            assert (other(idx) - ours(idx)).abs().max() > 1e-3, change
+
+
+def test_multimodal_gemma3_and_bidirectional_configs_get_a_clear_error():
+    with pytest.raises(ValueError, match="gemma3_text"):
+        Config.from_hf_config({"model_type": "gemma3", "text_config": {}})
+    hf = transformers.Gemma3TextConfig(**BASE, use_bidirectional_attention=True).to_dict()
+    with pytest.raises(ValueError, match="use_bidirectional_attention"):
+        Config.from_hf_config(hf)
+
+
+def test_longrope_factors_of_the_wrong_length_are_a_clear_error():
+    hf = transformers.Phi3Config(**BASE).to_dict()
+    hf["rope_scaling"] = {"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [1.0] * 7}
+    with pytest.raises(ValueError, match="rope_scaling.long_factor needs 8 values"):
+        Config.from_hf_config(hf)
