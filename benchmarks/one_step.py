@@ -1,6 +1,6 @@
 """One `litqlora finetune` optimizer step without the Trainer around it, for the profiling scripts.
 
-Loads the base (NF4 for "nf4", bf16 for "none"), adds LoRA (r=8, alpha=16, every linear), and returns the model,
+Loads the base (NF4 for "nf4", bf16 for "none"; a preset name instead of a directory: random weights), adds LoRA (r=8, alpha=16, every linear), and returns the model,
 its optimizer and `step()`: FinetuneModule.micro_loss_sum on fixed random tokens (seed 0), backward, clipping at
 1.0, fused AdamW, with the HeapRelease callback's heap releases on CPU (before backward, around each block, after
 the update).
@@ -12,7 +12,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from lit_qlora.loading import load_model
+from lit_qlora.config import PRESETS
+from lit_qlora.loading import load_model, random_base
 from lit_qlora.lora import apply_lora
 from lit_qlora.memory import release_free_memory
 from lit_qlora.train.args import TrainArgs
@@ -22,7 +23,10 @@ from lit_qlora.train.module import FinetuneModule  # imported here so callers' R
 
 def build_step(checkpoint_dir: str, quantize: str, batch: int, seq: int, checkpointing: bool):
     torch.manual_seed(0)
-    model = load_model(checkpoint_dir, quantize, "bf16-true")
+    if checkpoint_dir in PRESETS:  # a preset name: its shape with random weights, built as the loader builds it
+        model = random_base(PRESETS[checkpoint_dir], quantize, torch.bfloat16)
+    else:
+        model = load_model(checkpoint_dir, quantize, "bf16-true")
     apply_lora(model, r=8, alpha=16, dropout=0.0, targets="all", dtype=torch.bfloat16)
     model.checkpoint_blocks = model.config.n_layer if checkpointing else 0
     train = TrainArgs(max_steps=2, micro_batch_size=batch, global_batch_size=batch, max_seq_length=seq,

@@ -35,6 +35,7 @@ Command = Callable[..., Any]
 def commands() -> dict[str, Command]:
     # Imported here, after main() has quieted the libraries' loggers: torchao logs warnings while it is imported.
     from lit_qlora.download import download
+    from lit_qlora.estimate import estimate
     from lit_qlora.eval.compare import compare
     from lit_qlora.eval.evaluate import evaluate
     from lit_qlora.export import export_peft, merge
@@ -44,6 +45,7 @@ def commands() -> dict[str, Command]:
 
     return {
         "finetune": finetune,
+        "estimate": estimate,
         "download": download,
         "convert_gguf": convert_gguf_command,
         "generate": generate_command,

@@ -124,3 +124,23 @@ def _load_base(checkpoint_dir: Path, quantize: Quantize, dtype: torch.dtype, ign
     dense = [n for n in base_linears(model) if tp_style(n)] if tensor_parallel > 1 else []
     quantize_linears(model, ignore_modules + dense, world_size)  # marks, hooks and counts; nothing left to quantize
     return model
+
+
+def random_base(config: Config, quantize: Quantize | str, dtype: torch.dtype, ignore_modules: Iterable[str] = (),
+                world_size: int = 1) -> Transformer:
+    """The model `load_model` builds from a checkpoint of this config, with random weights in place of the
+    checkpoint's: the same modules, dtypes and NF4 layout (a tied head gets its own NF4 copy). For dry runs
+    (`litqlora estimate` builds it from fake tensors) and benchmarks."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        model = Transformer(config)
+    finally:
+        torch.set_default_dtype(previous)
+    if Quantize(quantize) is Quantize.NF4:
+        ignore_modules = list(ignore_modules)
+        if config.tie_embeddings and not is_ignored("lm_head", ignore_modules):
+            model.lm_head.weight = nn.Parameter(quantize_weight(model.model.embed_tokens.weight, world_size),
+                                                requires_grad=False)
+        quantize_linears(model, ignore_modules, world_size)
+    return model.eval()

@@ -202,8 +202,15 @@ def _run_blocks(call: Callable[[int, int], None], n_blocks: int, work_bytes: int
         f.result()
 
 
+def _is_fake(t: torch.Tensor) -> bool:
+    """A FakeTensor (torch._subclasses): shapes and dtypes without data, as `litqlora estimate` runs a step."""
+    return type(t).__name__ == "FakeTensor"
+
+
 def quantize_blocks(src: torch.Tensor, block_size: int, q_out: torch.Tensor, s_out: torch.Tensor) -> None:
     """C kernel over a contiguous run of whole blocks: absmax -> ``s_out``, packed codes -> ``q_out``."""
+    if _is_fake(src):
+        return  # a dry run (`litqlora estimate`): no data to read; the kernel allocates nothing either
     lib = _native_state["lib"]
     thr = cached(("thr_tensor", src.dtype), lambda: torch.tensor(thresholds(src.dtype), dtype=torch.float32))
     fmt = _FMT[src.dtype]
@@ -228,6 +235,8 @@ def dequantize_blocks(qdata: torch.Tensor, scales: torch.Tensor, levels: torch.T
     b0, b1 = blocks or (0, scales.numel())
     n_blocks = b1 - b0
     fmt = _FMT[dtype]
+    if _is_fake(out):
+        return  # a dry run: the temporaries above are counted, the kernel's writes need no data
     fn = lib.nf4_dequant16 if out.dtype != torch.float32 else lib.nf4_dequant32
     # The kernel indexes blocks from its pointers, so a block range is a shift of the input pointers.
     ptrs = (qdata.data_ptr() + b0 * hb, scales.data_ptr() + b0 * 4, levels.data_ptr(), out.data_ptr())

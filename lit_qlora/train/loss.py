@@ -52,6 +52,15 @@ def chunked_cross_entropy_sum(
     return total
 
 
+def lm_loss_sum(model, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """A fine-tune's summed next-token loss: the blocks, then the head in chunks of LOGITS_CHUNK_ELEMS logits.
+
+    `model.logits`, not `lm_head`: a model that soft-caps its logits (Gemma 2) trains on the capped ones."""
+    hidden = model.forward_hidden(input_ids)
+    chunk_tokens = max(1, LOGITS_CHUNK_ELEMS // model.config.vocab_size)
+    return chunked_cross_entropy_sum(model.logits, hidden, labels, chunk_tokens)
+
+
 def target_count(labels: torch.Tensor) -> int:
     """Number of trained (non-ignored) next-token targets in a batch."""
     return int((labels[:, 1:] != IGNORE_INDEX).sum())

@@ -15,7 +15,7 @@ from lit_qlora.model import Transformer
 from lit_qlora.parallel.distributed import full, no_gradient_sync, shard_model
 from lit_qlora.parallel.tensor_parallel import average_over_data, parallelize
 from lit_qlora.train.args import TrainArgs
-from lit_qlora.train.loss import LOGITS_CHUNK_ELEMS, chunked_cross_entropy_sum, target_count
+from lit_qlora.train.loss import lm_loss_sum, target_count
 from lit_qlora.train.tensorboard import TAGS
 
 
@@ -82,10 +82,7 @@ class FinetuneModule(L.LightningModule):
         return [optimizer], [scheduler]
 
     def micro_loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        hidden = self.model.forward_hidden(batch["input_ids"])
-        # model.logits, not lm_head: a model that soft-caps its logits (Gemma 2) trains on the capped ones.
-        chunk_tokens = max(1, LOGITS_CHUNK_ELEMS // self.model.config.vocab_size)
-        return chunked_cross_entropy_sum(self.model.logits, hidden, batch["labels"], chunk_tokens)
+        return lm_loss_sum(self.model, batch["input_ids"], batch["labels"])
 
     def global_target_count(self, micro_batches: list[dict[str, Any]]) -> torch.Tensor:
         count = torch.tensor(float(sum(target_count(mb["labels"]) for mb in micro_batches)), device=self.device,

@@ -1,0 +1,339 @@
+"""`litqlora estimate`: a fine-tune recipe's peak device memory, predicted before any weights are downloaded or a
+GPU is at hand.
+
+One training step of the real code (the loader's modules and NF4 layout, LoRA, the fine-tune's loss, backward,
+clipping, fused AdamW, then a second step so optimizer state is counted) runs on fake tensors: shapes and dtypes
+propagate, no data exists, and `memory_trace.AllocationTrace` counts every allocation by category. What is
+simulated (docs: tutorials/memory.md, "Will it fit?"):
+
+* The step runs on fake CPU tensors. `--device cuda` takes the code paths a GPU takes (no CPU scratch buffer for
+  NF4 weights, PyTorch dequantization instead of the C kernel) and rounds allocations to the caching allocator's
+  512 bytes; the CUDA context and cuBLAS workspaces (outside `torch.cuda.max_memory_allocated`) are not counted.
+* More than one rank is derived from the one-rank trace: FSDP divides weights, gradients and optimizer state by the
+  ranks and adds two blocks' gathered weights; DDP adds gradient buckets; tensor parallelism divides the split
+  linears' weights, their adapters' state and the attention/MLP activations by its size.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from contextlib import ExitStack, contextmanager
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Iterator, Literal, Optional
+
+import torch
+
+from lit_qlora.checkpoint import atomic_write_text
+from lit_qlora.config import PRECISION_DTYPES, PRESETS, Config, Precision, Quantize
+from lit_qlora.memory_trace import CATEGORIES, AllocationTrace, StepPhase
+from lit_qlora.train.args import DataArgs, LoRAArgs, TrainArgs
+
+GiB = 1 << 30
+CUDA_BLOCK = 512  # the caching allocator rounds every allocation up to this
+CUDA_RESERVE = 1 << 29  # beside the peak on a real card: CUDA context and cuBLAS workspaces (~0.5 GiB)
+FRAGMENTATION = 1.10  # reserved over allocated, as PyTorch's caching allocator typically runs
+
+
+def parse_bytes(text: str) -> int:
+    """'24GiB', '24 GB', '80G', '512MiB' -> bytes (GB and G read as GiB: card sizes are quoted that way)."""
+    found = re.fullmatch(r"\s*([\d.]+)\s*([KMGT]?)(i?B)?\s*", str(text), flags=re.IGNORECASE)
+    if not found:
+        raise ValueError(f"--device_memory {text!r} is not a size; write it like 24GiB, 80GB or 512MiB.")
+    scale = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[found[2].upper()]
+    return int(float(found[1]) * scale)
+
+
+def resolve_config(checkpoint_dir: str | Path) -> tuple[Config, str]:
+    """The model to estimate and where its shape came from: a directory's config.json (no weights needed), a preset
+    name, or, for a recipe whose checkpoint is not downloaded, the preset its directory is named after."""
+    path = Path(checkpoint_dir)
+    if (path / "config.json").is_file():
+        return Config.from_checkpoint(path), f"{path / 'config.json'}"
+    if str(checkpoint_dir) in PRESETS:
+        return PRESETS[str(checkpoint_dir)], f"preset {checkpoint_dir}"
+    name = path.name.lower()
+    matches = [preset for preset in PRESETS if name.startswith(preset.lower())]
+    if matches:
+        preset = max(matches, key=len)
+        return PRESETS[preset], f"preset {preset} ({path} has no config.json: not downloaded)"
+    raise ValueError(f"--checkpoint_dir {checkpoint_dir}: no config.json there and no preset of that name. Give a "
+                     f"directory with the model's config.json (weights are not needed) or one of the presets: "
+                     f"{', '.join(sorted(PRESETS))}.")
+
+
+@contextmanager
+def _patched(obj: Any, name: str, value: Any) -> Iterator[None]:
+    old = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, old)
+
+
+@contextmanager
+def _nf4_caches_set_aside() -> Iterator[None]:
+    """Our NF4 code's process-wide caches set aside: a fake tensor must not stay cached for a later real run, nor a
+    real one reach the fake step."""
+    from lit_qlora.nf4 import linear, reference
+    from lit_qlora.nf4.native import use_native
+
+    use_native(torch.bfloat16)  # compile and self-test the C kernels for real now: on fake tensors the test fails
+    tables, scratch = dict(reference._TABLE_CACHE), dict(linear._scratch.__dict__)
+    reference._TABLE_CACHE.clear()
+    linear._scratch.__dict__.clear()
+    try:
+        yield
+    finally:
+        reference._TABLE_CACHE.clear()
+        reference._TABLE_CACHE.update(tables)
+        linear._scratch.__dict__.clear()
+        linear._scratch.__dict__.update(scratch)
+
+
+def resident_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """What a real run holds between steps (for `memory_trace.profiled_peak`, the measurement an estimate is checked
+    against): weights, LoRA and its AdamW state, our NF4 scratch buffers. (Not the C kernels' lookup tables,
+    ~0.2 MiB of process-wide constants, which no estimate counts.)"""
+    from lit_qlora.nf4 import linear
+
+    tensors = list(model.parameters()) + list(model.buffers())
+    tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    return tensors + list((getattr(linear._scratch, "buffers", None) or {}).values())
+
+
+@contextmanager
+def _gpu_nf4_paths() -> Iterator[None]:
+    """What a GPU allocates for an NF4 matmul: a fresh dense slice per call instead of the CPU's scratch buffer.
+    (Its PyTorch dequantization also makes ~1 MiB of index temporaries per 256 KiB chunk, which the C kernel the
+    fake step stands in with does not: left out, as it would take thousands of fake ops per weight.)"""
+    import os
+
+    saved = os.environ.get("LIT_QLORA_NF4_SCRATCH")
+    os.environ["LIT_QLORA_NF4_SCRATCH"] = "0"
+    try:
+        yield
+    finally:
+        os.environ.pop("LIT_QLORA_NF4_SCRATCH") if saved is None else os.environ.__setitem__("LIT_QLORA_NF4_SCRATCH",
+                                                                                              saved)
+
+
+def _cuda_dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
+    """Dropout as CUDA runs it: one fused kernel that keeps a 1-byte mask for backward (the CPU keeps its noise in
+    the input's dtype)."""
+    return torch.native_dropout(x, p, training)[0] if training and 0 < p < 1 else x
+
+
+def _cpu_kernel_workspace(func: Any, args: tuple) -> int:
+    """Bytes a CPU kernel allocates for itself while it runs: dropout's bernoulli_ draws into an int32 buffer of the
+    mask's size (a GPU draws in place)."""
+    return args[0].numel() * 4 if func is torch.ops.aten.bernoulli_.float else 0
+
+
+def trace_step(config: Config, quantize: Quantize, precision: Precision, lora: LoRAArgs, train: TrainArgs,
+               device: str = "cuda", micro_batch_size: Optional[int] = None) -> AllocationTrace:
+    """Two optimizer steps of a fine-tune (each: forward, loss, backward per micro-batch, clipping, AdamW) on fake
+    tensors; the trace holds the peak of allocated bytes and its categories."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from lit_qlora.lora import apply_lora
+    from lit_qlora.loading import random_base
+    from lit_qlora.nf4 import is_nf4, linear
+    from lit_qlora.train.loss import lm_loss_sum
+
+    dtype = PRECISION_DTYPES[precision]
+    batch = micro_batch_size or train.micro_batch_size
+    accumulation = train.accumulation(1)
+    phase = StepPhase()
+    with ExitStack() as stack:
+        stack.enter_context(_nf4_caches_set_aside())
+        stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+        model = random_base(config, quantize, dtype)
+        apply_lora(model, lora.r, lora.alpha, lora.dropout, lora.targets, lora.rslora, dtype)
+        n_ckpt = train.activation_checkpointing
+        model.checkpoint_blocks = config.n_layer if n_ckpt is True else int(n_ckpt or 0)
+        model.train()
+        params = [p for p in model.parameters() if p.requires_grad]
+        shapes = {(tuple(p.shape), p.dtype) for p in params}
+        optimizer = torch.optim.AdamW(params, lr=train.lr, weight_decay=train.weight_decay, betas=(0.9, 0.95),
+                                      fused=True)
+
+        def categorize(t: torch.Tensor) -> str:
+            if phase.tag is not None:
+                return phase.tag
+            if t.dim() and t.shape[-1] == config.vocab_size:
+                return "logits/loss chunks"
+            if phase.phase == "optimizer":
+                return "optimizer state" if (tuple(t.shape), t.dtype) in shapes or t.dim() == 0 else "other temporaries"
+            if phase.phase == "forward" or torch.is_grad_enabled():  # (in backward: a checkpointed block's recompute)
+                return "activations"
+            return "gradients" if (tuple(t.shape), t.dtype) in shapes else "other temporaries"
+
+        trace = AllocationTrace(categorize, CUDA_BLOCK if device == "cuda" else 1,
+                                None if device == "cuda" else _cpu_kernel_workspace)
+        for name, p in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers()):
+            if p.requires_grad:
+                trace.hold(p, "LoRA weights")
+            elif is_nf4(p) or (p.dim() == 2 and "embed_tokens" not in name):
+                trace.hold(p, "frozen base")
+            else:
+                trace.hold(p, "embeddings and norms")
+        stack.enter_context(_patched(linear, "_dense_rows", phase.wrap(linear._dense_rows, "NF4 dequantize scratch")))
+        ids = torch.zeros(batch, train.max_seq_length, dtype=torch.long)
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)  # as the precision plugin sets it inside training steps
+        stack.callback(torch.set_default_dtype, previous)
+        if device == "cuda":
+            stack.enter_context(_gpu_nf4_paths())
+            stack.enter_context(_patched(torch.nn.functional, "dropout", _cuda_dropout))
+        with trace:
+            for _ in range(2):
+                for _ in range(min(accumulation, 2)):  # a second micro-batch runs with the gradients present
+                    phase.phase = "forward"
+                    loss = lm_loss_sum(model, ids, ids) / ids.numel()
+                    phase.phase = "backward"
+                    loss.backward()
+                    del loss
+                phase.phase = "optimizer"
+                if train.max_norm > 0:
+                    torch.nn.utils.clip_grad_norm_(params, train.max_norm)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+    return trace
+
+
+def parallel_bytes(by_category: dict[str, int], config: Config, strategy: str, world_size: int,
+                   tensor_parallel: int) -> dict[str, int]:
+    """One rank's bytes by category under a parallel strategy, from the one-rank trace (see the module doc)."""
+    parts = dict(by_category)
+    if strategy == "fsdp" and world_size > 1:
+        block_share = (parts["frozen base"] + parts["LoRA weights"]) / config.n_layer
+        for key in ("frozen base", "embeddings and norms", "LoRA weights", "gradients", "optimizer state"):
+            parts[key] = parts[key] // world_size
+        parts["other temporaries"] += int(2 * block_share)  # the gathered block and the prefetched next one
+    elif strategy == "ddp" and world_size > 1:
+        parts["gradients"] *= 2  # DDP's flat bucket beside each gradient
+    elif strategy == "tp" and tensor_parallel > 1:
+        for key in ("frozen base", "LoRA weights", "gradients", "optimizer state"):
+            parts[key] = parts[key] // tensor_parallel
+        parts["activations"] = parts["activations"] * 2 // (tensor_parallel + 1)  # the residual stream stays whole
+    return parts
+
+
+def estimate(
+    checkpoint_dir: str = "checkpoints/SmolLM2-135M-Instruct",
+    out_dir: Path = Path("out/estimate"),
+    quantize: Literal["nf4", "none"] = "nf4",
+    precision: Literal["bf16-true", "16-true", "32-true"] = "bf16-true",
+    seed: int = 1337,
+    devices: int = 1,
+    num_nodes: int = 1,
+    strategy: Literal["auto", "ddp", "fsdp", "tp"] = "auto",
+    tensor_parallel: int = 1,
+    lora: LoRAArgs = LoRAArgs(),
+    train: TrainArgs = TrainArgs(),
+    data: DataArgs = DataArgs(),
+    device: Literal["cuda", "cpu"] = "cuda",
+    device_memory: Optional[str] = None,
+) -> dict[str, Any]:
+    """Predict a fine-tune's peak device memory per rank, by category, without weights or a GPU.
+
+    Args:
+        checkpoint_dir: A model directory (only its config.json is read), a preset name from lit_qlora/config.py
+            (e.g. Llama-2-7b), or a recipe's checkpoint directory that is not downloaded yet (its preset is used).
+        out_dir: Where estimate.json goes.
+        quantize: nf4 (QLoRA) or none (LoRA), as for finetune.
+        precision: Compute dtype, as for finetune.
+        seed: Accepted so a finetune recipe reads as it is (an estimate has no randomness).
+        devices: Devices per node, as for finetune.
+        num_nodes: Nodes, as for finetune.
+        strategy: auto, ddp, fsdp or tp, as for finetune.
+        tensor_parallel: Ranks per tensor-parallel group with --strategy tp.
+        lora: Adapter settings, as for finetune.
+        train: Optimization settings, as for finetune (micro_batch_size, max_seq_length, activation_checkpointing
+            set the step's size).
+        data: Accepted so a finetune recipe reads as it is (the step runs on max_seq_length tokens per sequence).
+        device: cuda (predict torch.cuda.max_memory_allocated on a GPU) or cpu (allocated tensor bytes on a CPU).
+        device_memory: The card's memory, e.g. 24GiB: also find the largest micro-batch size that fits, with and
+            without activation checkpointing.
+    """
+    config, source = resolve_config(checkpoint_dir)
+    quantize = Quantize(quantize)
+    world_size = devices * num_nodes
+    strategy = strategy if strategy != "auto" else ("ddp" if world_size > 1 else "auto")
+    if strategy == "tp" and (tensor_parallel < 2 or world_size % tensor_parallel):
+        raise ValueError(f"--strategy tp needs --tensor_parallel >= 2 dividing devices x num_nodes ({world_size}).")
+    train.accumulation(world_size // (tensor_parallel if strategy == "tp" else 1))  # checks the batch sizes
+    budget = parse_bytes(device_memory) if device_memory is not None else None
+    print(f"Estimating {config.name} ({source}): {'QLoRA (NF4 base)' if quantize is Quantize.NF4 else 'LoRA'}, "
+          f"micro-batch {train.micro_batch_size} x {train.max_seq_length}, activation checkpointing "
+          f"{train.activation_checkpointing}, {world_size} rank(s), {device}")
+
+    def predict(micro_batch_size: int, checkpointing: Any = train.activation_checkpointing) -> tuple[int, dict]:
+        trace = trace_step(config, quantize, precision, lora, replace(train, activation_checkpointing=checkpointing),
+                           device, micro_batch_size)
+        parts = parallel_bytes(trace.peak_by_category, config, strategy, world_size, tensor_parallel)
+        return sum(parts.values()), parts
+
+    peak, by_category = predict(train.micro_batch_size)
+    result: dict[str, Any] = {
+        "model": config.name, "source": source, "quantize": str(quantize), "precision": precision, "device": device,
+        "world_size": world_size, "strategy": strategy, "tensor_parallel": tensor_parallel,
+        "micro_batch_size": train.micro_batch_size, "max_seq_length": train.max_seq_length,
+        "activation_checkpointing": train.activation_checkpointing, "peak_bytes": peak, "by_category": by_category,
+        "max_micro_batch_size": None,
+    }
+    if budget is not None:
+        result.update(device_memory_bytes=budget, **largest_batches(predict, budget, device))
+        result["max_micro_batch_size"] = result["max_micro_batch_size_by_checkpointing"][
+            "on" if train.activation_checkpointing else "off"]
+    print(render(result))
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out_dir / "estimate.json", json.dumps(result, indent=2) + "\n")
+    print(f"Wrote {out_dir / 'estimate.json'}")
+    return result
+
+
+def fits(peak: int, budget: int, device: str) -> bool:
+    if device == "cuda":
+        return peak * FRAGMENTATION + CUDA_RESERVE <= budget
+    return peak <= budget
+
+
+def largest_batches(predict, budget: int, device: str, limit: int = 256) -> dict[str, Any]:
+    """The largest micro-batch size that fits `budget`, with activation checkpointing on and off: memory grows
+    linearly with the batch, so two traces give the line and one more confirms its answer."""
+    found = {}
+    for key, checkpointing in (("on", True), ("off", False)):
+        one, _ = predict(1, checkpointing)
+        if not fits(one, budget, device):
+            found[key] = 0
+            continue
+        two, _ = predict(2, checkpointing)
+        per_sample = max(1, two - one)
+        usable = (budget - CUDA_RESERVE) / FRAGMENTATION if device == "cuda" else budget
+        guess = max(1, min(limit, int((usable - (one - per_sample)) // per_sample)))
+        while guess > 1 and not fits(predict(guess, checkpointing)[0], budget, device):
+            guess -= max(1, guess // 8)
+        found[key] = guess
+    needed = found["off"] == 0 and found["on"] > 0
+    return {"max_micro_batch_size_by_checkpointing": found, "activation_checkpointing_needed": needed}
+
+
+def render(result: dict[str, Any]) -> str:
+    rank = f" per rank ({result['world_size']} ranks, {result['strategy']})" if result["world_size"] > 1 else ""
+    lines = [f"Predicted peak {result['device']} memory{rank}: {result['peak_bytes'] / GiB:.2f} GiB", "",
+             f"{'category':<24}{'GiB':>9}"]
+    lines += [f"{name:<24}{result['by_category'][name] / GiB:>9.3f}" for name in CATEGORIES]
+    if "device_memory_bytes" in result:
+        sizes = result["max_micro_batch_size_by_checkpointing"]
+        lines += ["", f"On {result['device_memory_bytes'] / GiB:.0f} GiB: largest micro-batch {sizes['on']} with "
+                      f"activation checkpointing, {sizes['off']} without"
+                      + (" (checkpointing is needed)" if result["activation_checkpointing_needed"] else "")]
+        if sizes["on"] == 0:
+            lines.append("Not even micro-batch 1 fits: use --quantize nf4, a shorter --train.max_seq_length, or "
+                         "more devices with --strategy fsdp.")
+    return "\n".join(lines)

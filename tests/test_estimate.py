@@ -1,0 +1,138 @@
+"""`litqlora estimate`: the fake-tensor step's prediction against a real step's measured peak, the command's files
+and errors, and the largest micro-batch that fits."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from lit_qlora.cli import main
+from lit_qlora.config import Config, Quantize
+from lit_qlora.estimate import estimate, resident_tensors, resolve_config, trace_step
+from lit_qlora.loading import random_base
+from lit_qlora.lora import apply_lora
+from lit_qlora.memory_trace import CATEGORIES, profiled_peak
+from lit_qlora.nf4 import linear, reference
+from lit_qlora.train.args import LoRAArgs, TrainArgs
+from lit_qlora.train.loss import lm_loss_sum
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = {"model_type": "llama", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256, "tie_word_embeddings": True}
+
+
+def config_only_dir(tmp_path: Path) -> Path:
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps(TINY))
+    return tmp_path / "model"
+
+
+def measured_peak(config: Config, quantize: str, lora: LoRAArgs, train: TrainArgs) -> int:
+    """The real step, as a fine-tune runs it, measured by torch.profiler's allocation events."""
+    torch.manual_seed(0)
+    model = apply_lora(random_base(config, quantize, torch.bfloat16), lora.r, lora.alpha, lora.dropout,
+                       dtype=torch.bfloat16)
+    model.checkpoint_blocks = config.n_layer if train.activation_checkpointing else 0
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.95), fused=True)
+    ids = torch.randint(0, config.vocab_size, (train.micro_batch_size, train.max_seq_length))
+
+    def step() -> None:
+        (lm_loss_sum(model, ids, ids) / ids.numel()).backward()
+        torch.nn.utils.clip_grad_norm_(params, train.max_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()  # optimizer state exists from here on, as in every step after a run's first
+    return profiled_peak(step, resident_tensors(model, optimizer))
+
+
+@pytest.mark.parametrize("quantize", ["nf4", "none"])
+@pytest.mark.parametrize("checkpointing,dropout", [(True, 0.05), (False, 0.0)])
+def test_the_prediction_is_within_5_percent_of_a_real_steps_measured_peak(quantize, checkpointing, dropout):
+    # Small, but not so small that the CPU kernels' own few-KiB buffers (which fake kernels do not allocate) matter.
+    config = Config.from_hf_config({**TINY, "hidden_size": 128, "intermediate_size": 256})
+    lora = LoRAArgs(r=4, alpha=8, dropout=dropout)
+    train = TrainArgs(micro_batch_size=2, global_batch_size=2, max_seq_length=128, activation_checkpointing=checkpointing)
+    trace = trace_step(config, Quantize(quantize), "bf16-true", lora, train, device="cpu")
+    assert sum(trace.peak_by_category.values()) == trace.peak
+    measured = measured_peak(config, quantize, lora, train)  # (runs after the fake step: nothing fake was left behind)
+    assert abs(trace.peak / measured - 1) <= 0.05, (trace.peak, measured)
+    assert (trace.peak_by_category["NF4 dequantize scratch"] > 0) == (quantize == "nf4")
+
+
+def test_the_fake_step_leaves_no_fake_tensor_in_the_nf4_caches():
+    trace_step(Config.from_hf_config(TINY), Quantize.NF4, "bf16-true", LoRAArgs(r=4, alpha=8),
+               TrainArgs(micro_batch_size=1, global_batch_size=1, max_seq_length=32), device="cuda")
+    cached = list(reference._TABLE_CACHE.values()) + list((getattr(linear._scratch, "buffers", None) or {}).values())
+    assert not [t for t in cached if type(t).__name__ == "FakeTensor"]
+
+
+def test_cuda_and_more_ranks_change_the_prediction_the_way_a_gpu_and_fsdp_would():
+    config = Config.from_hf_config(TINY)
+    args = (config, Quantize.NF4, "bf16-true", LoRAArgs(r=4, alpha=8),
+            TrainArgs(micro_batch_size=2, global_batch_size=2, max_seq_length=64))
+    cpu, cuda = trace_step(*args, device="cpu"), trace_step(*args, device="cuda")
+    # The CPU keeps one dense scratch slice for NF4 matmuls; a GPU allocates one per call and rounds to 512 bytes.
+    assert cuda.peak != cpu.peak and cuda.peak % 512 == 0
+    from lit_qlora.estimate import parallel_bytes
+
+    fsdp = parallel_bytes(cpu.peak_by_category, config, "fsdp", 4, 1)
+    assert fsdp["optimizer state"] == cpu.peak_by_category["optimizer state"] // 4
+    assert fsdp["activations"] == cpu.peak_by_category["activations"]
+
+
+def test_command_writes_estimate_json_and_finds_the_largest_micro_batch(tmp_path, capsys):
+    model_dir = config_only_dir(tmp_path)  # config.json only: no weights needed
+    common = dict(checkpoint_dir=str(model_dir), device="cpu", out_dir=tmp_path / "out",
+                  lora=LoRAArgs(r=4, alpha=8, dropout=0.0))
+    peaks = {b: estimate(**common, train=TrainArgs(micro_batch_size=b, global_batch_size=b, max_seq_length=64,
+                                                   activation_checkpointing=True))["peak_bytes"] for b in (1, 2, 3, 4)}
+    assert peaks[1] < peaks[2] < peaks[3] < peaks[4]
+    budget = (peaks[3] + peaks[4]) // 2
+    main(["estimate", "--checkpoint_dir", str(model_dir), "--device", "cpu", "--out_dir", str(tmp_path / "cli"),
+          "--lora.r", "4", "--lora.alpha", "8", "--lora.dropout", "0", "--train.micro_batch_size", "1",
+          "--train.global_batch_size", "1", "--train.max_seq_length", "64",
+          "--train.activation_checkpointing", "true", "--device_memory", f"{budget}B"])
+    result = json.loads((tmp_path / "cli" / "estimate.json").read_text())
+    assert {"peak_bytes", "by_category", "world_size", "strategy", "max_micro_batch_size", "device"} <= set(result)
+    assert result["peak_bytes"] == peaks[1] == sum(result["by_category"].values())
+    assert list(result["by_category"]) == list(CATEGORIES)
+    assert (result["device"], result["world_size"], result["max_micro_batch_size"]) == ("cpu", 1, 3)
+    assert result["max_micro_batch_size_by_checkpointing"]["off"] < 3  # without checkpointing less fits
+    printed = capsys.readouterr().out
+    assert "Predicted peak cpu memory" in printed and "largest micro-batch 3 with activation checkpointing" in printed
+
+
+def test_a_recipe_whose_checkpoint_is_not_downloaded_falls_back_to_its_preset_and_says_so():
+    config, source = resolve_config("checkpoints/meta-llama/Llama-2-7b-hf")
+    assert config.name == "Llama-2-7b" and "not downloaded" in source
+    with pytest.raises(SystemExit) as e:  # every key of a finetune recipe is an estimate option
+        main(["estimate", "--config", str(ROOT / "config_hub/finetune/llama-2-7b/qlora.yaml"), "--print_config"])
+    assert e.value.code == 0
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--checkpoint_dir", "Llama-9-900b"], "no config.json there and no preset of that name"),
+    (["--device_memory", "lots"], "is not a size"),
+    (["--train.micro_batch_size", "3", "--train.global_batch_size", "4"], "multiple of train.micro_batch_size"),
+    (["--strategy", "tp", "--devices", "2", "--tensor_parallel", "1"], "--tensor_parallel >= 2"),
+])
+def test_bad_input_is_one_clear_line_and_exit_1(tmp_path, capsys, argv, message):
+    with pytest.raises(SystemExit) as e:
+        main(["estimate", "--checkpoint_dir", str(config_only_dir(tmp_path)), "--out_dir", str(tmp_path / "o"), *argv])
+    assert e.value.code == 1
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "o" / "estimate.json").exists()
+
+
+def test_a_card_too_small_for_one_sequence_says_what_to_do(tmp_path, capsys):
+    result = estimate(checkpoint_dir=str(config_only_dir(tmp_path)), device="cpu", out_dir=tmp_path / "o",
+                      device_memory="64KiB", train=TrainArgs(micro_batch_size=1, global_batch_size=1,
+                                                             max_seq_length=64))
+    assert result["max_micro_batch_size"] == 0
+    assert "Not even micro-batch 1 fits" in capsys.readouterr().out
