@@ -323,21 +323,72 @@ _DIGIT_SPLIT_PRE = ("smollm", "starcoder", "refact", "codeshell")
 _GPT2_PRE = ("default", "gpt-2", "gpt2")
 # Llama 3's tokenizer.json sets ignore_merges (llama.cpp too): a pre-token found whole in the vocab skips BPE.
 _IGNORE_MERGES_PRE = ("llama-bpe", "llama3", "llama-v3")
-_CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED = 1, 2, 3, 4  # llama.cpp token types (5 unused, 6 byte: <0x0A>)
 
 
 def tokenizer_from_gguf(meta: dict[str, Any], path: Path | str = "<gguf>"):
     """Build a `tokenizers.Tokenizer` and the matching tokenizer_config.json dict from GGUF metadata."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers import AddedToken, processors
 
     kind = meta.get("tokenizer.ggml.model")
-    if kind != "gpt2":
+    if kind not in ("gpt2", "llama"):
         raise ValueError(
-            f"{path}: GGUF tokenizer model {kind!r} is not supported yet (byte-level BPE, 'gpt2', is); "
-            "convert the tokenizer from the original Hugging Face repository instead."
+            f"{path}: GGUF tokenizer model {kind!r} is not supported (byte-level BPE, 'gpt2', and SentencePiece BPE, "
+            "'llama', are); convert the tokenizer from the original Hugging Face repository instead."
         )
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
-    types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    types = meta.get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
+    ids = {key: int(meta[f"tokenizer.ggml.{key}_token_id"]) for key in ("bos", "eos", "unknown", "padding")
+           if 0 <= int(meta.get(f"tokenizer.ggml.{key}_token_id", -1)) < len(tokens)}
+    names = {key: tokens[index] for key, index in ids.items()}
+    if kind == "gpt2":
+        tokenizer = _byte_level_bpe(meta, tokens, path)
+    else:
+        tokenizer = _sentencepiece_bpe(meta, tokens, types, unk=names.get("unknown"))
+    # Control tokens (<|im_start|>, <s>) must match whole and count as special; user-defined ones match whole.
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                  for t, k in zip(tokens, types) if k in (_UNKNOWN, _CONTROL)])
+    tokenizer.add_tokens(
+        [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == _USER_DEFINED])
+
+    bos, eos = names.get("bos"), names.get("eos")
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False)) and bos is not None
+    add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False)) and eos is not None
+    steps = [processors.ByteLevel(trim_offsets=False)] if kind == "gpt2" else []
+    if add_bos or add_eos:
+        # BOS/EOS in the post-processor too, so HF's tokenizer adds them; lit-qlora's Tokenizer never doubles BOS.
+        def sequence(name: str, type_id: int) -> str:
+            return " ".join([f"{bos}:{type_id}"] * add_bos + [f"${name}:{type_id}"] + [f"{eos}:{type_id}"] * add_eos)
+
+        specials = list(dict.fromkeys([(bos, ids["bos"])] * add_bos + [(eos, ids["eos"])] * add_eos))
+        steps.append(processors.TemplateProcessing(
+            single=sequence("A", 0), pair=f"{sequence('A', 0)} {sequence('B', 1)}", special_tokens=specials))
+    if steps:
+        tokenizer.post_processor = steps[0] if len(steps) == 1 else processors.Sequence(steps)
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": bos,
+        "eos_token": eos,
+        "unk_token": names.get("unknown"),
+        "pad_token": names.get("padding"),
+        "add_bos_token": add_bos,
+        "add_eos_token": add_eos,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": int(meta.get(f"{meta['general.architecture']}.context_length", 2048)),
+    }
+    if kind == "llama":
+        # Text after a special token gets its own "▁" prefix, as in llama.cpp and Llama 2's tokenizer.json. Not
+        # "LlamaTokenizer": transformers 5 rebuilds that one's pipeline (non-legacy) instead of using tokenizer.json.
+        config["legacy"] = True
+    if meta.get("tokenizer.chat_template"):
+        config["chat_template"] = meta["tokenizer.chat_template"]
+    return tokenizer, {k: v for k, v in config.items() if v is not None}
+
+
+def _byte_level_bpe(meta: dict[str, Any], tokens: list[str], path: Path | str):
+    """GPT-2 style BPE over bytes (Llama 3, Qwen, SmolLM): the merges are in the file, the split regex is named."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
     merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
     pre = meta.get("tokenizer.ggml.pre", "default")
     vocab = {t: i for i, t in enumerate(tokens)}
@@ -357,39 +408,41 @@ def tokenizer_from_gguf(meta: dict[str, Any], path: Path | str = "<gguf>"):
             warnings.warn(f"{path}: unknown GGUF pre-tokenizer {pre!r}; using GPT-2's split, tokens may differ.")
         tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tokenizer.decoder = decoders.ByteLevel()
-    # Control tokens (<|im_start|>, <|eot_id|>) must match whole and count as special; user-defined ones match whole.
-    tokenizer.add_special_tokens(
-        [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == _CONTROL])
-    tokenizer.add_tokens(
-        [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == _USER_DEFINED])
+    return tokenizer
 
-    def token(key: str) -> str | None:
-        index = meta.get(f"tokenizer.ggml.{key}_token_id")
-        return tokens[int(index)] if index is not None and 0 <= int(index) < len(tokens) else None
 
-    bos, add_bos = token("bos"), bool(meta.get("tokenizer.ggml.add_bos_token", False))
-    byte_level = processors.ByteLevel(trim_offsets=False)
-    if add_bos and bos is not None:
-        # Put the BOS in the post-processor too, so HF's tokenizer adds it; lit-qlora's Tokenizer never doubles it.
-        template = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos}:1 $B:1", special_tokens=[(bos, vocab[bos])])
-        tokenizer.post_processor = processors.Sequence([byte_level, template])
-    else:
-        tokenizer.post_processor = byte_level
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": bos,
-        "eos_token": token("eos"),
-        "unk_token": token("unknown"),
-        "pad_token": token("padding"),
-        "add_bos_token": add_bos,
-        "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": int(meta.get(f"{meta['general.architecture']}.context_length", 2048)),
-    }
-    if meta.get("tokenizer.chat_template"):
-        config["chat_template"] = meta["tokenizer.chat_template"]
-    return tokenizer, {k: v for k, v in config.items() if v is not None}
+def _sentencepiece_bpe(meta: dict[str, Any], tokens: list[str], types: list[int], unk: str | None):
+    """SentencePiece BPE (Llama 2, TinyLlama, Mistral, Gemma) in the form of Llama 2's published tokenizer.json:
+    spaces become "▁" and the text gets a leading "▁" (unless the GGUF says add_space_prefix false, as Gemma's
+    does); characters missing from the vocabulary fall back to byte tokens (<0xE2>)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    scores = meta.get("tokenizer.ggml.scores") or [-float(i) for i in range(len(tokens))]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = sentencepiece_merges(tokens, scores, types)
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
+    space_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+    replace_spaces = normalizers.Replace(" ", "▁")
+    tokenizer.normalizer = (normalizers.Sequence([normalizers.Prepend("▁"), replace_spaces]) if space_prefix
+                            else replace_spaces)
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    tokenizer.decoder = decoders.Sequence(steps + [decoders.Strip(" ", 1, 0)] if space_prefix else steps)
+    return tokenizer
+
+
+def sentencepiece_merges(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
+    """The BPE merge list a SentencePiece vocabulary implies (GGUF stores none).
+
+    SentencePiece BPE repeatedly joins the adjacent pair whose concatenation is the best-scored normal piece. So
+    every split of a normal piece into two normal pieces is a merge, ranked by the joined piece's score (higher
+    first; equal scores by vocabulary order, then by where the piece is cut)."""
+    normal = {piece: i for i, (piece, kind) in enumerate(zip(tokens, types)) if kind == _NORMAL}
+    ranked = sorted(
+        (-scores[i], i, cut)
+        for piece, i in normal.items() for cut in range(1, len(piece))
+        if piece[:cut] in normal and piece[cut:] in normal
+    )
+    return [(tokens[i][:cut], tokens[i][cut:]) for _, i, cut in ranked]
 
 
 # -- writing ---------------------------------------------------------------------------------------------------

@@ -1,9 +1,12 @@
-"""GGUF import: synthetic files (every supported quant type, the q/k permutation, bad files) and the real SmolLM2."""
+"""GGUF import: synthetic files (every supported quant type, the q/k permutation, bad files, byte-level and
+SentencePiece vocabularies) and the real SmolLM2."""
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
+from typing import Callable
 
 import gguf
 import numpy as np
@@ -49,24 +52,41 @@ QTYPES = {"token_embd": T.F16, "attn_q": T.Q8_0, "attn_k": T.Q4_0, "attn_v": T.Q
           "ffn_gate": T.Q5_0, "ffn_up": T.Q6_K, "ffn_down": T.Q4_K, "output": T.Q8_0}
 
 
+def write_gpt2_tokenizer(w: gguf.GGUFWriter, add_bos: bool = False) -> int:
+    """A byte-level BPE vocabulary (SmolLM2's kind) with a chat template; returns the vocabulary size."""
+    tokens = SPECIAL + byte_alphabet() + ["Ġt", "he", "Ġthe"]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(tokens)
+    w.add_token_types([3] * len(SPECIAL) + [1] * (len(tokens) - len(SPECIAL)))
+    w.add_token_merges(["Ġ t", "h e", "Ġt he"])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(add_bos)
+    w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>{% endfor %}")
+    return len(tokens)
+
+
 def write_tiny_llama(path: Path, tied: bool = False, add_bos: bool = False, arch: str = "llama",
-                     raw: dict[str, tuple[np.ndarray, T]] | None = None) -> tuple[Config, dict[str, np.ndarray]]:
+                     raw: dict[str, tuple[np.ndarray, T]] | None = None,
+                     tokenizer: Callable[[gguf.GGUFWriter], int] | None = None,
+                     ) -> tuple[Config, dict[str, np.ndarray]]:
     """A 2-layer llama GGUF with random weights; returns its Config and the HF-layout weights we expect back.
     `raw` writes the given (data, type) under a name instead of the generated tensor (or in addition to them).
-    arch="qwen3" adds per-head q/k norms and heads narrower than hidden / heads, as Qwen3-0.6B has."""
+    arch="qwen3" adds per-head q/k norms and heads narrower than hidden / heads, as Qwen3-0.6B has.
+    `tokenizer` writes the vocabulary metadata and returns its size (default: `write_gpt2_tokenizer`)."""
     raw = dict(raw or {})
     rng = np.random.default_rng(0)
-    tokens = SPECIAL + byte_alphabet() + ["Ġt", "he", "Ġthe"]
-    merges = ["Ġ t", "h e", "Ġt he"]
+    w = gguf.GGUFWriter(path, arch)
+    n_vocab = tokenizer(w) if tokenizer else write_gpt2_tokenizer(w, add_bos)
     qwen3 = arch == "qwen3"
-    config = Config(vocab_size=len(tokens), n_layer=2, n_embd=256, n_head=4, n_query_groups=2,
+    config = Config(vocab_size=n_vocab, n_layer=2, n_embd=256, n_head=4, n_query_groups=2,
                     head_dim=32 if qwen3 else None, intermediate_size=256, norm_eps=1e-5, rope_base=500000.0,
                     max_seq_length=512, tie_embeddings=tied, qk_norm=qwen3, bos_token_id=1, eos_token_id=2)
     hd = config.head_dim
     shapes = {"token_embd": (config.vocab_size, 256), "attn_q": (4 * hd, 256), "attn_k": (2 * hd, 256),
               "attn_v": (2 * hd, 256), "attn_output": (256, 4 * hd), "ffn_gate": (256, 256), "ffn_up": (256, 256),
               "ffn_down": (256, 256), "output": (config.vocab_size, 256)}
-    w = gguf.GGUFWriter(path, arch)
     w.add_block_count(2)
     w.add_context_length(512)
     w.add_embedding_length(256)
@@ -79,15 +99,6 @@ def write_tiny_llama(path: Path, tied: bool = False, add_bos: bool = False, arch
         w.add_value_length(hd)
     w.add_rope_freq_base(500000.0)
     w.add_layer_norm_rms_eps(1e-5)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("smollm")
-    w.add_token_list(tokens)
-    w.add_token_types([3] * len(SPECIAL) + [1] * (len(tokens) - len(SPECIAL)))
-    w.add_token_merges(merges)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_add_bos_token(add_bos)
-    w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>{% endfor %}")
 
     expected: dict[str, np.ndarray] = {}
 
@@ -261,6 +272,127 @@ def test_synthetic_tokenizer(tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
     hf = transformers.AutoTokenizer.from_pretrained(out)
     assert hf.encode(text) == ids  # BOS from the post-processor, once
+
+
+# -- SentencePiece vocabularies (tokenizer.ggml.model "llama": Llama 2, TinyLlama, Mistral, Gemma) ------------------
+SPM_USER_DEFINED, SPM_CONTROL = ["<|user|>", "<sep>"], ["<|ctrl|>"]
+SPM_WORDS = ("the quick brown fox jumps over lazy dog tokenizer model vocabulary merge byte fallback llama mistral "
+             "gemma sentence piece hello world python code function return value numbers data science learning "
+             "deep neural network attention naïve café résumé über straße Paris France capital").split()
+# Spaces (leading, trailing, runs), newlines and tabs (absent from the training text: bytes), digits, punctuation,
+# unicode and emoji (bytes), words never seen, the control and user-defined symbols (and text glued to them).
+SPM_TEXTS = [
+    "Hello world", "the quick brown fox jumps over the lazy dog.", " leading space", "  two leading", "trailing ",
+    "multiple   spaces    inside", " ", "   ", "", "line one\nline two\n\n", "tabs\tand\r\nwindows",
+    "digits 0123456789 and 3.14159, 2024-01-31", "punctuation: (a), [b]; {c}! ?¿ — “quotes” 'single' \"double\"",
+    "naïve café résumé über straße", "日本語のテキスト", "emoji 😀🚀 mixed🤖text", "unseenwordzzz qwertyuiop xylophone",
+    "UPPER CASE THE QUICK", "e\u0301 vs é, non\u00a0breaking", "<|user|>hello<sep> world<|ctrl|>bye", "a<sep>b",
+    "<sep>", "x <|user|> y", "Paris</s> <s><unk> x", "<|ctrl|>\n<|user|>  spaced",
+]
+
+
+def train_sentencepiece(tmp_path: Path, add_dummy_prefix: bool) -> Path:
+    """A tiny SentencePiece BPE model trained as Llama's was: byte fallback, digits split, whitespace kept as is."""
+    spm = pytest.importorskip("sentencepiece")
+    rng = np.random.default_rng(0)
+    lines = []
+    for i in range(300):
+        words = list(rng.choice(SPM_WORDS, size=rng.integers(3, 14)))
+        if i % 7 == 0:
+            words.append(str(rng.integers(0, 99999)))
+        lines.append(str(rng.choice([" ", " ", "  ", "    ", ", "])).join(words) + str(rng.choice([".", "!", "?", ""])))
+    (tmp_path / "corpus.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    spm.SentencePieceTrainer.train(
+        input=str(tmp_path / "corpus.txt"), model_prefix=str(tmp_path / "spm"), model_type="bpe", vocab_size=500,
+        byte_fallback=True, split_digits=True, character_coverage=1.0, normalization_rule_name="identity",
+        remove_extra_whitespaces=False, allow_whitespace_only_pieces=True, add_dummy_prefix=add_dummy_prefix,
+        user_defined_symbols=SPM_USER_DEFINED, control_symbols=SPM_CONTROL, num_threads=1, minloglevel=2)
+    return tmp_path / "spm.model"
+
+
+def sentencepiece_gguf_vocab(model_file: Path, add_dummy_prefix: bool) -> Callable[[gguf.GGUFWriter], int]:
+    """Writes the vocabulary as llama.cpp's converter does: pieces, scores, types from the piece kinds."""
+    import sentencepiece
+
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(model_file))
+
+    def kind(i: int) -> int:
+        if sp.is_unknown(i):
+            return 2
+        if sp.is_control(i):
+            return 3
+        if sp.is_byte(i):
+            return 6
+        return 4 if sp.id_to_piece(i) in SPM_USER_DEFINED else 1
+
+    def write(w: gguf.GGUFWriter) -> int:
+        w.add_tokenizer_model("llama")
+        w.add_tokenizer_pre("default")
+        w.add_token_list([sp.id_to_piece(i) for i in range(sp.vocab_size())])
+        w.add_token_scores([sp.get_score(i) for i in range(sp.vocab_size())])
+        w.add_token_types([kind(i) for i in range(sp.vocab_size())])
+        w.add_bos_token_id(sp.bos_id())
+        w.add_eos_token_id(sp.eos_id())
+        w.add_unk_token_id(sp.unk_id())
+        w.add_add_bos_token(True)
+        w.add_add_eos_token(False)
+        w.add_add_space_prefix(add_dummy_prefix)
+        w.add_chat_template("{% for m in messages %}<|user|>{{ m['content'] }}</s>{% endfor %}")
+        return sp.vocab_size()
+
+    return write
+
+
+@pytest.mark.parametrize("add_dummy_prefix", [True, False], ids=["llama", "no-space-prefix"])
+def test_sentencepiece_tokenizer_encodes_like_the_source(tmp_path: Path, add_dummy_prefix: bool) -> None:
+    import sentencepiece
+    from tokenizers import Tokenizer as Backend
+
+    transformers = pytest.importorskip("transformers")
+    model_file = train_sentencepiece(tmp_path, add_dummy_prefix)
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(model_file))
+    write_tiny_llama(tmp_path / "spm.gguf", tokenizer=sentencepiece_gguf_vocab(model_file, add_dummy_prefix))
+    out = convert_gguf(tmp_path / "spm.gguf", tmp_path / "out")
+
+    # The source tokenizer.json: Hugging Face's conversion of the .model file (Llama's legacy behaviour).
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "tokenizer.model").write_bytes(model_file.read_bytes())
+    source = transformers.LlamaTokenizerFast.from_pretrained(
+        tmp_path / "src", legacy=True, add_prefix_space=add_dummy_prefix, from_slow=True)
+    source.save_pretrained(tmp_path / "src")
+    source = Backend.from_file(str(tmp_path / "src" / "tokenizer.json"))
+    ours, lit, hf = (Backend.from_file(str(out / "tokenizer.json")), Tokenizer(out),
+                     transformers.AutoTokenizer.from_pretrained(out))
+
+    added = {piece: sp.piece_to_id(piece) for piece in [*SPM_USER_DEFINED, *SPM_CONTROL, "<s>", "</s>", "<unk>"]}
+    cut = re.compile("(" + "|".join(map(re.escape, added)) + ")")
+
+    def reference(text: str) -> list[int]:
+        """SentencePiece's ids, with llama.cpp's (and Llama 2 tokenizer.json's) "legacy" handling of control and
+        user-defined symbols: the text between them is encoded piece by piece, each with its own "▁" prefix."""
+        return [sp.bos_id()] + [i for part in cut.split(text) if part
+                                for i in ([added[part]] if part in added else sp.encode(part))]
+
+    for text in SPM_TEXTS:
+        expected = reference(text)
+        assert ours.encode(text).ids == expected, text
+        assert lit.encode(text) == expected, text
+        assert hf.encode(text) == expected, text
+        # transformers 5's conversion (Metaspace) skips the "▁" prefix of text that starts with a space;
+        # SentencePiece, llama.cpp and Llama 2's published tokenizer.json (Prepend "▁") keep it.
+        if not any(part.startswith(" ") for part in cut.split(text)) or not add_dummy_prefix:
+            assert source.encode(text, add_special_tokens=False).ids == expected[1:], text
+        assert lit.decode(expected) == source.decode(expected, skip_special_tokens=False), text
+        if not cut.search(text):
+            assert lit.decode(expected[1:]) == sp.decode(expected[1:]) == text  # round trip
+    assert "▁▁▁▁" in sp.id_to_piece(list(range(sp.vocab_size())))  # the whitespace runs were merged too
+
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    assert {k: v for k, v in config.items() if k not in ("model_max_length", "chat_template")} == {
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+        "add_bos_token": True, "add_eos_token": False, "clean_up_tokenization_spaces": False, "legacy": True}
+    assert lit.apply_chat_template([{"role": "user", "content": "hi"}]) == "<|user|>hi</s>"
+    assert lit.decode(lit.encode("<|ctrl|>x <sep>"), skip_special_tokens=True) == "x <sep>"  # control is special
 
 
 def test_unknown_tokenizer_model_is_a_clear_error() -> None:
