@@ -3,7 +3,7 @@ PYTHON ?= python
 PIP = $(PYTHON) -m pip
 SMOLLM2_DIR ?= checkpoints/SmolLM2-135M-Instruct
 
-.PHONY: install install-test demo test
+.PHONY: install install-test demo test test-fake-cuda
 
 # torch goes in first and pinned: an unpinned torch pulls several GB of CUDA packages on a CPU machine.
 install:
@@ -25,3 +25,12 @@ demo: install
 
 test: install-test
 	$(PYTHON) -m pytest -q tests
+
+# The CUDA code path on fake cuda tensors (tests/test_fake_cuda.py): it needs the CUDA build of torch (~4.7 GB, from
+# PyPI, not the local CPU wheel), so it has its own environment, .venv-cuda, and no GPU.
+test-fake-cuda:
+	python3 -m venv .venv-cuda
+	mkdir -p .venv-cuda/no-local-wheels  # pip's find-links must not offer the local CPU wheel of the same version
+	PIP_FIND_LINKS=$(CURDIR)/.venv-cuda/no-local-wheels .venv-cuda/bin/pip install torch==2.13.0
+	.venv-cuda/bin/pip install -e ".[test]"
+	.venv-cuda/bin/python -m pytest -q tests/test_fake_cuda.py

@@ -1,11 +1,11 @@
 """`litqlora estimate --device cpu` against a real step's measured peak of allocated tensor bytes (issue 17).
 
     python benchmarks/estimate_accuracy.py                     # every row below
-    python benchmarks/estimate_accuracy.py --rows SmolLM2-135M:nf4:4:on
+    python benchmarks/estimate_accuracy.py --rows SmolLM2-135M:nf4:4:on:0.05
 
 Each row runs in its own process: the prediction (`lit_qlora.estimate.trace_step`, fake tensors) for a preset's
 shape, then the real thing: the same shape with random weights built as the loader builds it, LoRA r=8 alpha=16 on
-every linear, and the `litqlora finetune` step of benchmarks/one_step.py (fused AdamW, clipping), one warm-up step
+every linear (dropout as the row says), and the `litqlora finetune` step of benchmarks/one_step.py (fused AdamW, clipping), one warm-up step
 and one step under torch.profiler(profile_memory=True). Measured peak: the bytes of every storage alive before the
 step (counted from the model, optimizer and NF4 buffers: the C kernels read NF4 codes by pointer, so no profiler
 sees them as op inputs) plus the highest running sum of the step's allocation and free events. Results: benchmarks/results/estimate_accuracy.{json,md}.
@@ -23,8 +23,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
-ROWS = [f"{model}:{q}:{batch}:{ckpt}" for model, batch in (("SmolLM2-135M", 4), ("TinyLlama-1.1B", 1))
-        for q in ("nf4", "none") for ckpt in ("on", "off")]
+ROWS = [f"{model}:{q}:{batch}:{ckpt}:{dropout}" for model, batch, dropouts in (("SmolLM2-135M", 4, ("0", "0.05")),
+                                                                            ("TinyLlama-1.1B", 1, ("0",)))
+        for dropout in dropouts for q in ("nf4", "none") for ckpt in ("on", "off")]
 
 
 def child(row: str) -> None:
@@ -37,15 +38,15 @@ def child(row: str) -> None:
     from lit_qlora.train.args import LoRAArgs, TrainArgs
     from one_step import build_step
 
-    model_name, quantize, batch, ckpt = row.split(":")
-    batch, seq, checkpointing = int(batch), 512, ckpt == "on"
+    model_name, quantize, batch, ckpt, dropout = row.split(":")
+    batch, seq, checkpointing, dropout = int(batch), 512, ckpt == "on", float(dropout)
     started = time.perf_counter()
-    trace = trace_step(PRESETS[model_name], Quantize(quantize), "bf16-true", LoRAArgs(r=8, alpha=16, dropout=0.0),
+    trace = trace_step(PRESETS[model_name], Quantize(quantize), "bf16-true", LoRAArgs(r=8, alpha=16, dropout=dropout),
                        TrainArgs(micro_batch_size=batch, global_batch_size=batch, max_seq_length=seq,
                                  activation_checkpointing=checkpointing, max_norm=1.0), device="cpu")
     seconds = time.perf_counter() - started
 
-    model, optimizer, step = build_step(model_name, quantize, batch, seq, checkpointing)
+    model, optimizer, step = build_step(model_name, quantize, batch, seq, checkpointing, dropout)
     step()
     measured = profiled_peak(step, resident_tensors(model, optimizer))
     print(json.dumps({"row": row, "predicted_bytes": trace.peak, "measured_bytes": measured,
@@ -55,7 +56,7 @@ def child(row: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", nargs="+", default=ROWS, help="MODEL:QUANTIZE:BATCH:CHECKPOINTING (seq 512)")
+    parser.add_argument("--rows", nargs="+", default=ROWS, help="MODEL:QUANTIZE:BATCH:CHECKPOINTING:DROPOUT (seq 512)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -77,10 +78,10 @@ def main() -> None:
 
 def write_markdown(record: dict) -> None:
     lines = ["# `litqlora estimate --device cpu` vs a real step (allocated tensor bytes)", "",
-             "Seq 512, LoRA r=8 alpha=16 on every linear, dropout 0, fused AdamW, clipping 1.0. Measured: "
+             "Seq 512, LoRA r=8 alpha=16 on every linear, fused AdamW, clipping 1.0. Measured: "
              "torch.profiler's memory timeline at its peak over a step after a warm-up step. Reproduce: "
              "`python benchmarks/estimate_accuracy.py --rows ROW`.", "",
-             "| row (model:quantize:batch:checkpointing) | predicted MiB | measured MiB | predicted / measured |",
+             "| row (model:quantize:batch:checkpointing:dropout) | predicted MiB | measured MiB | predicted / measured |",
              "|---|---:|---:|---:|"]
     for row, r in record["rows"].items():
         lines.append(f"| {row} | {r['predicted_bytes'] / 2**20:.1f} | {r['measured_bytes'] / 2**20:.1f} | "

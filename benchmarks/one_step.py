@@ -21,13 +21,13 @@ from lit_qlora.train.callbacks import release_heap_around_blocks
 from lit_qlora.train.module import FinetuneModule  # imported here so callers' RSS baselines include Lightning
 
 
-def build_step(checkpoint_dir: str, quantize: str, batch: int, seq: int, checkpointing: bool):
+def build_step(checkpoint_dir: str, quantize: str, batch: int, seq: int, checkpointing: bool, dropout: float = 0.0):
     torch.manual_seed(0)
     if checkpoint_dir in PRESETS:  # a preset name: its shape with random weights, built as the loader builds it
         model = random_base(PRESETS[checkpoint_dir], quantize, torch.bfloat16)
     else:
         model = load_model(checkpoint_dir, quantize, "bf16-true")
-    apply_lora(model, r=8, alpha=16, dropout=0.0, targets="all", dtype=torch.bfloat16)
+    apply_lora(model, r=8, alpha=16, dropout=dropout, targets="all", dtype=torch.bfloat16)
     model.checkpoint_blocks = model.config.n_layer if checkpointing else 0
     train = TrainArgs(max_steps=2, micro_batch_size=batch, global_batch_size=batch, max_seq_length=seq,
                       activation_checkpointing=checkpointing)

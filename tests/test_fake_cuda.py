@@ -1,0 +1,118 @@
+"""The CUDA code path, executed without a GPU: a tiny model on fake `cuda` tensors (shapes, dtypes and devices, no
+data) through NF4 quantization, the NF4 linear, LoRA and the fine-tune's loss, for QLoRA and LoRA and under fake
+2-rank FSDP2. Any CPU-only code on the device path (our C kernel, `.data_ptr()`, numpy, a buffer left on the CPU)
+raises here; the last test shows that it does.
+
+Needs the CUDA build of torch (on the CPU build, fake CUDA cannot even slice a tensor), which is ~4.7 GB: it has
+its own environment, `make test-fake-cuda`, and is skipped elsewhere. Backward stops where fake CUDA stops (the
+autograd engine asks the CUDA driver for a device context); `litqlora estimate` counts backward on fake CPU tensors.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.backends.cuda.is_built(),
+                                reason="needs the CUDA build of torch: `make test-fake-cuda`")
+
+from lit_qlora.config import Config  # noqa: E402
+from lit_qlora.estimate import _nf4_caches_set_aside  # noqa: E402
+from lit_qlora.loading import random_base  # noqa: E402
+from lit_qlora.lora import apply_lora, lora_modules  # noqa: E402
+from lit_qlora.nf4 import dequantize_nf4, is_nf4, quantize_nf4  # noqa: E402
+from lit_qlora.train.loss import lm_loss_sum  # noqa: E402
+
+CONFIG = Config.from_hf_config({"model_type": "llama", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+                                "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                "max_position_embeddings": 128, "tie_word_embeddings": True})
+
+
+def fake_mode():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=False)  # a real (CPU) tensor reaching the step is an error too
+
+
+def dry_run(quantize: str) -> dict:
+    """Load (on the CPU, as the loader does), move to cuda, add LoRA there, run the loss; what ran where."""
+    with _nf4_caches_set_aside(), fake_mode():
+        model = random_base(CONFIG, quantize, torch.bfloat16).to("cuda")
+        apply_lora(model, 4, 8, 0.05, dtype=torch.bfloat16)
+        model.train()
+        ids = torch.zeros(2, 32, dtype=torch.long, device="cuda")
+        loss = lm_loss_sum(model, ids, ids)
+        backward = "done"
+        try:
+            loss.backward()
+        except RuntimeError as e:  # fake CUDA's limit, not ours
+            if "hasPrimaryContext" not in str(e) and "device_index" not in str(e):
+                raise
+            backward = "stopped by fake CUDA"
+        devices = {p.device.type for p in model.parameters()} | {p.device.type for p in model.buffers()}
+        nf4 = [p for p in model.parameters() if is_nf4(p)]
+        return {"loss": loss, "devices": devices, "nf4": nf4, "adapters": lora_modules(model), "backward": backward}
+
+
+def test_nf4_quantize_and_dequantize_run_on_cuda():
+    with _nf4_caches_set_aside(), fake_mode():
+        w = torch.empty(256, 192, dtype=torch.bfloat16, device="cuda")
+        q = quantize_nf4(w)
+        assert q.quantized_data.device.type == "cuda" and q.quantized_scalers.device.type == "cuda"
+        dense = dequantize_nf4(q, rows=(0, 64))
+        assert dense.device.type == "cuda" and tuple(dense.shape) == (64, 192)
+
+
+@pytest.mark.parametrize("quantize", ["nf4", "none"])
+def test_the_fine_tune_loss_runs_on_cuda(quantize):
+    ran = dry_run(quantize)
+    assert ran["devices"] == {"cuda"}
+    assert ran["loss"].device.type == "cuda" and ran["loss"].dtype == torch.float32
+    assert len(ran["adapters"]) == 2 * 7 + 1
+    assert all(p.quantized_data.device.type == "cuda" for p in ran["nf4"])
+    assert (len(ran["nf4"]) == 2 * 7 + 1) == (quantize == "nf4")
+
+
+def test_fsdp2_over_two_fake_ranks_shards_the_nf4_base_and_runs_the_loss():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from lit_qlora.parallel.distributed import is_sharded, local_tensor
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        with _nf4_caches_set_aside(), fake_mode():
+            model = random_base(CONFIG, "nf4", torch.bfloat16, world_size=2).to("cuda")
+            apply_lora(model, 4, 8, 0.0, dtype=torch.bfloat16)
+            from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+
+            mesh = DeviceMesh("cuda", [0, 1])
+            for block in model.blocks:
+                fully_shard(block, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            register_fsdp_forward_method(model, "forward_hidden")
+            assert is_sharded(model)
+            q = local_tensor(model.blocks[0].self_attn.q_proj.weight)
+            assert is_nf4(q) and q.shape[0] == CONFIG.n_head * CONFIG.head_dim // 2
+            ids = torch.zeros(1, 16, dtype=torch.long, device="cuda")
+            loss = lm_loss_sum(model, ids, ids)
+            assert loss.device.type == "cuda"
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_cpu_only_call_on_the_device_path_fails_the_dry_run(monkeypatch):
+    """What the tests above guard against: here the dequantization reads its codes through numpy, as a CPU-only
+    shortcut would; on fake CUDA that raises."""
+    from lit_qlora.nf4 import codec
+
+    eager = codec.dequantize_eager
+
+    def cpu_only(qdata, scales, levels, out):
+        qdata.numpy()
+        return eager(qdata, scales, levels, out)
+
+    monkeypatch.setattr(codec, "dequantize_eager", cpu_only)
+    with pytest.raises((RuntimeError, TypeError, NotImplementedError)):
+        dry_run("nf4")
