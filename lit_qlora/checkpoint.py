@@ -215,10 +215,30 @@ _SAFETENSORS_DTYPES = {dtype: name for name, dtype in _DTYPES_BY_NAME.items()}
 
 
 class TensorSpec:
-    """A tensor to be written: its name, shape and dtype up front, its data produced only when written."""
+    """A tensor to be written: its name, shape and dtype up front, its data produced only when written.
 
-    def __init__(self, name: str, shape: Iterable[int], dtype: torch.dtype, produce: Callable[[], torch.Tensor]):
-        self.name, self.shape, self.dtype, self.produce = name, tuple(shape), dtype, produce
+    `produce()` makes the whole tensor; `chunks()`, given instead, yields consecutive row blocks whose concatenation
+    along dim 0 is the tensor, so a writer can stream a large merged or dequantized weight without it ever existing
+    whole (`pieces()` yields whichever the spec has)."""
+
+    def __init__(self, name: str, shape: Iterable[int], dtype: torch.dtype,
+                 produce: Optional[Callable[[], torch.Tensor]] = None,
+                 chunks: Optional[Callable[[], Iterable[torch.Tensor]]] = None):
+        if (produce is None) == (chunks is None):
+            raise ValueError(f"{name}: give a TensorSpec either produce or chunks")
+        self.name, self.shape, self.dtype = name, tuple(shape), dtype
+        self._produce, self._chunks = produce, chunks
+
+    def produce(self) -> torch.Tensor:
+        if self._produce is not None:
+            return self._produce()
+        return torch.cat(list(self._chunks()))
+
+    def pieces(self) -> Iterator[torch.Tensor]:
+        if self._chunks is None:
+            yield self._produce()
+        else:
+            yield from self._chunks()
 
     @property
     def nbytes(self) -> int:
@@ -271,7 +291,8 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 
 def write_safetensors(path: Path, specs: list[TensorSpec], metadata: Optional[dict[str, str]] = None) -> None:
-    """Write a safetensors file tensor by tensor, so only one tensor's data is ever produced at a time.
+    """Write a safetensors file tensor by tensor, so only one tensor's data (one row block of a chunked spec) is
+    ever produced at a time, and freed heap goes back to the OS after each large tensor. Nothing is read back.
 
     The header (names, shapes, offsets) is known from the specs; data follows in the same order. Written to a
     temporary name, fsynced, then renamed: a kill leaves either the old file or the new one.
@@ -294,13 +315,20 @@ def write_safetensors(path: Path, specs: list[TensorSpec], metadata: Optional[di
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
         for spec in specs:
-            tensor = spec.produce()
-            if tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype:
-                raise RuntimeError(f"{spec.name}: produced {tuple(tensor.shape)} {tensor.dtype}, declared "
-                                   f"{spec.shape} {spec.dtype}")
-            data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-            f.write(memoryview(data.numpy()))
-            del tensor, data
+            rows = 0
+            for tensor in spec.pieces():
+                shape = tuple(tensor.shape)
+                if shape[1:] != spec.shape[1:] or len(shape) != len(spec.shape) or tensor.dtype != spec.dtype:
+                    raise RuntimeError(f"{spec.name}: produced {shape} {tensor.dtype}, declared {spec.shape} "
+                                       f"{spec.dtype}")
+                rows += shape[0] if shape else 1
+                data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+                f.write(memoryview(data.numpy()))
+                del tensor, data  # before the next block is made
+            if rows != (spec.shape[0] if spec.shape else 1):
+                raise RuntimeError(f"{spec.name}: produced {rows} rows, declared {spec.shape}")
+            if spec.nbytes >= 8 << 20:
+                release_free_memory()
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -321,7 +349,9 @@ def hf_layout_specs(config: Config, specs: list[TensorSpec]) -> list[TensorSpec]
             continue
         parts = [by_name[member] for member in members]
         shape = (sum(part.shape[0] for part in parts), *spec.shape[1:])
-        out.append(TensorSpec(fused, shape, spec.dtype, lambda parts=parts: torch.cat([p.produce() for p in parts])))
+        # Concatenated along dim 0: the parts' row blocks, streamed one after another.
+        out.append(TensorSpec(fused, shape, spec.dtype,
+                              chunks=lambda parts=parts: (x for p in parts for x in p.pieces())))
     return out
 
 

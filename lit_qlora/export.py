@@ -14,14 +14,14 @@ from lit_qlora.checkpoint import (TensorSpec, atomic_write_text, remove_path, re
                                   write_safetensors)
 from lit_qlora.hf_layout import fuse_lora
 from lit_qlora.loading import load_model
-from lit_qlora.lora import LoRALinear, lora_modules, read_adapter_config, save_adapter
-from lit_qlora.nf4 import dequantize_nf4, is_nf4
+from lit_qlora.lora import LoRALinear, lora_modules, read_adapter_config, row_chunks, save_adapter, weight_rows
 from lit_qlora.parallel.distributed import is_sharded
 
 
 def hf_tensor_specs(model: nn.Module, dtype: torch.dtype = torch.bfloat16, merge: bool = True) -> list[TensorSpec]:
     """Specs of the model's Hugging Face state dict; each tensor is produced (dequantized, merged, cast) only
-    when written, so at most one layer's high-precision weight exists at a time.
+    when written, a block of rows at a time (`LoRALinear.merged_chunks`, `MERGE_CHUNK_ELEMS` values), so no whole
+    high-precision weight exists: a merged head or MLP weight costs a few 16 MB blocks, not 3x its fp32 size.
 
     merge=True writes dequant(W) + scale * B @ A for LoRA layers; merge=False writes their base weight alone.
     """
@@ -34,13 +34,12 @@ def hf_tensor_specs(model: nn.Module, dtype: torch.dtype = torch.bfloat16, merge
             continue
         module = model.get_submodule(module_name)
         out_dtype = dtype if tensor.is_floating_point() else tensor.dtype
-        if isinstance(module, LoRALinear) and leaf == "weight":
-            produce = (lambda m=module: m.merged_weight(dtype)) if merge else (lambda m=module: m.base_weight(dtype))
-        elif is_nf4(tensor):
-            produce = lambda t=tensor: dequantize_nf4(t).to(dtype)  # noqa: E731
+        if isinstance(module, LoRALinear) and leaf == "weight" and merge:
+            chunks = lambda m=module: m.merged_chunks(dtype)  # noqa: E731
         else:
-            produce = lambda t=tensor, d=out_dtype: t.detach().to(d)  # noqa: E731
-        specs.append(TensorSpec(name, tensor.shape, out_dtype, produce))
+            # Dequantized (NF4) or cast, a block of rows at a time.
+            chunks = lambda t=tensor, d=out_dtype: row_chunks(t, lambda rows: weight_rows(t, d, rows))  # noqa: E731
+        specs.append(TensorSpec(name, tensor.shape, out_dtype, chunks=chunks))
     return specs
 
 

@@ -324,6 +324,9 @@ def fit(run: Run) -> dict[str, Any]:
             trainer.fit(module, train_dataloaders=run.train_loader)
     else:  # the last step's checkpoint is written but final/ or summary.json is not: validate and export again
         load_adapter(module.model, config.resume_from)
+    # The peaks through training (load, first validation, steps), beside the whole run's: what comes after (final
+    # validation, export) should not raise them, and summary.json shows whether it did.
+    train_peaks = {k.replace("_bytes", "_train_bytes"): v for k, v in peak_memory_stats(module.device).items()}
     with config.oom(lambda: "in the final validation"):
         trainer.validate(module, dataloaders=val_loader, verbose=False)
     trainer.logger.close()
@@ -336,7 +339,7 @@ def fit(run: Run) -> dict[str, Any]:
         return {}
     with config.oom(lambda: "while exporting final/"):
         export_final(module.model, config.out_dir / "final", config.checkpoint_dir, config.adapter_config(), adapter)
-    summary = run_summary(run)
+    summary = {**run_summary(run), **train_peaks}
     atomic_write_text(config.out_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
     print_report(summary, config.out_dir)
     return summary

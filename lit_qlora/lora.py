@@ -6,14 +6,14 @@ import json
 import math
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 import torch.nn as nn
 
 from lit_qlora.checkpoint import TensorSpec, atomic_write_text, iter_safetensors, write_safetensors
 from lit_qlora.guards import require_finite
-from lit_qlora.nf4 import dequantize_nf4, frozen_linear, is_nf4
+from lit_qlora.nf4 import dequantize_nf4, frozen_linear, is_nf4, row_slices
 from lit_qlora.parallel.distributed import full, is_sharded, reshard, shard_like
 
 # Short target names -> module name suffixes in our (= Hugging Face) naming.
@@ -27,6 +27,8 @@ TARGETS = {
     "down": "mlp.down_proj",
     "lm_head": "lm_head",
 }
+# Merged exports are computed this many values at a time: 16 MB per fp32 temporary, whatever the weight's size.
+MERGE_CHUNK_ELEMS = 1 << 22
 ADAPTER_WEIGHTS = "adapter.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 
@@ -69,23 +71,57 @@ class LoRALinear(nn.Linear):
         a, b = self.lora_A.to(x.dtype), self.lora_B.to(x.dtype)
         return out + (self.lora_dropout(x) @ a.T @ b.T) * self.scale
 
-    def delta_weight(self) -> torch.Tensor:
-        """scale * B @ A in fp32: what merging adds to the base weight."""
-        return (self.lora_B.float() @ self.lora_A.float()) * self.scale
+    def lora_factors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, A) as the tensors this process holds (a tensor-parallel layer: its local parts)."""
+        return self.lora_B, self.lora_A
 
-    def base_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def delta_weight(self, rows: Optional[tuple[int, int]] = None) -> torch.Tensor:
+        """scale * B @ A in fp32 (only its rows start:stop when given): what merging adds to the base weight."""
+        b, a = self.lora_factors()
+        if rows is not None:
+            b = b[rows[0] : rows[1]]
+        return (b.float() @ a.float()).mul_(self.scale)  # in place: one fp32 temporary fewer
+
+    def base_weight(self, dtype: torch.dtype = torch.float32, rows: Optional[tuple[int, int]] = None) -> torch.Tensor:
         """The weight the adapter trained against: dequant(NF4(W)) for an NF4 base, W otherwise."""
-        if is_nf4(self.weight):
-            return dequantize_nf4(self.weight).to(dtype)
-        return self.weight.detach().to(dtype)
+        return weight_rows(self.weight, dtype, rows)
 
     @torch.no_grad()
-    def merged_weight(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-        return (self.base_weight(torch.float32) + self.delta_weight()).to(dtype)
+    def merged_weight(self, dtype: torch.dtype = torch.bfloat16,
+                      rows: Optional[tuple[int, int]] = None) -> torch.Tensor:
+        """dequant(W) + scale * B @ A, summed in fp32 and cast to `dtype` (only rows start:stop when given)."""
+        merged = self.delta_weight(rows)
+        merged += self.base_weight(torch.float32, rows)  # in place, into the fresh delta: one fp32 temporary fewer
+        return merged.to(dtype)
+
+    def merged_chunks(self, dtype: torch.dtype = torch.bfloat16) -> Iterator[torch.Tensor]:
+        """The merged weight as consecutive row blocks of at most MERGE_CHUNK_ELEMS values: a streaming export
+        writes each and drops it, so the whole high-precision weight never exists (a 32000x2048 head merged whole
+        held ~760 MiB of fp32 temporaries, issue 16)."""
+        return row_chunks(self.weight, lambda rows: self.merged_weight(dtype, rows))
 
     def extra_repr(self) -> str:
         kind = "nf4" if is_nf4(self.weight) else str(self.weight.dtype).removeprefix("torch.")
         return f"{self.in_features}, {self.out_features}, base={kind}, r={self.r}, alpha={self.alpha}"
+
+
+def weight_rows(weight: torch.Tensor, dtype: torch.dtype, rows: Optional[tuple[int, int]] = None) -> torch.Tensor:
+    """A frozen weight in `dtype`, dequantized if NF4 (only rows start:stop when given: on NF4 block boundaries)."""
+    if is_nf4(weight):
+        return dequantize_nf4(weight, rows=rows).to(dtype)
+    weight = weight.detach()
+    return (weight if rows is None else weight[rows[0] : rows[1]]).to(dtype)
+
+
+def row_chunks(weight: torch.Tensor,
+               make: Callable[[Optional[tuple[int, int]]], torch.Tensor]) -> Iterator[torch.Tensor]:
+    """`make(rows)` for consecutive row ranges of `weight` of at most MERGE_CHUNK_ELEMS values (NF4: on block
+    boundaries); `make(None)` once for a small weight. Each block is dropped before the next is made."""
+    slices = row_slices(weight, MERGE_CHUNK_ELEMS)
+    for rows in slices:
+        chunk = make(None if len(slices) == 1 else rows)
+        yield chunk
+        del chunk  # while suspended the frame would keep it alive next to the following block
 
 
 @contextmanager

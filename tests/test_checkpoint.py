@@ -1,15 +1,21 @@
 """Streaming checkpoint loading (single, sharded, .bin) and Hugging Face export."""
 
 import json
+import weakref
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
+from lit_qlora import lora
 from lit_qlora.checkpoint import CheckpointError, TensorSpec, load_checkpoint, save_hf_checkpoint, write_safetensors
 from lit_qlora.export import hf_tensor_specs
 from lit_qlora.config import Config
+from lit_qlora.lora import apply_lora
 from lit_qlora.model import Transformer
+from lit_qlora.nf4 import quantize_linears
 
 TINY = Config(vocab_size=64, n_layer=2, n_embd=32, n_head=4, n_query_groups=2, intermediate_size=48,
               max_seq_length=64)
@@ -124,3 +130,78 @@ def test_export_loads_in_transformers(tmp_path, tied):
         assert (hf(idx).logits - model(idx)).abs().max() <= 1e-4
     assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] == tied
     assert ("lm_head.weight" in load_file(str(out / "model.safetensors"))) == (not tied)
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes of the tensor storages that ops make while the mode is active and that are still alive, and their peak
+    (`peak`). Storages of `existing` (the model's own tensors, which views and detach() share) are never counted."""
+
+    def __init__(self, existing):
+        super().__init__()
+        self.known = {t.untyped_storage().data_ptr() for t in existing}
+        self.live = self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if type(t) is not torch.Tensor or t.untyped_storage().nbytes() == 0:
+                continue
+            storage = t.untyped_storage()
+            ptr, nbytes = storage.data_ptr(), storage.nbytes()
+            if ptr not in self.known:
+                self.known.add(ptr)
+                self.live += nbytes
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(storage, self._freed, ptr, nbytes)  # runs when the storage itself is freed
+        return out
+
+    def _freed(self, ptr, nbytes):
+        self.known.discard(ptr)
+        self.live -= nbytes
+
+
+def inner_tensors(t):
+    """`t`, or a tensor subclass's (NF4Tensor's) inner plain tensors."""
+    if type(t) in (torch.Tensor, torch.nn.Parameter) or not hasattr(t, "__tensor_flatten__"):
+        return [t]
+    return [x for name in t.__tensor_flatten__()[0] for x in inner_tensors(getattr(t, name))]
+
+
+@pytest.mark.parametrize("quantize", ["nf4", "none"])
+def test_merged_export_holds_one_block_of_rows_at_a_time(tmp_path, monkeypatch, quantize):
+    """Issue 16: merging a whole 32000x2048 head in fp32 made ~760 MiB of temporaries and set the run's peak. The
+    export streams each weight a block of rows at a time: the bytes that ops allocate and keep alive while the merged
+    file is written stay at a few blocks, far below one whole weight in fp32."""
+    config = TINY.replace(vocab_size=512, n_embd=64, intermediate_size=96)
+    model = random_model(config).to(torch.bfloat16)
+    if quantize == "nf4":
+        quantize_linears(model)
+    apply_lora(model, r=4, alpha=8, targets="all", dtype=torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.normal_(0, 0.05)
+    monkeypatch.setattr(lora, "MERGE_CHUNK_ELEMS", 1024)
+    largest = max(p.numel() for p in model.parameters()) * 4  # the largest weight, whole, in fp32: 128 KiB
+    existing = [x for t in [*model.parameters(), *model.buffers()] for x in inner_tensors(t)]
+    with LiveBytes(existing) as live:
+        write_safetensors(tmp_path / "merged.safetensors", hf_tensor_specs(model, torch.float32))
+    assert 0 < live.peak <= 8 * 1024 * 4 < largest, live.peak  # a few 4 KiB fp32 blocks
+    assert live.live == 0  # nothing produced is kept once written
+    back = load_file(str(tmp_path / "merged.safetensors"))
+    monkeypatch.setattr(lora, "MERGE_CHUNK_ELEMS", 1 << 22)
+    assert torch.equal(back["lm_head.weight"], model.lm_head.merged_weight(torch.float32))
+    assert torch.equal(back["model.layers.1.mlp.down_proj.weight"],
+                       model.model.layers[1].mlp.down_proj.merged_weight(torch.float32))
+    assert torch.equal(back["model.embed_tokens.weight"], model.model.embed_tokens.weight.float())
+
+
+def test_chunked_spec_streams_its_rows_and_checks_them(tmp_path):
+    t = torch.randn(10, 3)
+    spec = TensorSpec("t", t.shape, t.dtype, chunks=lambda: iter(t.split(4)))
+    assert torch.equal(spec.produce(), t)
+    write_safetensors(tmp_path / "x.safetensors", [spec])
+    assert torch.equal(load_file(str(tmp_path / "x.safetensors"))["t"], t)
+    short = TensorSpec("t", t.shape, t.dtype, chunks=lambda: iter(t[:8].split(4)))
+    with pytest.raises(RuntimeError, match="produced 8 rows"):
+        write_safetensors(tmp_path / "y.safetensors", [short])

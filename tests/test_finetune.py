@@ -56,6 +56,7 @@ def test_tiny_run_writes_every_artifact(tiny_llama_dir, tmp_path):
                 "quantized_linears", "total_linears", "trainable_params", "total_params"):
         assert on_disk[key] is not None, key
     assert on_disk["quantized_linears"] == on_disk["total_linears"] == 15
+    assert 0 < on_disk["peak_rss_train_bytes"] <= on_disk["peak_rss_bytes"]  # through training, and the whole run
     assert on_disk["trainable_params"] < on_disk["total_params"]
     assert list((out / "logs").glob("events.out.tfevents.*"))
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000002", "step-000003"]

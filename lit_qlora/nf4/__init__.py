@@ -14,7 +14,7 @@ Nothing here knows about LoRA: the adapter layer imports this package, never the
 
 from lit_qlora.nf4.codec import clone_nf4, dequantize_nf4, is_nf4, nf4_nbytes, quantize_nf4
 from lit_qlora.nf4.convert import base_linears, count_linears, is_ignored, quantize_linears, quantize_weight
-from lit_qlora.nf4.layout import NF4Layout, block_aligned_rows, nf4_layout
+from lit_qlora.nf4.layout import NF4Layout, block_aligned_rows, nf4_layout, row_slices
 from lit_qlora.nf4.linear import FrozenNF4Linear, NF4Linear, frozen_linear, nf4_linear
 from lit_qlora.nf4.native import nf4_backend
 from lit_qlora.nf4.reference import NF4_LEVELS
@@ -24,6 +24,7 @@ __all__ = [
     "NF4Layout",
     "nf4_layout",
     "block_aligned_rows",
+    "row_slices",
     "quantize_nf4",
     "dequantize_nf4",
     "is_nf4",

@@ -141,6 +141,19 @@ def block_aligned_rows(t: NF4Tensor, max_elems: int) -> int:
     return max(step, (max_elems // cols) // step * step)
 
 
+def row_slices(t, max_elems: int) -> list[tuple[int, int]]:
+    """``(start, stop)`` row ranges covering the tensor ``t`` in order, each at most ``max_elems`` elements (but
+    at least one row; NF4: at least one block, on block boundaries); one range for a small or 0-/1-row tensor."""
+    rows = t.shape[0] if t.dim() else 1
+    if t.dim() == 0 or t.numel() <= max_elems:
+        return [(0, rows)]
+    if isinstance(t, NF4Tensor):
+        step = block_aligned_rows(t, max_elems)
+    else:
+        step = max(1, max_elems // (t.numel() // rows))
+    return [(r, min(rows, r + step)) for r in range(0, rows, step)]
+
+
 def row_blocks(t: NF4Tensor, start: int, stop: int) -> tuple[tuple[int, int], tuple[int, int]]:
     """The shape of rows ``start:stop`` of the 2-D ``t`` and the quantization blocks ``(b0, b1)`` they span."""
     if t.dim() != 2 or not 0 <= start < stop <= t.shape[0]:

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torchao.quantization import NF4Tensor
 
 from lit_qlora.nf4.codec import dequantize_nf4, is_nf4
-from lit_qlora.nf4.layout import block_aligned_rows
+from lit_qlora.nf4.layout import row_slices
 from lit_qlora.nf4.reference import SUPPORTED_DTYPES
 
 DENSE_CHUNK_ELEMS = 1 << 24
@@ -37,11 +37,7 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def _row_slices(weight: NF4Tensor) -> list[tuple[int, int]]:
-    rows = weight.shape[0]
-    if weight.numel() <= DENSE_CHUNK_ELEMS:
-        return [(0, rows)]
-    step = block_aligned_rows(weight, DENSE_CHUNK_ELEMS)
-    return [(r, min(rows, r + step)) for r in range(0, rows, step)]
+    return row_slices(weight, DENSE_CHUNK_ELEMS)
 
 
 def _dense_rows(weight: NF4Tensor, dtype: torch.dtype, start: int, stop: int) -> torch.Tensor:

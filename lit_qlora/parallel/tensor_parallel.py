@@ -165,9 +165,9 @@ class ParallelLoRALinear(LoRALinear):
         h = sum_over_group(self.lora_dropout(x) @ a.T, self.group)  # whole on every rank: B's gradient is too
         return out + (h @ b.T) * self.scale
 
-    def delta_weight(self) -> torch.Tensor:
-        """This rank's part of scale * B @ A (the part its base shard gets)."""
-        return (self.lora_B.to_local().float() @ self.lora_A.to_local().float()) * self.scale
+    def lora_factors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's parts of B and A: delta_weight() is then its part of scale * B @ A (what its shard gets)."""
+        return self.lora_B.to_local(), self.lora_A.to_local()
 
 
 def is_parallel(model: nn.Module) -> bool:

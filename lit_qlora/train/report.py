@@ -14,6 +14,8 @@ def print_report(summary: dict[str, Any], out_dir: Path) -> None:
         ("val loss (before -> after)", f"{loss(summary['initial_val_loss'])} -> {loss(summary['val_loss'])}"),
         ("tokens/s (after step 1)", f"{summary['tokens_per_sec']:.1f}" if summary["tokens_per_sec"] else "-"),
         ("peak RSS (whole run)", f"{summary['peak_rss_bytes'] / gib:.2f} GiB"),
+        # Load, first validation and the steps: the final validation and the exports should not add to it.
+        ("peak RSS (through training)", f"{summary['peak_rss_train_bytes'] / gib:.2f} GiB"),
         *[(k.replace("_bytes", "").replace("_", " "), f"{summary[k] / gib:.2f} GiB")
           for k in ("peak_allocated_bytes", "peak_reserved_bytes", "peak_active_bytes") if k in summary],
         ("NF4 linears", f"{summary['quantized_linears']} / {summary['total_linears']}"),
