@@ -21,12 +21,15 @@ ROOT = HERE.parent
 RESULTS = HERE / "results"
 GiB = 1 << 30
 
-# (recipe, micro-batch, sequence, FSDP rank counts, the anchor's figure)
+# torchtune's Llama 3.1 8B (Q)LoRA recipes: r 8, alpha 16, no dropout, q, v, output projection and the MLP.
+TORCHTUNE = {"r": 8, "alpha": 16, "dropout": 0.0, "targets": ["q", "v", "o", "gate", "up", "down"]}
+# (recipe, LoRA overrides, micro-batch, sequence, FSDP rank counts, the anchor's figure)
 ROWS = [
-    ("llama-2-7b/qlora.yaml", 2, 512, (), "torchtune's QLoRA PR: 5.77 GB peak allocated (goal <= 4.5 GiB)"),
-    ("llama-2-7b/lora.yaml", 2, 512, (), "torchtune's QLoRA PR: LoRA ~16 GB"),
-    ("llama-3.1-8b/qlora.yaml", 2, 2048, (2, 8), "torchtune: 7.4 GiB (goal <= 6.5 GiB)"),
-    ("llama-3.1-8b/lora.yaml", 2, 2048, (), ""),
+    ("llama-2-7b/qlora.yaml", {}, 2, 512, (), "torchtune's QLoRA PR: 5.77 GB peak allocated (goal <= 4.5 GiB)"),
+    ("llama-2-7b/lora.yaml", {}, 2, 512, (), "torchtune's QLoRA PR: LoRA ~16 GB"),
+    ("llama-3.1-8b/qlora.yaml", {}, 2, 2048, (2, 8), "torchtune: 7.4 GiB (goal <= 6.5 GiB)"),
+    ("llama-3.1-8b/qlora.yaml", TORCHTUNE, 2, 2048, (), "torchtune: 7.4 GiB, at these LoRA settings"),
+    ("llama-3.1-8b/lora.yaml", {}, 2, 2048, (), ""),
 ]
 
 
@@ -36,8 +39,9 @@ def main() -> None:
     from lit_qlora.train.args import LoRAArgs, TrainArgs
 
     rows = []
-    for recipe, batch, seq, fsdp, anchor in ROWS:
+    for recipe, overrides, batch, seq, fsdp, anchor in ROWS:
         spec = yaml.safe_load((ROOT / "config_hub" / "finetune" / recipe).read_text())
+        spec["lora"].update(overrides)
         config, _ = resolve_config(spec["checkpoint_dir"])
         lora = LoRAArgs(**spec["lora"])
         train = replace(TrainArgs(**{k: v for k, v in spec["train"].items()}), micro_batch_size=batch,
@@ -55,10 +59,11 @@ def main() -> None:
     lines = ["# `litqlora estimate --device cuda` for GPU recipes", "",
              "Predicted peak allocated bytes per rank (activation checkpointing on; the recipe's LoRA settings). "
              "Reproduce: `python benchmarks/estimate_predictions.py`.", "",
-             "| recipe | micro-batch x seq | ranks (FSDP) | predicted GiB | frozen base | activations | anchor |",
-             "|---|---|---:|---:|---:|---:|---|"]
+             "| recipe | LoRA | micro-batch x seq | ranks (FSDP) | predicted GiB | frozen base | activations | anchor |",
+             "|---|---|---|---:|---:|---:|---:|---|"]
     for r in rows:
-        lines.append(f"| {r['recipe']} | {r['micro_batch_size']} x {r['max_seq_length']} | {r['ranks']} | "
+        lora = f"r {r['lora']['r']}, dropout {r['lora']['dropout']}, {','.join(r['lora']['targets'])}"
+        lines.append(f"| {r['recipe']} | {lora} | {r['micro_batch_size']} x {r['max_seq_length']} | {r['ranks']} | "
                      f"{r['peak_bytes'] / GiB:.2f} | {r['by_category']['frozen base'] / GiB:.2f} | "
                      f"{r['by_category']['activations'] / GiB:.2f} | {r['anchor']} |")
     (RESULTS / "estimate_predictions.md").write_text("\n".join(lines) + "\n")
