@@ -247,15 +247,19 @@ def setup(checkpoint_dir: Path, out_dir: Path, quantize: str, precision: str, se
           ignore_modules: Optional[list[str]]) -> Run:
     """Check the settings, load the data and the base (NF4 unless quantize=none), add LoRA, build the Trainer."""
     # Lightning (and what builds on it) loads here, not when the module is imported: the CLI reads `finetune`'s
-    # signature for `--help` and argument errors, which must not wait seconds for the training stack.
-    import lightning as L
+    # signature for `--help` and argument errors, which must not wait seconds for the training stack. It loads
+    # without transformers, matplotlib and scipy, which torchmetrics would import only because they are installed.
+    from lit_qlora.train.lean_imports import lean_imports
 
-    from lit_qlora.data.module import SFTDataModule
-    from lit_qlora.precision import NF4Precision
-    from lit_qlora.train.callbacks import HeapRelease, MetricsLog, ResumableCheckpoints, StopOnSignal
-    from lit_qlora.train.module import FinetuneModule
-    from lit_qlora.train.progress import StepProgressBar, quiet_lightning
-    from lit_qlora.train.tensorboard import RunTensorBoardLogger
+    with lean_imports():
+        import lightning as L
+
+        from lit_qlora.data.module import SFTDataModule
+        from lit_qlora.precision import NF4Precision
+        from lit_qlora.train.callbacks import HeapRelease, MetricsLog, ResumableCheckpoints, StopOnSignal
+        from lit_qlora.train.module import FinetuneModule
+        from lit_qlora.train.progress import StepProgressBar, quiet_lightning
+        from lit_qlora.train.tensorboard import RunTensorBoardLogger
 
     started = time.perf_counter()
     out_dir = Path(out_dir)

@@ -1,5 +1,7 @@
 """The `litqlora` command line as a user runs it: subprocesses, exit codes, stdout/stderr."""
 
+import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -69,13 +71,17 @@ def test_every_command_documents_debug_and_its_own_config():
 
 
 HEAVY = ("lightning", "transformers", "matplotlib", "scipy", "torchmetrics", "lm_eval.evaluator")
+# Installed, so torchmetrics imports them, but a fine-tune never calls them (lit_qlora.train.lean_imports).
+UNUSED_BY_FINETUNE = {"transformers", "matplotlib", "scipy"}
 
 
-def modules_loaded_by(*argv: str) -> set[str]:
-    """Which of HEAVY the CLI imported for `litqlora ARGV` (in a fresh interpreter)."""
-    code = ("import sys\nfrom lit_qlora.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
-            f"print('LOADED', *sorted(m for m in {HEAVY!r} if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=300)
+def modules_loaded_by(*argv: str, before: str = "") -> set[str]:
+    """Which of HEAVY, and torch, are in sys.modules once `litqlora ARGV` has run (in a fresh interpreter that runs
+    `before` first)."""
+    watch = (*HEAVY, "torch")
+    code = (f"import sys\n{before}\nfrom lit_qlora.cli import main\ntry:\n    main(sys.argv[1:])\n"
+            f"except SystemExit:\n    pass\nprint('LOADED', *sorted(m for m in {watch!r} if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code, *map(str, argv)], capture_output=True, text=True, timeout=600)
     line = [line for line in out.stdout.splitlines() if line.startswith("LOADED")]
     assert line, out.stderr
     return set(line[0].split()[1:])
@@ -85,12 +91,33 @@ def modules_loaded_by(*argv: str) -> set[str]:
                                   ["finetune", "--no_such_option", "1"], ["finetune", "--checkpoint_dir", "no/such"],
                                   ["finetun"]])
 def test_help_and_argument_errors_do_not_import_the_training_stack(argv):
-    assert modules_loaded_by(*argv) == set()
+    assert modules_loaded_by(*argv) - {"torch"} == set()
 
 
-def test_the_training_stack_is_what_the_check_sees(tmp_path):
-    """The check above can fail: a fine-tune that gets past its argument checks imports Lightning."""
-    assert "lightning" in modules_loaded_by("finetune", "--checkpoint_dir", str(tmp_path))
+def test_a_fine_tune_trains_without_transformers_matplotlib_or_scipy(tiny_llama_dir, tmp_path):
+    """A real fine-tune (Lightning Trainer, NF4, TensorBoard log, a resumable checkpoint, final/ exports) imports
+    torch, Lightning and torchmetrics, and none of the libraries it never calls."""
+    rows = [{"instruction": f"Add {i} and {i + 3}.", "output": f"{i} + {i + 3} = {2 * i + 3}."} for i in range(8)]
+    (tmp_path / "rows.json").write_text(json.dumps(rows))
+    out = tmp_path / "run"
+    loaded = modules_loaded_by("finetune", "--checkpoint_dir", tiny_llama_dir, "--out_dir", out, "--accelerator", "cpu",
+                               "--data.json_path", tmp_path / "rows.json", "--data.val_split", 0.25,
+                               "--train.max_steps", 1, "--train.global_batch_size", 2, "--train.micro_batch_size", 2,
+                               "--train.max_seq_length", 64, "--train.save_interval", 1, "--lora.r", 4)
+    assert json.loads((out / "summary.json").read_text())["steps"] == 1  # it trained and exported
+    assert (out / "final").is_dir() and list((out / "logs").glob("events.out.tfevents.*"))
+    assert loaded == {"torch", "lightning", "torchmetrics"}
+
+
+def test_without_the_guard_lightning_imports_what_a_fine_tune_never_calls(tmp_path):
+    """The check above can fail: with lean_imports a no-op, a fine-tune that gets past its argument checks loads
+    transformers, matplotlib and scipy with Lightning (where they are installed, as with the test extra)."""
+    missing = sorted(name for name in UNUSED_BY_FINETUNE if importlib.util.find_spec(name) is None)
+    if missing:
+        pytest.skip(f"not installed: {missing}")
+    no_guard = "import contextlib, lit_qlora.train.lean_imports as g\ng.lean_imports = contextlib.nullcontext"
+    loaded = modules_loaded_by("finetune", "--checkpoint_dir", tmp_path, before=no_guard)
+    assert {"lightning", "torchmetrics", *UNUSED_BY_FINETUNE} <= loaded
 
 
 @pytest.mark.slow
