@@ -116,7 +116,7 @@ CASES = [
     ("bad-value", lambda c: finetune_args(c, "--train.activation_checkpointing", "maybe"),
      ["--train.activation_checkpointing", "expected bool or int", "'maybe'"], None),
     ("unknown-command", lambda c: ["finetun"], ["unknown command 'finetun'", "Did you mean `finetune`"], None),
-    ("no-command", lambda c: [], ["no command given", "'finetune', 'download'"], None),
+    ("no-command", lambda c: [], ["no command given", "'finetune', 'estimate', 'download'"], None),
     ("bad-choice", lambda c: finetune_args(c, "--precision", "bf17"),
      ["--precision: expected one of 'bf16-true', '16-true', '32-true', got 'bf17'"], None),
     ("no-value", lambda c: finetune_args(c, "--resume"), ["--resume: expected bool, 'auto' or Path, got no value"],

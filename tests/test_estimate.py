@@ -32,6 +32,7 @@ def config_only_dir(tmp_path: Path) -> Path:
 
 def measured_peak(config: Config, quantize: str, lora: LoRAArgs, train: TrainArgs) -> int:
     """The real step, as a fine-tune runs it, measured by torch.profiler's allocation events."""
+    linear._scratch.__dict__.clear()  # as in a fresh process: earlier tests' larger NF4 scratch buffers are not its
     torch.manual_seed(0)
     model = apply_lora(random_base(config, quantize, torch.bfloat16), lora.r, lora.alpha, lora.dropout,
                        dtype=torch.bfloat16)
