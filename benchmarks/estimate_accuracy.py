@@ -78,8 +78,9 @@ def main() -> None:
 
 def write_markdown(record: dict) -> None:
     lines = ["# `litqlora estimate --device cpu` vs a real step (allocated tensor bytes)", "",
-             "Seq 512, LoRA r=8 alpha=16 on every linear, fused AdamW, clipping 1.0. Measured: "
-             "torch.profiler's memory timeline at its peak over a step after a warm-up step. Reproduce: "
+             "Seq 512, LoRA r=8 alpha=16 on every linear, fused AdamW, clipping 1.0. Measured, over a step after "
+             "a warm-up step: everything resident before it plus the highest running sum of torch.profiler's "
+             "allocation and free events during it (`memory_trace.profiled_peak`). Reproduce: "
              "`python benchmarks/estimate_accuracy.py --rows ROW`.", "",
              "| row (model:quantize:batch:checkpointing:dropout) | predicted MiB | measured MiB | predicted / measured |",
              "|---|---:|---:|---:|"]

@@ -116,8 +116,10 @@ def _gpu_nf4_paths() -> Iterator[None]:
     try:
         yield
     finally:
-        os.environ.pop("LIT_QLORA_NF4_SCRATCH") if saved is None else os.environ.__setitem__("LIT_QLORA_NF4_SCRATCH",
-                                                                                              saved)
+        if saved is None:
+            del os.environ["LIT_QLORA_NF4_SCRATCH"]
+        else:
+            os.environ["LIT_QLORA_NF4_SCRATCH"] = saved
 
 
 def _cuda_dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
@@ -139,7 +141,7 @@ def trace_step(config: Config, quantize: Quantize, precision: Precision, lora: L
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from lit_qlora.lora import apply_lora
-    from lit_qlora.loading import random_base
+    from lit_qlora.loading import default_dtype, random_base
     from lit_qlora.nf4 import is_nf4, linear
     from lit_qlora.train.loss import lm_loss_sum
 
@@ -182,9 +184,7 @@ def trace_step(config: Config, quantize: Quantize, precision: Precision, lora: L
                 trace.hold(p, "embeddings and norms")
         stack.enter_context(_patched(linear, "_dense_rows", phase.wrap(linear._dense_rows, "NF4 dequantize scratch")))
         ids = torch.zeros(batch, train.max_seq_length, dtype=torch.long)
-        previous = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)  # as the precision plugin sets it inside training steps
-        stack.callback(torch.set_default_dtype, previous)
+        stack.enter_context(default_dtype(dtype))  # as the precision plugin sets it inside training steps
         if device == "cuda":
             stack.enter_context(_gpu_nf4_paths())
             stack.enter_context(_patched(torch.nn.functional, "dropout", _cuda_dropout))

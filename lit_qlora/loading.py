@@ -7,8 +7,9 @@ full high-precision model never exists (peak ~ the NF4 model + one tensor).
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Iterable, Iterator, Optional
 
 import torch
 import torch.nn as nn
@@ -119,11 +120,27 @@ def _load_base(checkpoint_dir: Path, quantize: Quantize, dtype: torch.dtype, ign
 
     model = load_checkpoint(checkpoint_dir, dtype=dtype, transform=transform, config=config)
     if config.tie_embeddings and "lm_head.weight" in quantized:
-        model.lm_head.weight = nn.Parameter(quantize_weight(model.model.embed_tokens.weight, world_size),
-                                            requires_grad=False)
+        _own_nf4_head(model, world_size)
     dense = [n for n in base_linears(model) if tp_style(n)] if tensor_parallel > 1 else []
     quantize_linears(model, ignore_modules + dense, world_size)  # marks, hooks and counts; nothing left to quantize
     return model
+
+
+def _own_nf4_head(model: Transformer, world_size: int) -> None:
+    """A tied head gets its own NF4 copy of the embedding (which stays in high precision: it is looked up)."""
+    model.lm_head.weight = nn.Parameter(quantize_weight(model.model.embed_tokens.weight, world_size),
+                                        requires_grad=False)
+
+
+@contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """torch's default dtype inside (what the precision plugin sets for module init and training steps)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
 
 
 def random_base(config: Config, quantize: Quantize | str, dtype: torch.dtype, ignore_modules: Iterable[str] = (),
@@ -131,16 +148,11 @@ def random_base(config: Config, quantize: Quantize | str, dtype: torch.dtype, ig
     """The model `load_model` builds from a checkpoint of this config, with random weights in place of the
     checkpoint's: the same modules, dtypes and NF4 layout (a tied head gets its own NF4 copy). For dry runs
     (`litqlora estimate` builds it from fake tensors) and benchmarks."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
+    with default_dtype(dtype):
         model = Transformer(config)
-    finally:
-        torch.set_default_dtype(previous)
     if Quantize(quantize) is Quantize.NF4:
         ignore_modules = list(ignore_modules)
         if config.tie_embeddings and not is_ignored("lm_head", ignore_modules):
-            model.lm_head.weight = nn.Parameter(quantize_weight(model.model.embed_tokens.weight, world_size),
-                                                requires_grad=False)
+            _own_nf4_head(model, world_size)
         quantize_linears(model, ignore_modules, world_size)
     return model.eval()

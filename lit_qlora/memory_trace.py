@@ -3,7 +3,7 @@ their storage as they are created (on fake tensors: shapes and dtypes, no data),
 weak references, and the peak of live bytes is kept with what was live at that moment, by category.
 
 `litqlora estimate` runs one training step of the real code under `AllocationTrace`; the category of an allocation
-is decided when it is made (`Phase` and `tag` say what the step is doing, shapes say what the tensor is), so the
+is decided when it is made (`StepPhase`'s phase and tag say what the step is doing, shapes say what the tensor is), so the
 peak's breakdown costs nothing to keep."""
 
 from __future__ import annotations
@@ -94,9 +94,9 @@ class AllocationTrace(TorchDispatchMode):
             args = (args[0], [_all_true(i) for i in args[1]])
         inside = self.workspace(func, args) if self.workspace is not None else 0
         if inside:
-            self._count(inside, "other temporaries")
+            counted = self._count(inside, "other temporaries")  # (rounded as an allocation: taken back the same)
             self.note_peak()
-            self._count(-inside, "other temporaries")
+            self._count(-counted, "other temporaries")
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
