@@ -259,6 +259,11 @@ def estimate(
         device_memory: The card's memory, e.g. 24GiB: also find the largest micro-batch size that fits, with and
             without activation checkpointing.
     """
+    for flag, value, least in (("--devices", devices, 1), ("--num_nodes", num_nodes, 1),
+                               ("--train.micro_batch_size", train.micro_batch_size, 1),
+                               ("--train.max_seq_length", train.max_seq_length, 2)):
+        if value < least:
+            raise ValueError(f"{flag} must be at least {least}, got {value}.")
     config, source = resolve_config(checkpoint_dir)
     quantize = Quantize(quantize)
     world_size = devices * num_nodes

@@ -122,6 +122,8 @@ def test_a_recipe_whose_checkpoint_is_not_downloaded_falls_back_to_its_preset_an
     (["--device_memory", "lots"], "is not a size"),
     (["--train.micro_batch_size", "3", "--train.global_batch_size", "4"], "multiple of train.micro_batch_size"),
     (["--strategy", "tp", "--devices", "2", "--tensor_parallel", "1"], "--tensor_parallel >= 2"),
+    (["--devices", "0"], "--devices must be at least 1, got 0"),
+    (["--train.max_seq_length", "1"], "--train.max_seq_length must be at least 2, got 1"),
 ])
 def test_bad_input_is_one_clear_line_and_exit_1(tmp_path, capsys, argv, message):
     with pytest.raises(SystemExit) as e:
