@@ -16,6 +16,7 @@ simulated (docs: tutorials/memory.md, "Will it fit?"):
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from contextlib import ExitStack, contextmanager
@@ -276,13 +277,14 @@ def estimate(
           f"micro-batch {train.micro_batch_size} x {train.max_seq_length}, activation checkpointing "
           f"{train.activation_checkpointing}, {world_size} rank(s), {device}")
 
+    @functools.cache  # the batch search may ask again for the size and setting of the first prediction
     def predict(micro_batch_size: int, checkpointing: Any = train.activation_checkpointing) -> tuple[int, dict]:
         trace = trace_step(config, quantize, precision, lora, replace(train, activation_checkpointing=checkpointing),
                            device, micro_batch_size)
         parts = parallel_bytes(trace.peak_by_category, config, strategy, world_size, tensor_parallel)
         return sum(parts.values()), parts
 
-    peak, by_category = predict(train.micro_batch_size)
+    peak, by_category = predict(train.micro_batch_size, train.activation_checkpointing)
     result: dict[str, Any] = {
         "model": config.name, "source": source, "quantize": str(quantize), "precision": precision, "device": device,
         "world_size": world_size, "strategy": strategy, "tensor_parallel": tensor_parallel,
@@ -308,22 +310,31 @@ def fits(peak: int, budget: int, device: str) -> bool:
     return peak <= budget
 
 
-def largest_batches(predict, budget: int, device: str, limit: int = 256) -> dict[str, Any]:
-    """The largest micro-batch size that fits `budget`, with activation checkpointing on and off: memory grows
-    linearly with the batch, so two traces give the line and one more confirms its answer."""
+def largest_batches(predict, budget: int, device: str, limit: int = 256, traces: int = 5) -> dict[str, Any]:
+    """The largest micro-batch size that fits `budget`, with activation checkpointing on and off. Memory grows
+    about linearly with the batch: the line through the two latest traces guesses the answer (a secant search),
+    at most `traces` traces per setting (an 8B trace takes about a minute). The answer is
+    always a size whose trace fits."""
+    usable = (budget - CUDA_RESERVE) / FRAGMENTATION if device == "cuda" else budget
     found = {}
     for key, checkpointing in (("on", True), ("off", False)):
-        one, _ = predict(1, checkpointing)
-        if not fits(one, budget, device):
-            found[key] = 0
-            continue
-        two, _ = predict(2, checkpointing)
-        per_sample = max(1, two - one)
-        usable = (budget - CUDA_RESERVE) / FRAGMENTATION if device == "cuda" else budget
-        guess = max(1, min(limit, int((usable - (one - per_sample)) // per_sample)))
-        while guess > 1 and not fits(predict(guess, checkpointing)[0], budget, device):
-            guess -= max(1, guess // 8)
-        found[key] = guess
+        peaks: dict[int, int] = {}
+        best, over, size = 0, limit + 1, 1  # largest size known to fit, smallest known not to, next to trace
+        while len(peaks) < traces and best < size < over:
+            peaks[size] = predict(size, checkpointing)[0]
+            if fits(peaks[size], budget, device):
+                best = size
+            else:
+                over = size
+            if best == 0:
+                break  # not even one sequence fits
+            if size == 1:
+                size = 2
+                continue
+            last, before = list(peaks)[-1], list(peaks)[-2]  # the line through the two latest traces
+            per_sample = max(1.0, (peaks[last] - peaks[before]) / (last - before))
+            size = min(over - 1, max(best + 1, last + int((usable - peaks[last]) // per_sample)))
+        found[key] = best
     needed = found["off"] == 0 and found["on"] > 0
     return {"max_micro_batch_size_by_checkpointing": found, "activation_checkpointing_needed": needed}
 

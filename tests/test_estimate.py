@@ -139,3 +139,28 @@ def test_a_card_too_small_for_one_sequence_says_what_to_do(tmp_path, capsys):
                                                              max_seq_length=64))
     assert result["max_micro_batch_size"] == 0
     assert "Not even micro-batch 1 fits" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("curve,answer", [("linear", 40), ("convex", None)])
+def test_the_batch_search_is_bounded_and_answers_a_size_that_fits(curve, answer):
+    """An 8B trace takes about a minute: the search traces at most 5 sizes per setting, and its answer is a traced
+    size that fits (a convex curve, as fragmentation at large batches would make, is corrected, not overshot)."""
+    from lit_qlora.estimate import largest_batches
+
+    calls = []
+
+    def predict(size, checkpointing):
+        calls.append((size, checkpointing))
+        per = 10 if checkpointing else 300
+        extra = 0 if curve == "linear" else size * size // 3
+        return 1000 + per * size + extra, {}
+
+    budget = 1000 + 10 * 40 + 5  # linear: 40 fits with checkpointing, 41 does not; 1 fits without
+    result = largest_batches(predict, budget, "cpu")
+    sizes = result["max_micro_batch_size_by_checkpointing"]
+    assert all(sum(1 for _, c in calls if c is setting) <= 5 for setting in (True, False))
+    assert sizes["off"] == 1 and not result["activation_checkpointing_needed"]
+    if answer is not None:
+        assert sizes["on"] == answer
+    else:  # the true largest is 22 (1000 + 220 + 161 <= 1405 < 1000 + 230 + 176)
+        assert sizes["on"] == 22 and (22, True) in calls

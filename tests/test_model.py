@@ -191,3 +191,62 @@ def test_longrope_factors_of_the_wrong_length_are_a_clear_error():
     hf["rope_scaling"] = {"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [1.0] * 7}
     with pytest.raises(ValueError, match="rope_scaling.long_factor needs 8 values"):
         Config.from_hf_config(hf)
+
+
+# ------------------------------------------------------------------ lean autograd (issue 17: 8B at 2x2048 < 6.5 GiB)
+def _saved_bytes(fn, *inputs) -> tuple[torch.Tensor, int]:
+    """fn(*inputs) and the bytes autograd saves for its backward (each storage once)."""
+    saved = {}
+
+    def pack(t):
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn(*inputs)
+    return out, sum(saved.values())
+
+
+@pytest.mark.parametrize("plus_one", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rms_norm_keeps_no_fp32_copy_and_its_gradient_equals_autograds(plus_one, dtype):
+    from lit_qlora.model import RMSNorm, rms_norm
+
+    torch.manual_seed(0)
+    norm = RMSNorm(64, 1e-6, plus_one).requires_grad_(False)
+    norm.weight.copy_(torch.randn(64) * 0.5)
+    x = (torch.randn(3, 7, 64) * 3).to(dtype).requires_grad_()
+    x_ref = x.detach().clone().requires_grad_()
+    y, lean = _saved_bytes(norm, x)
+    y_ref, plain = _saved_bytes(rms_norm, x_ref, norm.weight, norm.eps, plus_one)
+    assert torch.equal(y, y_ref)  # the same forward ops
+    # Saved: x, a (3, 7, 1) fp32 scale and the 64-value weight, never an fp32 copy of x (in fp32 x is its own copy).
+    assert lean <= x.nbytes + 3 * 7 * 4 + 64 * 4
+    if dtype == torch.bfloat16:  # autograd keeps x in fp32 (4 bytes a value), we keep x (2; in a block, x is
+        assert plain >= lean + x.numel() * 2  # saved anyway as the residual or checkpoint input)
+    grad = torch.randn(y.shape).to(dtype)
+    y.backward(grad)
+    y_ref.backward(grad)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+def test_gated_activation_saves_gate_and_up_only_with_bitwise_gradients(act):
+    from lit_qlora.model import MLP
+
+    config = Config(n_embd=32, intermediate_size=96, mlp_activation=act)
+    mlp = MLP(config).to(torch.bfloat16)
+    torch.manual_seed(1)
+    gate, up = (torch.randn(4, 5, 96, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    ref_gate, ref_up = (t.detach().clone().requires_grad_() for t in (gate, up))
+    from lit_qlora.model import _LeanGatedActivation
+
+    y, lean = _saved_bytes(_LeanGatedActivation.apply, gate, up, mlp.act)
+    y_ref, plain = _saved_bytes(lambda g, u: mlp.act(g) * u, ref_gate, ref_up)
+    assert torch.equal(y, y_ref)
+    assert lean == gate.nbytes + up.nbytes and plain > lean  # autograd also keeps act(gate)
+    grad = torch.randn(y.shape, dtype=torch.bfloat16)
+    y.backward(grad)
+    y_ref.backward(grad)
+    assert torch.equal(gate.grad, ref_gate.grad) and torch.equal(up.grad, ref_up.grad)

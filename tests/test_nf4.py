@@ -484,6 +484,23 @@ def test_large_weight_runs_in_row_slices_with_a_small_dense_copy(monkeypatch, ba
     assert torch.equal(b.grad, b2.grad)
 
 
+def test_backward_dequantizes_whole_when_the_sliced_sum_would_be_larger(monkeypatch):
+    """With many tokens through a wide weight, the fp32 sum of sliced partial products (tokens x in x 4 bytes)
+    would outgrow the whole dense weight (out x in x 2): backward then dequantizes whole, and its input gradient is
+    the dense matmul's exactly (no extra rounding of partial products)."""
+    monkeypatch.setattr(lin, "DENSE_CHUNK_ELEMS", 64 * 576)
+    monkeypatch.setattr(lin, "_scratch", __import__("threading").local())
+    t = quantize_nf4(weight((200, 576), torch.bfloat16))
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 50, 576, generator=g).bfloat16().requires_grad_()  # 100 tokens x 4 B >= 200 rows x 2 B
+    y = lin.nf4_linear(x, t)
+    assert max(buf.numel() for buf in lin._scratch.buffers.values()) == 64 * 576  # forward: still sliced
+    grad = torch.randn(y.shape, generator=g).bfloat16()
+    y.backward(grad)
+    assert max(buf.numel() for buf in lin._scratch.buffers.values()) == 200 * 576  # backward: whole
+    assert torch.equal(x.grad, grad @ t.get_original_weight())
+
+
 def test_star_import_gives_every_public_name():
     namespace: dict = {}
     exec("from lit_qlora.nf4 import *", namespace)

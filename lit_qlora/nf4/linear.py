@@ -4,6 +4,8 @@ projection (NF4 or dense) that LoRA layers and tensor-parallel layers call; the 
 The dense weight exists only for the matmul that needs it: backward re-dequantizes instead of saving it.
 A weight larger than ``DENSE_CHUNK_ELEMS`` is used a slice of rows at a time, so the transient dense copy stays
 at 32 MB (bf16) however large the weight: a 32000x2048 lm_head would need 131 MB, Llama-3's 128256x4096 1 GB.
+(Backward sums the slices' partial products in fp32; when that sum would be larger than the whole dense weight,
+many tokens through a wide weight, it dequantizes the weight whole instead.)
 On CPU the dense slice is written into a per-thread scratch buffer reused across calls: a fresh multi-MB
 allocation costs more in page faults (~2.5 GB/s on small VMs) than the dequantization itself
 (benchmarks/results/nf4_kernels.md). ``LIT_QLORA_NF4_SCRATCH=0`` turns the buffer off.
@@ -87,6 +89,11 @@ class NF4Linear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dtype = grad_output.dtype
             slices = _row_slices(weight)
+            # Sliced, the partial products need an fp32 sum of grad_x's size: when that is larger than the whole
+            # dense weight (Llama-3-8B's down_proj at 2x2048 tokens: 224 MiB against 112 MiB), dequantize whole.
+            tokens = grad_output.numel() // grad_output.shape[-1]
+            if len(slices) == 1 or tokens * 4 >= weight.shape[0] * dtype.itemsize:
+                slices = [(0, weight.shape[0])]
             if len(slices) == 1:
                 grad_x = grad_output @ _dense_rows(weight, dtype, 0, weight.shape[0])
             else:
