@@ -192,3 +192,46 @@ void nf4_dequant32(const uint8_t* q, const float* scale, const float* levels, in
         }
     }
 }
+
+/* ---- LoRA dropout (lit_qlora/lora_dropout.py; here because this file is the project's one compiled unit):
+   dst[i] = keep(i) ? round(src[i] * scale) : 0 over elements [e0, e1), keep(i) = mix(i * 0x9E3779B1 + seed) >=
+   threshold, mix = lowbias32 (xorshift-multiply). A counter-based mask: backward regenerates it from the seed. */
+static inline v16u mix16(v16u h) {
+    h ^= h >> 16; h *= 0x7feb352du; h ^= h >> 15; h *= 0x846ca68bu; h ^= h >> 16;
+    return h;
+}
+static inline uint32_t mix1(uint32_t h) {
+    h ^= h >> 16; h *= 0x7feb352du; h ^= h >> 15; h *= 0x846ca68bu; h ^= h >> 16;
+    return h;
+}
+void lora_dropout(const void* src, void* dst, int64_t e0, int64_t e1, uint32_t seed, uint32_t threshold,
+                  float scale, int32_t fmt) {
+    const v16u lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const v16u thr = (v16u){0} + threshold;
+    int64_t i = e0;
+    for (; i + 16 <= e1; i += 16) {
+        v16u keep = (v16u)(mix16(((uint32_t)i + lane) * 0x9E3779B1u + seed) >= thr);
+        v16f x = load16(src, i, fmt) * scale;
+        if (fmt == 0) {
+            v16w o = __builtin_convertvector(bf16_bits(x) & keep, v16w);
+            memcpy((uint16_t*)dst + i, &o, 32);
+#if HAS_F16
+        } else if (fmt == 1) {
+            v16w o = __builtin_convertvector(f16_bits(x) & keep, v16w);
+            memcpy((uint16_t*)dst + i, &o, 32);
+#endif
+        } else {
+            v16u u; memcpy(&u, &x, 64); u &= keep;
+            memcpy((float*)dst + i, &u, 64);
+        }
+    }
+    for (; i < e1; ++i) {
+        int keep = mix1((uint32_t)i * 0x9E3779B1u + seed) >= threshold;
+        float x = keep ? load1(src, i, fmt) * scale : 0.0f;
+        if (fmt == 0) ((uint16_t*)dst)[i] = bf16_bits1(x);
+#if HAS_F16
+        else if (fmt == 1) ((_Float16*)dst)[i] = (_Float16)x;
+#endif
+        else ((float*)dst)[i] = x;
+    }
+}

@@ -117,6 +117,9 @@ def _compile_native() -> ctypes.CDLL:
     lib.nf4_quantize.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                                  ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32]  # fmt: skip
     lib.nf4_quantize.restype = None
+    lib.lora_dropout.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint32,
+                                 ctypes.c_uint32, ctypes.c_float, ctypes.c_int32]  # fmt: skip
+    lib.lora_dropout.restype = None
     lib.nf4_has_f16.restype = ctypes.c_int
     lib.has_f16 = bool(lib.nf4_has_f16())
     return lib
@@ -202,14 +205,14 @@ def _run_blocks(call: Callable[[int, int], None], n_blocks: int, work_bytes: int
         f.result()
 
 
-def _is_fake(t: torch.Tensor) -> bool:
+def is_fake(t: torch.Tensor) -> bool:
     """A FakeTensor (torch._subclasses): shapes and dtypes without data, as `litqlora estimate` runs a step."""
     return type(t).__name__ == "FakeTensor"
 
 
 def quantize_blocks(src: torch.Tensor, block_size: int, q_out: torch.Tensor, s_out: torch.Tensor) -> None:
     """C kernel over a contiguous run of whole blocks: absmax -> ``s_out``, packed codes -> ``q_out``."""
-    if _is_fake(src):
+    if is_fake(src):
         return  # a dry run (`litqlora estimate`): no data to read; the kernel allocates nothing either
     lib = _native_state["lib"]
     thr = cached(("thr_tensor", src.dtype), lambda: torch.tensor(thresholds(src.dtype), dtype=torch.float32))
@@ -235,7 +238,7 @@ def dequantize_blocks(qdata: torch.Tensor, scales: torch.Tensor, levels: torch.T
     b0, b1 = blocks or (0, scales.numel())
     n_blocks = b1 - b0
     fmt = _FMT[dtype]
-    if _is_fake(out):
+    if is_fake(out):
         return  # a dry run: the temporaries above are counted, the kernel's writes need no data
     fn = lib.nf4_dequant16 if out.dtype != torch.float32 else lib.nf4_dequant32
     # The kernel indexes blocks from its pointers, so a block range is a shift of the input pointers.
@@ -245,6 +248,20 @@ def dequantize_blocks(qdata: torch.Tensor, scales: torch.Tensor, levels: torch.T
         fn(ptrs[0], ptrs[1], ptrs[2], b0, b1, hb, ptrs[3], fmt)
 
     _run_blocks(call, n_blocks, out.numel() * out.element_size())
+
+
+def dropout_elements(src: torch.Tensor, out: torch.Tensor, seed: int, threshold: int, scale: float) -> None:
+    """C kernel: ``out = src * scale`` where the hash of (element index, seed) >= threshold, else 0 (both
+    contiguous, same dtype; see lit_qlora/lora_dropout.py)."""
+    lib = _native_state["lib"]
+    fmt, n = _FMT[src.dtype], src.numel()
+    chunk = 1 << 14
+    ptrs = (src.data_ptr(), out.data_ptr())
+
+    def call(c0: int, c1: int) -> None:
+        lib.lora_dropout(ptrs[0], ptrs[1], c0 * chunk, min(n, c1 * chunk), seed, threshold, scale, fmt)
+
+    _run_blocks(call, -(-n // chunk), n * src.element_size())
 
 
 def use_native(dtype: Optional[torch.dtype] = None) -> bool:
