@@ -129,12 +129,6 @@ def _cuda_dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, inplac
     return torch.native_dropout(x, p, training)[0] if training and 0 < p < 1 else x
 
 
-def _cpu_kernel_workspace(func: Any, args: tuple) -> int:
-    """Bytes a CPU kernel allocates for itself while it runs: dropout's bernoulli_ draws into an int32 buffer of the
-    mask's size (a GPU draws in place)."""
-    return args[0].numel() * 4 if func is torch.ops.aten.bernoulli_.float else 0
-
-
 def trace_step(config: Config, quantize: Quantize, precision: Precision, lora: LoRAArgs, train: TrainArgs,
                device: str = "cuda", micro_batch_size: Optional[int] = None) -> AllocationTrace:
     """Two optimizer steps of a fine-tune (each: forward, loss, backward per micro-batch, clipping, AdamW) on fake
@@ -174,8 +168,7 @@ def trace_step(config: Config, quantize: Quantize, precision: Precision, lora: L
                 return "activations"
             return "gradients" if (tuple(t.shape), t.dtype) in shapes else "other temporaries"
 
-        trace = AllocationTrace(categorize, CUDA_BLOCK if device == "cuda" else 1,
-                                None if device == "cuda" else _cpu_kernel_workspace)
+        trace = AllocationTrace(categorize, CUDA_BLOCK if device == "cuda" else 1)
         for name, p in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers()):
             if p.requires_grad:
                 trace.hold(p, "LoRA weights")

@@ -44,12 +44,10 @@ class AllocationTrace(TorchDispatchMode):
     `categorize(tensor)` names a new tensor's category when it is created. `round_to` rounds each allocation up as
     an allocator would (CUDA's caching allocator: 512 bytes)."""
 
-    def __init__(self, categorize: Callable[[torch.Tensor], str], round_to: int = 1,
-                 workspace: Optional[Callable[[object, tuple], int]] = None) -> None:
+    def __init__(self, categorize: Callable[[torch.Tensor], str], round_to: int = 1) -> None:
         super().__init__()
         self.categorize = categorize
         self.round_to = round_to
-        self.workspace = workspace  # bytes a kernel allocates inside itself (not an op output) while it runs
         self.live: dict[int, tuple[StorageWeakRef, int, str]] = {}
         self.held: dict[int, torch.UntypedStorage] = {}
         self.by_category = dict.fromkeys(CATEGORIES, 0)
@@ -92,11 +90,6 @@ class AllocationTrace(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten.index.Tensor and any(i is not None and i.dtype == torch.bool for i in args[1]):
             args = (args[0], [_all_true(i) for i in args[1]])
-        inside = self.workspace(func, args) if self.workspace is not None else 0
-        if inside:
-            counted = self._count(inside, "other temporaries")  # (rounded as an allocation: taken back the same)
-            self.note_peak()
-            self._count(-counted, "other temporaries")
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):

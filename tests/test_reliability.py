@@ -454,3 +454,34 @@ def test_a_finished_run_trains_on_when_max_steps_grows_and_refuses_to_shrink(tin
     with pytest.raises(SystemExit):
         main(args(tiny_llama_dir, rows, out, "--resume", "auto", "--train.max_steps", 2))
     assert f"train.max_steps {STEPS + 1} -> 2" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("lora_head", [False, True])
+def test_chunked_loss_gradients_equal_the_whole_loss_and_the_head_runs_once_per_chunk(lora_head):
+    """The chunked loss computes each chunk's gradients in forward (no recomputation of the head in backward):
+    loss and gradients of hidden states and of the head's LoRA factors equal one whole-batch cross-entropy."""
+    torch.manual_seed(0)
+    head = nn.Linear(16, 50, bias=False)
+    if lora_head:
+        head = LoRALinear(head, r=2, alpha=4)
+        nn.init.normal_(head.lora_B)
+    hidden = torch.randn(2, 9, 16, requires_grad=True)
+    labels = torch.randint(0, 50, (2, 9))
+    labels[0, :3] = -100
+    calls = []
+    head.register_forward_hook(lambda *_: calls.append(1))
+    loss = chunked_cross_entropy_sum(head, hidden, labels, chunk_tokens=4)
+    (loss * 0.5).backward()
+    assert len(calls) == 4  # 13 targets in chunks of 4: one head call each, none again in backward
+    got = [hidden.grad] + [p.grad for p in head.parameters() if p.requires_grad]
+    for p in [hidden, *head.parameters()]:
+        p.grad = None
+    logits = head(hidden[:, :-1]).float()
+    whole = nn.functional.cross_entropy(logits.reshape(-1, 50), labels[:, 1:].reshape(-1), ignore_index=-100,
+                                        reduction="sum")
+    (whole * 0.5).backward()
+    torch.testing.assert_close(loss, whole.detach(), rtol=1e-5, atol=1e-5)
+    want = [hidden.grad] + [p.grad for p in head.parameters() if p.requires_grad]
+    assert len(got) == (3 if lora_head else 2)  # hidden and A, B; or hidden and the plain weight
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 IGNORE_INDEX = -100
 
@@ -24,17 +23,51 @@ def _head_ce_sum(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Ten
 LOGITS_CHUNK_ELEMS = 1 << 22
 
 
+class _HeadLossWithEagerGradients(torch.autograd.Function):
+    """The chunks' summed cross-entropy, whose gradients are computed in forward, chunk by chunk, while each
+    chunk's logits exist anyway: backward only scales them. So the head runs once per chunk, where checkpointing
+    each chunk ran it twice (SmolLM2's head is a fifth of its weights), and memory still holds one chunk's logits
+    plus the gradient of `hidden`, which backward needs next anyway."""
+
+    @staticmethod
+    def forward(ctx, hidden, targets, head, chunk_tokens: int, *params):
+        grad_hidden = torch.empty_like(hidden)
+        grad_params = [torch.zeros_like(p, dtype=torch.float32) for p in params]
+        total = hidden.new_zeros((), dtype=torch.float32)
+        for start in range(0, targets.numel(), chunk_tokens):
+            h = hidden[start : start + chunk_tokens].detach().requires_grad_()
+            with torch.enable_grad():
+                loss = _head_ce_sum(head, h, targets[start : start + chunk_tokens])
+                grads = torch.autograd.grad(loss, (h, *params), allow_unused=True)
+            grad_hidden[start : start + chunk_tokens] = grads[0]
+            for acc, grad in zip(grad_params, grads[1:]):
+                if grad is not None:
+                    acc += grad
+            total += loss.detach()
+        ctx.save_for_backward(grad_hidden, *grad_params)
+        ctx.param_dtypes = [p.dtype for p in params]
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        grad_hidden, *grad_params = ctx.saved_tensors
+        grad_params = [(g * grad_total).to(dtype) for g, dtype in zip(grad_params, ctx.param_dtypes)]
+        return (grad_hidden * grad_total.to(grad_hidden.dtype), None, None, None, *grad_params)
+
+
 def chunked_cross_entropy_sum(
     head: Callable[[torch.Tensor], torch.Tensor],
     hidden: torch.Tensor,
     labels: torch.Tensor,
     chunk_tokens: Optional[int] = None,
+    params: Optional[Sequence[torch.Tensor]] = None,
 ) -> torch.Tensor:
     """Sum of CE(head(hidden[:, t]), labels[:, t + 1]) over non-ignored targets.
 
-    `labels` are aligned with the inputs (not shifted); position t predicts token t + 1. Each chunk's logits are
-    recomputed in backward (checkpointed) rather than stored, so memory holds one chunk of fp32 logits.
-    `chunk_tokens` defaults to LOGITS_CHUNK_ELEMS / vocabulary size (the head's `out_features`).
+    `labels` are aligned with the inputs (not shifted); position t predicts token t + 1. With gradients, each
+    chunk's gradients are computed as its logits are (`_HeadLossWithEagerGradients`): `params` are the head's
+    trainable tensors (its LoRA factors; default: a module head's own), whose gradients it returns. `chunk_tokens` defaults to
+    LOGITS_CHUNK_ELEMS / vocabulary size (the head's `out_features`).
     """
     if chunk_tokens is None:
         chunk_tokens = max(1, LOGITS_CHUNK_ELEMS // getattr(head, "out_features", 8192))
@@ -42,13 +75,13 @@ def chunked_cross_entropy_sum(
     targets = labels[:, 1:].reshape(-1)
     keep = targets != IGNORE_INDEX  # masked prompt and padding positions need no logits at all
     hidden, targets = hidden[keep], targets[keep]
+    if params is None:
+        params = [p for p in head.parameters() if p.requires_grad] if isinstance(head, torch.nn.Module) else []
+    if torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in params)):
+        return _HeadLossWithEagerGradients.apply(hidden, targets, head, chunk_tokens, *params)
     total = hidden.new_zeros((), dtype=torch.float32)
     for start in range(0, targets.numel(), chunk_tokens):
-        h, t = hidden[start : start + chunk_tokens], targets[start : start + chunk_tokens]
-        if torch.is_grad_enabled() and h.requires_grad:
-            total = total + checkpoint(_head_ce_sum, head, h, t, use_reentrant=False)
-        else:
-            total = total + _head_ce_sum(head, h, t)
+        total = total + _head_ce_sum(head, hidden[start : start + chunk_tokens], targets[start : start + chunk_tokens])
     return total
 
 
@@ -58,7 +91,8 @@ def lm_loss_sum(model, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.T
     `model.logits`, not `lm_head`: a model that soft-caps its logits (Gemma 2) trains on the capped ones."""
     hidden = model.forward_hidden(input_ids)
     chunk_tokens = max(1, LOGITS_CHUNK_ELEMS // model.config.vocab_size)
-    return chunked_cross_entropy_sum(model.logits, hidden, labels, chunk_tokens)
+    params = [p for p in model.lm_head.parameters() if p.requires_grad]
+    return chunked_cross_entropy_sum(model.logits, hidden, labels, chunk_tokens, params)
 
 
 def target_count(labels: torch.Tensor) -> int:
