@@ -22,7 +22,7 @@ import re
 from contextlib import ExitStack, contextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Iterator, Literal, Optional
+from typing import Any, Callable, Iterator, Literal, Optional
 
 import torch
 
@@ -94,6 +94,27 @@ def _nf4_caches_set_aside() -> Iterator[None]:
         linear._scratch.__dict__.update(scratch)
 
 
+TRACED_LOSS_CHUNKS = 2
+
+
+def _first_loss_chunks_traced() -> Callable:
+    """The loss's chunks allocate alike, one chunk's logits and gradients at a time, but each costs fake ops: an 8B
+    step at 20 x 2048 has 1,280 chunks of 32 NF4 head slices each, minutes of tracing per batch size. So each
+    loss traces its first TRACED_LOSS_CHUNKS chunks for real and the rest as a zero loss of the chunk (whose hidden
+    gradient is still allocated). A loss's first chunk starts at offset 0 of the hidden states it slices."""
+    from lit_qlora.train import loss
+
+    real, seen = loss._head_ce_sum, [0]
+
+    def head_ce_sum(head, hidden, targets):
+        seen[0] = 1 if hidden.storage_offset() == 0 else seen[0] + 1
+        if seen[0] <= TRACED_LOSS_CHUNKS:
+            return real(head, hidden, targets)
+        return hidden.float().sum() * 0.0
+
+    return head_ce_sum
+
+
 def resident_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """What a real run holds between steps (for `memory_trace.profiled_peak`, the measurement an estimate is checked
     against): weights, LoRA and its AdamW state, our NF4 scratch buffers. (Not the C kernels' lookup tables,
@@ -124,9 +145,14 @@ def _gpu_nf4_paths() -> Iterator[None]:
 
 
 def _cuda_dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
-    """Dropout as CUDA runs it: one fused kernel that keeps a 1-byte mask for backward (the CPU keeps its noise in
-    the input's dtype)."""
+    """Dropout as CUDA runs it: one fused kernel that keeps a 1-byte mask for backward."""
     return torch.native_dropout(x, p, training)[0] if training and 0 < p < 1 else x
+
+
+def _cuda_lora_dropout(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float, p: float) -> torch.Tensor:
+    """A LoRA layer's adapter as it runs on a GPU: CUDA's dropout (which keeps its mask and the dropped copy of x for
+    backward), not the CPU's regenerated hash mask (the fake step's tensors are CPU tensors)."""
+    return (_cuda_dropout(x, p) @ a.T @ b.T) * scale
 
 
 def trace_step(config: Config, quantize: Quantize, precision: Precision, lora: LoRAArgs, train: TrainArgs,
@@ -135,9 +161,11 @@ def trace_step(config: Config, quantize: Quantize, precision: Precision, lora: L
     tensors; the trace holds the peak of allocated bytes and its categories."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from lit_qlora import lora as lora_module
     from lit_qlora.lora import apply_lora
     from lit_qlora.loading import default_dtype, random_base
     from lit_qlora.nf4 import is_nf4, linear
+    from lit_qlora.train import loss
     from lit_qlora.train.loss import lm_loss_sum
 
     dtype = PRECISION_DTYPES[precision]
@@ -177,11 +205,13 @@ def trace_step(config: Config, quantize: Quantize, precision: Precision, lora: L
             else:
                 trace.hold(p, "embeddings and norms")
         stack.enter_context(_patched(linear, "_dense_rows", phase.wrap(linear._dense_rows, "NF4 dequantize scratch")))
+        stack.enter_context(_patched(loss, "_head_ce_sum", _first_loss_chunks_traced()))
         ids = torch.zeros(batch, train.max_seq_length, dtype=torch.long)
         stack.enter_context(default_dtype(dtype))  # as the precision plugin sets it inside training steps
         if device == "cuda":
             stack.enter_context(_gpu_nf4_paths())
             stack.enter_context(_patched(torch.nn.functional, "dropout", _cuda_dropout))
+            stack.enter_context(_patched(lora_module, "dropped_lora", _cuda_lora_dropout))
         with trace:
             for _ in range(2):
                 for _ in range(min(accumulation, 2)):  # a second micro-batch runs with the gradients present

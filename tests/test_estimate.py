@@ -164,3 +164,25 @@ def test_the_batch_search_is_bounded_and_answers_a_size_that_fits(curve, answer)
         assert sizes["on"] == answer
     else:  # the true largest is 22 (1000 + 220 + 161 <= 1405 < 1000 + 230 + 176)
         assert sizes["on"] == 22 and (22, True) in calls
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_tracing_two_loss_chunks_per_loss_predicts_what_tracing_all_of_them_does(monkeypatch, device):
+    """The estimate traces each loss's first chunks only (an 8B step has thousands, each costing fake ops): the peak
+    and its categories equal those of a trace through every chunk."""
+    from lit_qlora import estimate as estimate_module
+    from lit_qlora.train import loss
+
+    monkeypatch.setattr(loss, "LOGITS_CHUNK_ELEMS", 512 * 16)  # 16 tokens a chunk: 8 chunks per 2 x 64 batch
+    config = Config.from_hf_config(TINY)
+    train = TrainArgs(micro_batch_size=2, global_batch_size=4, max_seq_length=64, activation_checkpointing=True)
+    real, heads = loss._head_ce_sum, []
+    monkeypatch.setattr(loss, "_head_ce_sum", lambda *args: heads.append(1) or real(*args))
+    traces, head_calls = [], []
+    for chunks in (estimate_module.TRACED_LOSS_CHUNKS, 10**6):
+        monkeypatch.setattr(estimate_module, "TRACED_LOSS_CHUNKS", chunks)
+        heads.clear()
+        traces.append(trace_step(config, Quantize("nf4"), "bf16-true", LoRAArgs(r=4, alpha=8), train, device))
+        head_calls.append(len(heads))
+    assert head_calls == [2 * 4, 8 * 4]  # 2 or 8 chunks per loss, 2 micro-batches x 2 steps
+    assert traces[0].peak == traces[1].peak and traces[0].peak_by_category == traces[1].peak_by_category
