@@ -49,7 +49,7 @@ def _use_kernel(dtype: torch.dtype) -> bool:
     if dtype not in _kernel_checked:
         ok = native.use_native(dtype)
         if ok:
-            x = torch.randn(3, 1000, generator=torch.Generator().manual_seed(0)).to(dtype)
+            x = torch.randn(3, 1000, generator=torch.Generator().manual_seed(0), dtype=torch.float32).to(dtype)
             out = torch.empty_like(x)
             native.dropout_elements(x, out, 12345, keep_threshold(0.3), 1 / 0.7)
             ok = torch.equal(out, _dropped_eager(x, 12345, keep_threshold(0.3), 1 / 0.7))

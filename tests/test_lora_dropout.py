@@ -100,3 +100,20 @@ def test_without_the_kernel_the_pytorch_ops_give_the_same_values(monkeypatch):
     with_kernel = dropped(x, 42, 0.05)
     monkeypatch.setattr(lora_dropout, "_use_kernel", lambda dtype: False)
     assert torch.equal(dropped(x, 42, 0.05), with_kernel)
+
+
+def test_the_kernels_are_trusted_when_first_used_under_a_bf16_default_dtype():
+    """A LoRA (bf16 base) run first needs the C kernels inside a training step, where bf16-true precision has made
+    bf16 the default dtype: their self-tests must not depend on it (they did: the NF4 thresholds were built with
+    torch.tensor's default dtype, the self-test failed and the dropout fell back to PyTorch ops, 2x slower)."""
+    import subprocess
+    import sys
+
+    code = ("import torch\ntorch.set_default_dtype(torch.bfloat16)\n"
+            "from lit_qlora import lora_dropout\nfrom lit_qlora.nf4 import native\n"
+            "lora_dropout.dropped(torch.randn(4, 100, dtype=torch.bfloat16), 1, 0.1)\n"
+            "print(native.native_error(), lora_dropout._kernel_checked)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    if "no C compiler" in out:
+        pytest.skip(out)
+    assert out.strip() == "None {torch.bfloat16: True}"

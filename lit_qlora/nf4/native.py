@@ -164,7 +164,7 @@ def _self_test() -> None:
         if dtype == torch.float16 and not lib.has_f16:
             continue
         for block_size in (72, 64):  # 72: 36-byte blocks exercise the scalar tails
-            w = torch.randn(8, block_size * 4, generator=gen)
+            w = torch.randn(8, block_size * 4, generator=gen, dtype=torch.float32)
             w[1, :block_size] = 0.0  # an all-zero block: 0/0 -> NaN -> code 0
             w[2, 5] = 1e30  # a block dominated by one huge value
             w = w.to(dtype)

@@ -110,7 +110,7 @@ def thresholds(dtype: torch.dtype) -> tuple[float, ...]:
         values = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(dtype).float()
         inside = values.abs() <= 1  # excludes NaN and inf
         thr = tuple(values[inside & (lut >= i)].min().item() for i in range(1, 16))
-        formula = (values.unsqueeze(1) >= torch.tensor(thr)).sum(1)
+        formula = (values.unsqueeze(1) >= torch.tensor(thr, dtype=torch.float32)).sum(1)
         check = inside | values.isnan()
         if not torch.equal(formula[check], lut[check].long()):  # pragma: no cover - NF4 levels are fixed
             raise AssertionError(f"NF4 codes are not monotone in {dtype}")
@@ -133,7 +133,7 @@ def _f32_bucket_tables() -> tuple[torch.Tensor, torch.Tensor]:
     """float32 codes by table: the top 16 bits pick a bucket holding at most one threshold (for [-1, 1])."""
 
     def build() -> tuple[torch.Tensor, torch.Tensor]:
-        thr = torch.tensor((float("-inf"),) + thresholds(torch.float32) + (float("inf"),))
+        thr = torch.tensor((float("-inf"),) + thresholds(torch.float32) + (float("inf"),), dtype=torch.float32)
         top = torch.arange(65536, dtype=torch.int64)  # unsigned top-16-bit pattern
         signed = torch.where(top >= 32768, top - 65536, top) << 16
         first = signed.to(torch.int32).view(torch.float32)  # low 16 bits all 0
