@@ -117,3 +117,11 @@ def test_the_kernels_are_trusted_when_first_used_under_a_bf16_default_dtype():
     if "no C compiler" in out:
         pytest.skip(out)
     assert out.strip() == "None {torch.bfloat16: True}"
+
+
+def test_in_place_masking_equals_the_copy():
+    x = torch.randn(5, 300).bfloat16()
+    copy = dropped(x, 9, 0.2)
+    same = x.clone()
+    assert dropped(same, 9, 0.2, inplace=True).data_ptr() == same.data_ptr()
+    assert torch.equal(same, copy)
