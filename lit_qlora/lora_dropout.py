@@ -63,7 +63,7 @@ def dropped(x: torch.Tensor, seed: int, p: float, inplace: bool = False) -> torc
     """``x * keep / (1 - p)``, keep from the hash of (element index, seed): the same mask for every tensor of x's
     shape and the same seed (forward's input, backward's gradient). `inplace` writes into x (a contiguous tensor
     nobody else reads): one fresh allocation fewer, whose pages the heap release would have the OS fault in again."""
-    x = x if inplace and x.is_contiguous() else x.contiguous()
+    x = x.contiguous()  # (x itself when it already is)
     threshold, scale = keep_threshold(p), 1.0 / (1.0 - p)
     if native.is_fake(x):
         return x if inplace else torch.empty_like(x)  # `litqlora estimate`: shapes only

@@ -35,15 +35,22 @@ class RMSNorm(nn.Module):
         nn.init.zeros_(self.weight) if self.plus_one else nn.init.ones_(self.weight)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, plus_one: bool, rstd: Optional[torch.Tensor] = None):
-    # Normalize in fp32 (bf16 variance underflows). Llama scales in the input dtype, Gemma in fp32: each as
-    # transformers does, so bf16 results match too.
-    dtype = x.dtype
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, plus_one: bool) -> torch.Tensor:
+    return _rms_scale(_rms_normalize(x, eps)[0], weight, plus_one, x.dtype)
+
+
+def _rms_normalize(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x / rms(x), 1 / rms(x)) in fp32: bf16 variance underflows."""
     x = x.float()
-    x = x * (torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) if rstd is None else rstd)
+    rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return x * rstd, rstd
+
+
+def _rms_scale(normed: torch.Tensor, weight: torch.Tensor, plus_one: bool, dtype: torch.dtype) -> torch.Tensor:
+    # Llama scales in the input dtype, Gemma in fp32: each as transformers does, so bf16 results match too.
     if plus_one:
-        return (x * (1.0 + weight.float())).to(dtype)
-    return weight * x.to(dtype)
+        return (normed * (1.0 + weight.float())).to(dtype)
+    return weight * normed.to(dtype)
 
 
 class _LeanRMSNorm(torch.autograd.Function):
@@ -53,10 +60,10 @@ class _LeanRMSNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, eps: float, plus_one: bool):
-        rstd = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+        normed, rstd = _rms_normalize(x, eps)
         ctx.save_for_backward(x, weight, rstd)
         ctx.plus_one = plus_one
-        return rms_norm(x, weight, eps, plus_one, rstd)
+        return _rms_scale(normed, weight, plus_one, x.dtype)
 
     @staticmethod
     def backward(ctx, grad):
