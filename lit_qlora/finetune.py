@@ -330,7 +330,9 @@ def fit(run: Run) -> dict[str, Any]:
         load_adapter(module.model, config.resume_from)
     # The peaks through training (load, first validation, steps), beside the whole run's: what comes after (final
     # validation, export) should not raise them, and summary.json shows whether it did.
-    train_peaks = {k.replace("_bytes", "_train_bytes"): v for k, v in peak_memory_stats(module.device).items()}
+    # (Lightning moves the module back to the CPU when a fit or validation ends: the strategy knows the device.)
+    device = trainer.strategy.root_device
+    train_peaks = {k.replace("_bytes", "_train_bytes"): v for k, v in peak_memory_stats(device).items()}
     with config.oom(lambda: "in the final validation"):
         trainer.validate(module, dataloaders=val_loader, verbose=False)
     trainer.logger.close()
@@ -361,7 +363,7 @@ def run_summary(run: Run) -> dict[str, Any]:
         "initial_val_loss": module.initial_val_loss,
         "tokens_per_sec": sum(r["tokens"] for r in history[1:]) / train_seconds if train_seconds else None,
         "wall_seconds": time.perf_counter() - run.started,
-        **peak_memory_stats(module.device),
+        **peak_memory_stats(run.trainer.strategy.root_device),
         "quantized_linears": quantized,
         "total_linears": total,
         "trainable_params": sum(p.numel() for p in module.model.parameters() if p.requires_grad),

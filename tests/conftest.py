@@ -23,6 +23,12 @@ def smollm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
     """A tiny random Llama (2 layers, width 64) with SmolLM2's real tokenizer: fast end-to-end runs."""
+    return write_tiny_llama(smollm2_dir, tmp_path_factory.mktemp("tiny-llama"))
+
+
+def write_tiny_llama(smollm2_dir: Path, out: Path) -> Path:
+    """The tiny Llama's checkpoint (SmolLM2's config, shrunk; random weights, seed 0) with the tokenizer files of
+    `smollm2_dir` (which needs only config.json and the tokenizer: no weights)."""
     import torch
 
     from lit_qlora.checkpoint import copy_tokenizer_files, save_hf_checkpoint
@@ -35,7 +41,6 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) 
     torch.manual_seed(0)
     model = Transformer(config)
     model.init_weights()
-    out = tmp_path_factory.mktemp("tiny-llama")
     save_hf_checkpoint(out, config, hf_tensor_specs(model, torch.float32), dtype=torch.float32)
     copy_tokenizer_files(smollm2_dir, out)
     return out

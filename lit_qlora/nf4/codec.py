@@ -26,7 +26,7 @@ from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import SubclassTens
 
 from lit_qlora.nf4.layout import check_layout, nf4_layout, row_blocks, rows_per_chunk
 from lit_qlora.nf4.native import dequantize_blocks, native_error, native_lib, quantize_blocks, use_native
-from lit_qlora.nf4.reference import (QUANT_CHUNK_ELEMS, SUPPORTED_DTYPES, dequantize_eager, dequantize_scalers,
+from lit_qlora.nf4.reference import (quant_chunk_elems, SUPPORTED_DTYPES, dequantize_eager, dequantize_scalers,
                                   double_quantize, level_table, quantize_eager)
 
 
@@ -93,7 +93,7 @@ def quantize_nf4(
     if native and contiguous:
         quantize_blocks(weight.reshape(-1), block_size, quantized_data, scalers)
     else:
-        step = rows_per_chunk(cols, block_size, chunk_rows, QUANT_CHUNK_ELEMS)
+        step = rows_per_chunk(cols, block_size, chunk_rows, quant_chunk_elems(device))
         flat = weight.reshape(-1) if contiguous else None
         for r0 in range(0, rows, step):
             r1 = min(rows, r0 + step)

@@ -7,6 +7,9 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from lit_qlora.nf4 import native
+from lit_qlora.train.nf4_head_loss import nf4_head_ce_sum, vocab_sliced_head
+
 IGNORE_INDEX = -100
 
 
@@ -55,6 +58,15 @@ class _HeadLossWithEagerGradients(torch.autograd.Function):
         return (grad_hidden * grad_total.to(grad_hidden.dtype), None, None, None, *grad_params)
 
 
+def next_token_pairs(hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, d) hidden states and their (N,) next-token targets, ignored targets left out: masked prompt and padding
+    positions need no logits at all."""
+    hidden = hidden[:, :-1].reshape(-1, hidden.size(-1))
+    targets = labels[:, 1:].reshape(-1)
+    keep = targets != IGNORE_INDEX
+    return hidden[keep], targets[keep]
+
+
 def chunked_cross_entropy_sum(
     head: Callable[[torch.Tensor], torch.Tensor],
     hidden: torch.Tensor,
@@ -71,10 +83,7 @@ def chunked_cross_entropy_sum(
     """
     if chunk_tokens is None:
         chunk_tokens = max(1, LOGITS_CHUNK_ELEMS // getattr(head, "out_features", 8192))
-    hidden = hidden[:, :-1].reshape(-1, hidden.size(-1))
-    targets = labels[:, 1:].reshape(-1)
-    keep = targets != IGNORE_INDEX  # masked prompt and padding positions need no logits at all
-    hidden, targets = hidden[keep], targets[keep]
+    hidden, targets = next_token_pairs(hidden, labels)
     if params is None:
         params = [p for p in head.parameters() if p.requires_grad] if isinstance(head, torch.nn.Module) else []
     if torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in params)):
@@ -90,6 +99,9 @@ def lm_loss_sum(model, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.T
 
     `model.logits`, not `lm_head`: a model that soft-caps its logits (Gemma 2) trains on the capped ones."""
     hidden = model.forward_hidden(input_ids)
+    if vocab_sliced_head(model.lm_head, model.config.final_softcap) and not native.is_fake(hidden):
+        # (`litqlora estimate` traces the token-chunked loss: the same logits per chunk as per slice here.)
+        return nf4_head_ce_sum(model.lm_head, *next_token_pairs(hidden, labels), LOGITS_CHUNK_ELEMS)
     chunk_tokens = max(1, LOGITS_CHUNK_ELEMS // model.config.vocab_size)
     params = [p for p in model.lm_head.parameters() if p.requires_grad]
     return chunked_cross_entropy_sum(model.logits, hidden, labels, chunk_tokens, params)
