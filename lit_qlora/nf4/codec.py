@@ -129,10 +129,17 @@ def quantize_nf4(
     )
 
 
-def block_scales(t: NF4Tensor) -> torch.Tensor:
-    """Per-block scales of ``t`` in its dtype (torchao's dequantize_scalers, same ops)."""
-    return dequantize_scalers(t.quantized_scalers, t.quantization_factor, t.scaler_mean, t.scaler_block_size,
-                              t.dtype)
+def block_scales(t: NF4Tensor, blocks: Optional[tuple[int, int]] = None) -> torch.Tensor:
+    """Per-block scales of ``t`` in its dtype (torchao's dequantize_scalers, same ops); only blocks ``b0:b1`` when
+    given (computed from their scaler groups alone: a head used a slice at a time would otherwise dequantize all its
+    scales for every slice)."""
+    sbs = t.scaler_block_size
+    if blocks is None:
+        return dequantize_scalers(t.quantized_scalers, t.quantization_factor, t.scaler_mean, sbs, t.dtype)
+    g0, g1 = blocks[0] // sbs, -(-blocks[1] // sbs)
+    part = dequantize_scalers(t.quantized_scalers[g0 * sbs : g1 * sbs], t.quantization_factor[g0:g1], t.scaler_mean,
+                              sbs, t.dtype)
+    return part[blocks[0] - g0 * sbs : blocks[1] - g0 * sbs]
 
 
 @torch.compiler.disable  # raw-pointer kernels: dynamo must not trace (it would lose the writes)
@@ -167,10 +174,10 @@ def dequantize_nf4(
     if device.type == "cpu" and (dtype == t.dtype or dtype == torch.float32) and use_native(t.dtype):
         dequantize_blocks(t.quantized_data, block_scales(t), t.nf4, t.dtype, result.view(-1), blocks)
         return result
-    qdata, scales = t.quantized_data, block_scales(t)
+    qdata, scales = t.quantized_data, block_scales(t, blocks)
     if blocks is not None:
-        hb = qdata.numel() // scales.numel()
-        qdata, scales = qdata[blocks[0] * hb : blocks[1] * hb], scales[blocks[0] : blocks[1]]
+        hb = t.block_size // 2  # bytes per block: two codes a byte
+        qdata = qdata[blocks[0] * hb : blocks[1] * hb]
     if dtype == t.dtype:
         dequantize_eager(qdata, scales, t.nf4, result.view(-1))
     else:
