@@ -16,6 +16,7 @@ from typing import Any, Callable, Literal, Optional, Union
 import torch
 
 from lit_qlora.checkpoint import CheckpointError, atomic_write_text
+from lit_qlora.compile import compile_seconds
 from lit_qlora.config import DTYPE_NAMES, PRECISION_DTYPES, Quantize, require_checkpoint_dir
 from lit_qlora.data.sft import dataset_sha256, require_data_file
 from lit_qlora.export import export_final
@@ -52,6 +53,7 @@ def finetune(
     train: TrainArgs = TrainArgs(),
     data: DataArgs = DataArgs(),
     ignore_modules: Optional[list[str]] = None,
+    compile: bool = False,
 ) -> dict[str, Any]:
     """Fine-tune a LoRA adapter on a frozen base: NF4 (QLoRA, the default) or plain (LoRA, the baseline).
 
@@ -78,8 +80,12 @@ def finetune(
         train: Optimization settings.
         data: Dataset settings; with nothing given, the dataset shipped with lit-qlora.
         ignore_modules: Module names (prefixes) whose linears stay in high precision with nf4, e.g. lm_head.
+        compile: torch.compile each transformer block (regional compilation): faster steps after a warm-up of
+            tens of seconds, which summary.json reports apart (compile_seconds; tokens_per_sec excludes the steps
+            that compiled). Pays off in runs of more than a few dozen steps; a resume may change it.
     """
     # Input a user can get wrong, checked before setup() spends seconds importing the training stack.
+    require_compilable(compile, strategy)
     if Path(checkpoint_dir) != DEFAULT_CHECKPOINT:
         require_checkpoint_dir(checkpoint_dir)
     if data.json_path is not None:
@@ -96,7 +102,15 @@ def finetune(
     return fit(setup(checkpoint_dir=checkpoint_dir, out_dir=out_dir, quantize=quantize, precision=precision, seed=seed,
                      accelerator=accelerator, devices=devices, num_nodes=num_nodes, strategy=strategy,
                      tensor_parallel=tensor_parallel, nf4_shards=nf4_shards, resume=resume_from or False, lora=lora,
-                     train=train, data=data, ignore_modules=ignore_modules))
+                     train=train, data=data, ignore_modules=ignore_modules, compile=compile))
+
+
+def require_compilable(compile: bool, strategy: str) -> None:
+    """--compile works with one process and DDP; with FSDP2 the compiled steps' losses left eager ones' after the
+    first step (tests/test_compile.py), and tensor parallelism is not verified: refused rather than trained wrong."""
+    if compile and strategy in ("fsdp", "tp"):
+        raise ValueError(f"--compile true does not support --strategy {strategy} yet (its compiled steps are not "
+                         "verified to train what eager ones do): drop --compile, or use --strategy ddp or auto.")
 
 
 def recipe(checkpoint_dir: Path, quantize: str, precision: str, seed: int, lora: LoRAArgs, train: TrainArgs,
@@ -110,9 +124,10 @@ def recipe(checkpoint_dir: Path, quantize: str, precision: str, seed: int, lora:
 
 
 # What a resume may change: how often it logs and saves, how it spends memory and what it does on a non-finite
-# loss; and train.max_steps may grow past the checkpoint (to train longer). Devices, nodes and strategy are not part
-# of the recipe (the NF4 layout is kept across them). Anything else (seed, data, batch sizes, sequence length,
-# learning rate, adapter shape) would make the resumed steps another run's.
+# loss; and train.max_steps may grow past the checkpoint (to train longer). Devices, nodes, strategy and --compile
+# are not part of the recipe (the NF4 layout is kept across devices; compiled steps compute what eager ones do).
+# Anything else (seed, data, batch sizes, sequence length, learning rate, adapter shape) would make the resumed
+# steps another run's.
 MAY_CHANGE_ON_RESUME = frozenset({"train.save_interval", "train.log_interval", "train.keep_last",
                                   "train.activation_checkpointing", "train.on_nonfinite", "data.num_workers"})
 
@@ -144,8 +159,8 @@ def require_same_recipe(state: dict[str, Any], checkpoint: Path, now: dict[str, 
             f"--resume: {Path(checkpoint) / 'state.json'} belongs to a run with other settings ({'; '.join(changed)}): "
             "resuming would silently continue a different run. Resume with the settings and data the run started "
             "with, or start a new run in another --out_dir. Only train.save_interval, log_interval, keep_last, "
-            "activation_checkpointing, on_nonfinite, data.num_workers and the devices (devices, num_nodes, strategy) "
-            f"may change on resume, and train.max_steps may grow (from step {state.get('step', 0)} on).")
+            "activation_checkpointing, on_nonfinite, data.num_workers, compile and the devices (devices, num_nodes, "
+            f"strategy) may change on resume, and train.max_steps may grow (from step {state.get('step', 0)} on).")
 
 
 def finished_summary(out_dir: Path, state: dict[str, Any], max_steps: Optional[int]) -> Optional[dict[str, Any]]:
@@ -192,6 +207,7 @@ class RunConfig:
     total_steps: int
     resume_from: Optional[Path]
     initial_val_loss: Optional[float] = None  # a resumed run's, from its checkpoint
+    compile: bool = False
 
     @property
     def dtype(self) -> torch.dtype:
@@ -207,7 +223,7 @@ class RunConfig:
         return {**recipe(self.checkpoint_dir, self.quantize, self.precision, self.seed, self.lora, self.train, self.data,
                          self.ignore_modules),
                 "world_size": self.world_size, "strategy": self.strategy, "tensor_parallel": self.tensor_parallel,
-                "nf4_shards": self.nf4_shards}
+                "nf4_shards": self.nf4_shards, "compile": self.compile}
 
     def adapter_config(self) -> dict[str, Any]:
         """final/adapter_config.json: what loading the adapter onto its base needs."""
@@ -244,7 +260,7 @@ class Run:
 def setup(checkpoint_dir: Path, out_dir: Path, quantize: str, precision: str, seed: int, accelerator: str,
           devices: int, num_nodes: int, strategy: str, tensor_parallel: int, nf4_shards: Optional[int],
           resume: Union[bool, str, Path], lora: LoRAArgs, train: TrainArgs, data: DataArgs,
-          ignore_modules: Optional[list[str]]) -> Run:
+          ignore_modules: Optional[list[str]], compile: bool = False) -> Run:
     """Check the settings, load the data and the base (NF4 unless quantize=none), add LoRA, build the Trainer."""
     # Lightning (and what builds on it) loads here, not when the module is imported: the CLI reads `finetune`'s
     # signature for `--help` and argument errors, which must not wait seconds for the training stack. It loads
@@ -279,7 +295,7 @@ def setup(checkpoint_dir: Path, out_dir: Path, quantize: str, precision: str, se
     config = RunConfig(Path(checkpoint_dir), out_dir, Quantize(quantize), precision, seed, lora, train, data,
                        list(ignore_modules or []), world_size, strategy, tensor_parallel,
                        nf4_shards_for(strategy, world_size, nf4_shards), resume_state.get("step", 0), total_steps,
-                       resume_from, resume_state.get("initial_val_loss"))
+                       resume_from, resume_state.get("initial_val_loss"), compile)
 
     checkpoints = ResumableCheckpoints(out_dir, train.save_interval, train.keep_last, total_steps, config.as_json(),
                                        resume_from)
@@ -304,7 +320,7 @@ def setup(checkpoint_dir: Path, out_dir: Path, quantize: str, precision: str, se
     apply_lora(model, lora.r, lora.alpha, lora.dropout, lora.targets, lora.rslora, dtype=config.dtype)
     n_ckpt = train.activation_checkpointing
     model.checkpoint_blocks = model.config.n_layer if n_ckpt is True else int(n_ckpt or 0)
-    module = FinetuneModule(model, train, total_steps, config.start_step)
+    module = FinetuneModule(model, train, total_steps, config.start_step, compile=compile)
     keep_frozen_out_of_ddp(module)
     out_dir.mkdir(parents=True, exist_ok=True)
     # The ranks of one tensor-parallel group (consecutive global ranks) take the same samples.
@@ -352,16 +368,23 @@ def fit(run: Run) -> dict[str, Any]:
 
 
 def run_summary(run: Run) -> dict[str, Any]:
-    """summary.json: the run's losses, throughput (after this process's first step), memory peaks and sizes."""
+    """summary.json: the run's losses, steady throughput (after this process's warm-up: its first step, and with
+    --compile any step that compiled), compile time, memory peaks and sizes."""
     module, history = run.module, run.module.history
-    train_seconds = sum(r["seconds"] for r in history[1:])
+    steady = [r for r in history[1:] if not r.get("compile_seconds")] or history[1:]
+    train_seconds = sum(r["seconds"] for r in steady)
     quantized, total = count_linears(module.model)
     return {
         "steps": run.config.total_steps,
         "train_loss": history[-1]["loss"] if history else last_logged_loss(run.config.out_dir),
         "val_loss": module.val_loss,
         "initial_val_loss": module.initial_val_loss,
-        "tokens_per_sec": sum(r["tokens"] for r in history[1:]) / train_seconds if train_seconds else None,
+        "tokens_per_sec": sum(r["tokens"] for r in steady) / train_seconds if train_seconds else None,
+        "warmup_steps": len(history) - len(steady),
+        "first_step_seconds": history[0]["seconds"] if history else None,
+        "compile": run.config.compile,
+        # Validation's and training's compilation, this process's (a resumed run compiles again).
+        "compile_seconds": compile_seconds() if run.config.compile else None,
         "wall_seconds": time.perf_counter() - run.started,
         **peak_memory_stats(run.trainer.strategy.root_device),
         "quantized_linears": quantized,

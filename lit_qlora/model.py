@@ -70,7 +70,7 @@ class _LeanRMSNorm(torch.autograd.Function):
         x, weight, rstd = ctx.saved_tensors
         # The gradient reaching the fp32 normalized input: through the scale and (Llama) the cast to x's dtype.
         g = grad.float() * (1.0 + weight.float()) if ctx.plus_one else (grad * weight).float()
-        normed = x.float().mul_(rstd)
+        normed = x * rstd  # fp32 (rstd is); not x.float().mul_(): in fp32 that is x itself, the saved input
         dot = (g * normed).mean(-1, keepdim=True)
         return g.sub_(normed.mul_(dot)).mul_(rstd).to(x.dtype), None, None, None
 

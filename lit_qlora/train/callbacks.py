@@ -154,6 +154,7 @@ def release_heap_around_blocks(model: torch.nn.Module) -> list[RemovableHandle]:
     return [block.register_forward_hook(_release_around_block) for block in model.blocks]
 
 
+@torch.compiler.disable  # --compile: a forward hook runs inside the compiled block; ctypes calls are not traceable
 def _release_around_block(block: torch.nn.Module, args: Any, output: Any) -> None:
     if not (block.training and torch.is_grad_enabled()):
         return

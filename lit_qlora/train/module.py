@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from contextlib import nullcontext
@@ -10,6 +11,7 @@ from typing import Any, Optional
 import lightning as L
 import torch
 
+from lit_qlora.compile import compile_blocks, compile_seconds, is_compiled
 from lit_qlora.memory import peak_memory_stats
 from lit_qlora.model import Transformer
 from lit_qlora.parallel.distributed import full, no_gradient_sync, shard_model
@@ -33,7 +35,8 @@ class FinetuneModule(L.LightningModule):
     through `self.log` (TensorBoard); `lit_qlora.train.callbacks` does the rest (metrics.jsonl, checkpoints,
     signals, heap release)."""
 
-    def __init__(self, model: Transformer, train: TrainArgs, total_steps: int, start_step: int = 0) -> None:
+    def __init__(self, model: Transformer, train: TrainArgs, total_steps: int, start_step: int = 0,
+                 compile: bool = False) -> None:
         super().__init__()
         self.automatic_optimization = False
         self.model = model
@@ -45,6 +48,10 @@ class FinetuneModule(L.LightningModule):
         self.initial_val_loss: Optional[float] = None  # before the run's first step (a resumed run: from its checkpoint)
         self._val = [0.0, 0]
         self._last_step_end: Optional[float] = None
+        # --compile: the blocks are compiled once the model is laid out (configure_model); each step's row counts
+        # the seconds it spent compiling, so warm-up steps can be told from steady ones.
+        self.compile_blocks = compile
+        self._compile_mark = 0.0
 
     @property
     def step(self) -> int:
@@ -53,6 +60,26 @@ class FinetuneModule(L.LightningModule):
 
     def on_train_start(self) -> None:
         self._last_step_end = None
+        self._compile_mark = compile_seconds() if self.compile_blocks else 0.0
+
+    # Lightning moves the module to its device for every fit and validate, and to the CPU when each ends. A move
+    # replaces every NF4 weight (a tensor subclass) by a swapped-in copy even when nothing moves, which fails once
+    # compiled graphs were traced with those weights (the fake-tensor records they keep hold weak references to
+    # them). So a move to where every tensor already is does nothing, and with --compile the module stays on its
+    # device after a fit (the next validate would move it back).
+    def to(self, *args: Any, **kwargs: Any) -> FinetuneModule:
+        device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        if device is not None and dtype is None and memory_format is None and self._all_on(device):
+            return self
+        return super().to(*args, **kwargs)
+
+    def cpu(self) -> FinetuneModule:
+        if self._all_on(torch.device("cpu")) or any(is_compiled(block) for block in self.model.blocks):
+            return self
+        return super().cpu()
+
+    def _all_on(self, device: torch.device) -> bool:
+        return all(t.device == device for t in itertools.chain(self.parameters(), self.buffers()))
 
     def configure_model(self) -> None:
         # Lightning's ModelParallelStrategy hands over a device mesh: --strategy tp splits the blocks over its
@@ -61,6 +88,8 @@ class FinetuneModule(L.LightningModule):
             parallelize(self.model, self.device_mesh["tensor_parallel"])
         elif self.device_mesh is not None:
             shard_model(self.model, self.device_mesh["data_parallel"])
+        if self.compile_blocks:  # after sharding: each compiled block then sees its final (sharded) layout
+            compile_blocks(self.model)
 
     @property
     def tensor_parallel_size(self) -> int:
@@ -150,11 +179,19 @@ class FinetuneModule(L.LightningModule):
         peak_memory = max(peak_memory_stats(self.device).values())
         row = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                "tokens_per_sec": tokens / max(seconds, 1e-9), "peak_memory_bytes": peak_memory, "tokens": tokens,
-               **({"skipped": skipped} if skipped else {})}
+               **({"skipped": skipped} if skipped else {}), **self._step_compile_seconds()}
         self.history.append({**row, "seconds": seconds})
         # A skipped step logs NaN for its loss and gradient norm: left out, Lightning would repeat the last ones.
         numbers = {TAGS[k]: float("nan") if v is None else float(v) for k, v in row.items() if k in TAGS}
         self.log_dict({**numbers, "step": float(step)})  # "step": Lightning's logger takes it as the x-axis value
+
+    def _step_compile_seconds(self) -> dict[str, float]:
+        """{"compile_seconds": what this step spent compiling} with --compile, else nothing."""
+        if not self.compile_blocks:
+            return {}
+        total = compile_seconds()
+        seconds, self._compile_mark = total - self._compile_mark, total
+        return {"compile_seconds": round(seconds, 3)}
 
     def nonfinite_problem(self, loss: torch.Tensor) -> Optional[str]:
         """'The loss became nan' / 'The gradients became non-finite', or None for a healthy step."""

@@ -12,7 +12,8 @@ def print_report(summary: dict[str, Any], out_dir: Path) -> None:
         ("steps", summary["steps"]),
         ("train loss (last step)", loss(summary["train_loss"])),
         ("val loss (before -> after)", f"{loss(summary['initial_val_loss'])} -> {loss(summary['val_loss'])}"),
-        ("tokens/s (after step 1)", f"{summary['tokens_per_sec']:.1f}" if summary["tokens_per_sec"] else "-"),
+        (f"tokens/s (after {warmup(summary)})", f"{summary['tokens_per_sec']:.1f}" if summary["tokens_per_sec"] else "-"),
+        *compile_rows(summary),
         ("peak RSS (whole run)", f"{summary['peak_rss_bytes'] / gib:.2f} GiB"),
         # Load, first validation and the steps: the final validation and the exports should not add to it.
         ("peak RSS (through training)", f"{summary['peak_rss_train_bytes'] / gib:.2f} GiB"),
@@ -24,6 +25,21 @@ def print_report(summary: dict[str, Any], out_dir: Path) -> None:
     ]
     width = max(len(k) for k, _ in rows)
     print("\n".join([f"\nRun finished: {out_dir}"] + [f"  {k:<{width}}  {v}" for k, v in rows]))
+
+
+def warmup(summary: dict[str, Any]) -> str:
+    """Which steps the throughput leaves out: step 1 (the first step pays one-time costs), or with --compile the
+    warm-up steps that compiled."""
+    steps = summary.get("warmup_steps", 1)
+    return "step 1" if steps <= 1 and not summary.get("compile") else f"{steps} warm-up step{'s' * (steps != 1)}"
+
+
+def compile_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
+    """With --compile: the warm-up's cost, apart from the steady throughput above it."""
+    if summary.get("compile_seconds") is None:
+        return []
+    first = summary.get("first_step_seconds")
+    return [("compile time", f"{summary['compile_seconds']:.1f} s" + (f" (first step {first:.1f} s)" if first else ""))]
 
 
 def loss(value: Any) -> str:

@@ -1,0 +1,48 @@
+"""`--compile true`: regional torch.compile, one compiled region per transformer block (as torchtune and
+torchtitan do), so compile time does not grow with depth: every block runs the same code and, with the same
+shapes, the same compiled graphs.
+
+`block.compile()` keeps module names and state-dict keys, and composes with what wraps the blocks: activation
+checkpointing (forward_hidden calls the compiled block inside `torch.utils.checkpoint`), LoRA, FSDP2 and tensor
+parallelism (the blocks are compiled after they are sharded) and DDP (which wraps the whole module).
+
+The NF4 matmul and the CPU LoRA dropout (raw-pointer C kernels) are `torch.compiler.disable`d: dynamo graph-breaks
+there and runs them eagerly, and inductor compiles the elementwise chains between them (RMSNorm, RoPE, the
+residual and LoRA adds, SwiGLU). Each LoRA layer's `forward` then becomes a frame of its own, compiled once per
+weight shape (NF4 metadata is guarded exactly) and grad mode: a block of 7 adapters needs more than dynamo's
+default 8 entries per code object, hence RECOMPILE_LIMIT.
+
+Shapes: the first call compiles for its exact shapes; the first recompilation for another shape (a packed run's
+validation, an unpacked run's next batch) marks the changed dimensions dynamic, so later shapes reuse it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+RECOMPILE_LIMIT = 64
+"""Compiled entries dynamo keeps per code object: 5 LoRA weight shapes x {training, validation} x {static, dynamic}
+for NF4 bases, with room to spare. Beyond it dynamo would silently run those frames eagerly."""
+
+
+def compile_blocks(model: nn.Module) -> int:
+    """Compile each of `model.blocks` in place (idempotent: Lightning calls configure_model for every validate and
+    fit); returns how many were newly compiled."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    todo = [block for block in model.blocks if not is_compiled(block)]
+    for block in todo:
+        block.compile()
+    return len(todo)
+
+
+def is_compiled(module: nn.Module) -> bool:
+    return getattr(module, "_compiled_call_impl", None) is not None
+
+
+def compile_seconds() -> float:
+    """Seconds this process has spent compiling (dynamo's tracing and inductor's code generation, every frame and
+    recompilation): what the warm-up cost, apart from the steps' own time."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    return float(sum(compilation_time_metrics.get("_compile.compile_inner", [])))
