@@ -137,6 +137,7 @@ def test_new_batch_shapes_stop_recompiling_after_the_first_change():
     from lit_qlora.lora import apply_lora
     from lit_qlora.train.loss import lm_loss_sum
 
+    torch._dynamo.reset()  # forget the shapes earlier tests compiled the same code for
     torch.manual_seed(0)
     model = Transformer(Config(vocab_size=64, n_layer=2, n_embd=32, n_head=2, n_query_groups=1,
                                intermediate_size=64)).train()
