@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 import lit_qlora.train.callbacks as callbacks
-from lit_qlora.compile import compile_blocks, is_compiled
+from lit_qlora.compile import compile_blocks, compile_seconds, is_compiled
 from lit_qlora.data.module import DataArgs
 from lit_qlora.finetune import finetune
 from lit_qlora.model import Transformer
@@ -129,3 +129,25 @@ def test_compile_refuses_the_strategies_it_is_not_verified_with(strategy, tmp_pa
     # FSDP2 + compile was measured: the losses left eager ones' after step 1 (10.69 vs 10.64 at step 2).
     with pytest.raises(ValueError, match=f"--compile true does not support --strategy {strategy}"):
         finetune(out_dir=tmp_path, strategy=strategy, devices=2, compile=True)
+
+
+def test_new_batch_shapes_stop_recompiling_after_the_first_change():
+    """An unpacked run's batches change length: the first change recompiles with dynamic lengths, later ones reuse it."""
+    from lit_qlora.config import Config
+    from lit_qlora.lora import apply_lora
+    from lit_qlora.train.loss import lm_loss_sum
+
+    torch._dynamo.reset()  # forget the shapes earlier tests compiled the same code for
+    torch.manual_seed(0)
+    model = Transformer(Config(vocab_size=64, n_layer=2, n_embd=32, n_head=2, n_query_groups=1,
+                               intermediate_size=64)).train()
+    apply_lora(model, 4, 8, dropout=0.1)
+    model.checkpoint_blocks = 2
+    compile_blocks(model)
+    spent = []
+    for length in (16, 24, 20, 31, 9):
+        before = compile_seconds()
+        x = torch.randint(0, 64, (2, length))
+        lm_loss_sum(model, x, x).backward()
+        spent.append(compile_seconds() - before)
+    assert spent[0] > 0 and spent[1] > 0 and spent[2:] == [0, 0, 0]

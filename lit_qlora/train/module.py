@@ -50,7 +50,7 @@ class FinetuneModule(L.LightningModule):
         self._last_step_end: Optional[float] = None
         # --compile: the blocks are compiled once the model is laid out (configure_model); each step's row counts
         # the seconds it spent compiling, so warm-up steps can be told from steady ones.
-        self.compile_blocks = compile
+        self.compile_enabled = compile
         self._compile_mark = 0.0
 
     @property
@@ -60,7 +60,7 @@ class FinetuneModule(L.LightningModule):
 
     def on_train_start(self) -> None:
         self._last_step_end = None
-        self._compile_mark = compile_seconds() if self.compile_blocks else 0.0
+        self._compile_mark = compile_seconds() if self.compile_enabled else 0.0
 
     # Lightning moves the module to its device for every fit and validate, and to the CPU when each ends. A move
     # replaces every NF4 weight (a tensor subclass) by a swapped-in copy even when nothing moves, which fails once
@@ -88,7 +88,7 @@ class FinetuneModule(L.LightningModule):
             parallelize(self.model, self.device_mesh["tensor_parallel"])
         elif self.device_mesh is not None:
             shard_model(self.model, self.device_mesh["data_parallel"])
-        if self.compile_blocks:  # after sharding: each compiled block then sees its final (sharded) layout
+        if self.compile_enabled:  # after sharding: each compiled block then sees its final (sharded) layout
             compile_blocks(self.model)
 
     @property
@@ -187,7 +187,7 @@ class FinetuneModule(L.LightningModule):
 
     def _step_compile_seconds(self) -> dict[str, float]:
         """{"compile_seconds": what this step spent compiling} with --compile, else nothing."""
-        if not self.compile_blocks:
+        if not self.compile_enabled:
             return {}
         total = compile_seconds()
         seconds, self._compile_mark = total - self._compile_mark, total
