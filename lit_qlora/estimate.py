@@ -161,6 +161,7 @@ def trace_step(config: Config, quantize: Quantize, precision: Precision, lora: L
     tensors; the trace holds the peak of allocated bytes and its categories."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from lit_qlora import fused_projections
     from lit_qlora import lora as lora_module
     from lit_qlora.lora import apply_lora
     from lit_qlora.loading import default_dtype, random_base
@@ -204,7 +205,8 @@ def trace_step(config: Config, quantize: Quantize, precision: Precision, lora: L
                 trace.hold(p, "frozen base")
             else:
                 trace.hold(p, "embeddings and norms")
-        stack.enter_context(_patched(linear, "_dense_rows", phase.wrap(linear._dense_rows, "NF4 dequantize scratch")))
+        for name in ("_dense_rows", "dense_stack"):  # one weight's dense rows; a fused group's stacked weights
+            stack.enter_context(_patched(linear, name, phase.wrap(getattr(linear, name), "NF4 dequantize scratch")))
         stack.enter_context(_patched(loss, "_head_ce_sum", _first_loss_chunks_traced()))
         ids = torch.zeros(batch, train.max_seq_length, dtype=torch.long)
         stack.enter_context(default_dtype(dtype))  # as the precision plugin sets it inside training steps
@@ -212,6 +214,7 @@ def trace_step(config: Config, quantize: Quantize, precision: Precision, lora: L
             stack.enter_context(_gpu_nf4_paths())
             stack.enter_context(_patched(torch.nn.functional, "dropout", _cuda_dropout))
             stack.enter_context(_patched(lora_module, "dropped_lora", _cuda_lora_dropout))
+            stack.enter_context(_patched(fused_projections, "hash_dropout_applies", lambda x: False))
         with trace:
             for _ in range(2):
                 for _ in range(min(accumulation, 2)):  # a second micro-batch runs with the gradients present

@@ -41,6 +41,10 @@ class LoRALinear(nn.Linear):
     or alpha / sqrt(r) with rsLoRA (stable updates at large ranks).
     """
 
+    fusable = True
+    """Attention and MLP may run this layer's base in one matmul with its neighbours' (`fused_projections`), adding
+    this adapter's own term to its slice: what `forward` computes."""
+
     def __init__(self, base: nn.Linear, r: int, alpha: float, dropout: float = 0.0, rslora: bool = False,
                  dtype: Optional[torch.dtype] = None) -> None:
         nn.Module.__init__(self)

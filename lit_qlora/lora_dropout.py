@@ -94,8 +94,12 @@ class _DroppedLoRA(torch.autograd.Function):
         return grad_x, grad_a, grad_b, None, None, None
 
 
+def draw_seed(x: torch.Tensor) -> int:
+    """One adapter call's mask seed, from torch's CPU generator (which checkpointing's recompute restores)."""
+    return 0 if native.is_fake(x) else int(torch.randint(0, 2**32, (), dtype=torch.int64).item())
+
+
 @torch.compiler.disable  # the kernel writes through raw pointers
 def dropped_lora(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float, p: float) -> torch.Tensor:
     """``scale * dropout(x, p) @ a^T @ b^T`` in training, for CPU tensors."""
-    seed = 0 if native.is_fake(x) else int(torch.randint(0, 2**32, (), dtype=torch.int64).item())
-    return _DroppedLoRA.apply(x, a, b, scale, p, seed)
+    return _DroppedLoRA.apply(x, a, b, scale, p, draw_seed(x))

@@ -3,7 +3,8 @@ branches driven by Config).
 
 Module names follow Hugging Face's (`model.layers.3.self_attn.q_proj`, `lm_head`) so checkpoints map 1:1 and
 PEFT adapters need no renaming. Every projection is its own `nn.Linear`: LoRA and NF4 see each one separately
-(Phi-3's fused checkpoint tensors are split on load and fused again on export: `hf_layout.py`).
+(Phi-3's fused checkpoint tensors are split on load and fused again on export: `hf_layout.py`); q/k/v and gate/up
+still run as one base matmul each where they can (`fused_projections.py`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from lit_qlora.config import Config, rope_attention_factor, rope_inv_freq
+from lit_qlora.fused_projections import fused_projections
 
 
 class RMSNorm(nn.Module):
@@ -135,12 +137,10 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, mask: Optional[torch.Tensor], input_pos: Optional[torch.Tensor]) -> torch.Tensor:
         B, T, _ = x.shape
         hd = self.config.head_dim
-        q = self.q_proj(x).view(B, T, -1, hd)
-        k = self.k_proj(x).view(B, T, -1, hd)
+        q, k, v = (t.view(B, T, -1, hd) for t in fused_projections(x, (self.q_proj, self.k_proj, self.v_proj)))
         if self.config.qk_norm:  # Qwen3, Gemma 3: per head, over head_dim, before RoPE
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = q.transpose(1, 2), k.transpose(1, 2)
-        v = self.v_proj(x).view(B, T, -1, hd).transpose(1, 2)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.kv_cache is not None:
             if input_pos is None:
@@ -166,7 +166,7 @@ class MLP(nn.Module):
         self.act = partial(F.gelu, approximate="tanh") if config.mlp_activation == "gelu_tanh" else F.silu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_proj(x), self.up_proj(x)
+        gate, up = fused_projections(x, (self.gate_proj, self.up_proj))
         if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
             return self.down_proj(_LeanGatedActivation.apply(gate, up, self.act))
         return self.down_proj(self.act(gate) * up)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -42,16 +42,15 @@ def _row_slices(weight: NF4Tensor) -> list[tuple[int, int]]:
     return row_slices(weight, DENSE_CHUNK_ELEMS)
 
 
-def _dense_rows(weight: NF4Tensor, dtype: torch.dtype, start: int, stop: int) -> torch.Tensor:
-    """Rows ``start:stop`` of the dequantized weight, valid only until the next call on this thread."""
-    whole = (start, stop) == (0, weight.shape[0])
-    device = weight.quantized_data.device
+def _scratch_matrix(rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> Optional[torch.Tensor]:
+    """A (rows, cols) matrix in this thread's CPU scratch buffer (grown when too small), valid until the next call
+    on this thread; None where no scratch buffer is used (other devices, ``LIT_QLORA_NF4_SCRATCH=0``)."""
     if device.type != "cpu" or os.environ.get("LIT_QLORA_NF4_SCRATCH", "1") == "0":
-        return dequantize_nf4(weight, dtype, rows=None if whole else (start, stop))
+        return None
     buffers = getattr(_scratch, "buffers", None)
     if buffers is None:
         buffers = _scratch.buffers = {}
-    numel = (stop - start) * weight.shape[1]
+    numel = rows * cols
     # A buffer made under inference_mode (generation, evaluation) is an inference tensor that autograd code
     # may not write to later, so each mode keeps its own.
     key = (dtype, torch.is_inference_mode_enabled())
@@ -59,8 +58,30 @@ def _dense_rows(weight: NF4Tensor, dtype: torch.dtype, start: int, stop: int) ->
     if buf is None or buf.numel() < numel:
         buffers.pop(key, None)
         buf = buffers[key] = torch.empty(numel, dtype=dtype)
-    out = buf[:numel].view(stop - start, weight.shape[1])
-    return dequantize_nf4(weight, dtype, out=out, rows=None if whole else (start, stop))
+    return buf[:numel].view(rows, cols)
+
+
+def _dense_rows(weight: NF4Tensor, dtype: torch.dtype, start: int, stop: int) -> torch.Tensor:
+    """Rows ``start:stop`` of the dequantized weight, valid only until the next call on this thread."""
+    rows = None if (start, stop) == (0, weight.shape[0]) else (start, stop)
+    out = _scratch_matrix(stop - start, weight.shape[1], dtype, weight.quantized_data.device)
+    return dequantize_nf4(weight, dtype, out=out, rows=rows)
+
+
+def dense_stack(weights: Sequence[NF4Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """The NF4 weights dequantized and stacked along dim 0 (one matmul's weight for several projections of the
+    same input), in the scratch buffer on CPU: valid only until the next call on this thread. The caller keeps
+    the stack within ``DENSE_CHUNK_ELEMS``, the bound every dense copy of a weight here keeps."""
+    total = sum(w.shape[0] for w in weights)
+    cols, device = weights[0].shape[1], weights[0].quantized_data.device
+    out = _scratch_matrix(total, cols, dtype, device)
+    if out is None:
+        out = torch.empty(total, cols, dtype=dtype, device=device)
+    start = 0
+    for w in weights:
+        dequantize_nf4(w, dtype, out=out[start : start + w.shape[0]])
+        start += w.shape[0]
+    return out
 
 
 class NF4Linear(torch.autograd.Function):

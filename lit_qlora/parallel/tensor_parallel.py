@@ -148,6 +148,7 @@ class ParallelLoRALinear(LoRALinear):
 
     style: str
     group = None
+    fusable = False  # its base is a shard and its input gradient a group sum: it runs its own forward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         a, b = self.lora_A.to_local().to(x.dtype), self.lora_B.to_local().to(x.dtype)

@@ -1,0 +1,184 @@
+"""Projections of one input (q/k/v, gate/up) as ONE base matmul, each projection keeping its own LoRA adapter.
+
+Every projection stays its own module with its own weight, so checkpoints, adapters, exports, tensor parallelism
+and FSDP see the Hugging Face layout unchanged; only the forward is fused. On CPU three small oneDNN matmuls
+(SmolLM2: q 576x576, k and v 192x576) cost more than one of their stacked rows, and each adapter's term is added
+into its slice of the one output (`addmm_`, alpha = its scale) instead of a scaled copy plus an add.
+
+The group's base weights are stacked for each matmul: NF4 weights are dequantized into one dense block (the CPU
+scratch buffer, as `NF4Linear` does; backward dequantizes again, only the NF4 codes are saved), dense weights are
+concatenated. Each adapter keeps its own A, B, scale and dropout mask (the hash mask of `lora_dropout`, its seed
+drawn per adapter in module order, as the unfused path draws them). Without dropout the adapters' A projections
+are one matmul of x against the stacked A's.
+
+Where the fusion does not apply, each module runs its own forward (`fusion_plan` says when: tensor-parallel
+layers, DTensor weights, mixed NF4/dense or dtypes, trainable base weights, autocast, dropout off the CPU, an NF4
+stack past `DENSE_CHUNK_ELEMS`).
+"""
+
+from __future__ import annotations
+
+from itertools import accumulate
+from typing import NamedTuple, Optional, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from lit_qlora.lora_dropout import draw_seed, dropped
+from lit_qlora.nf4 import linear as nf4_linear
+from lit_qlora.nf4.linear import FrozenNF4Linear
+from lit_qlora.nf4.reference import SUPPORTED_DTYPES
+
+
+class Adapter(NamedTuple):
+    """One projection's LoRA term in a fused call: its place in the group, scale, dropout in effect and seed."""
+
+    index: int
+    scale: float
+    p: float
+    seed: int = 0
+
+
+class FusionPlan(NamedTuple):
+    kind: str  # "nf4" or "dense": how the base weights are stacked
+    adapters: tuple[Adapter, ...]
+
+
+def hash_dropout_applies(x: torch.Tensor) -> bool:
+    """Whether LoRA dropout on `x` runs as the hash mask (CPU, as `LoRALinear` decides): the fused path uses only
+    that one (`litqlora estimate --device cuda` patches this to say no, as on a GPU)."""
+    return x.device.type == "cpu"
+
+
+def _fusable_module(m: nn.Module) -> bool:
+    # Exact types: a subclass (tensor-parallel layers) computes something else. Module hooks would be skipped.
+    kind_ok = type(m) in (nn.Linear, FrozenNF4Linear) or getattr(type(m), "fusable", False)
+    return kind_ok and not (m._forward_hooks or m._forward_pre_hooks)
+
+
+def _base_kind(weights: Sequence[torch.Tensor], x: torch.Tensor) -> Optional[str]:
+    names = {type(w).__name__ for w in weights}
+    if "DTensor" in names or x.dtype not in SUPPORTED_DTYPES or any(w.requires_grad for w in weights):
+        return None
+    if any(w.dim() != 2 or w.shape[1] != x.shape[-1] for w in weights):
+        return None
+    if names == {"NF4Tensor"}:
+        fits = sum(w.numel() for w in weights) <= nf4_linear.DENSE_CHUNK_ELEMS
+        on_x = all(w.quantized_data.device == x.device for w in weights)
+        return "nf4" if fits and on_x else None
+    if "NF4Tensor" not in names and all(w.dtype == x.dtype and w.device == x.device for w in weights):
+        return "dense"
+    return None
+
+
+def fusion_plan(x: torch.Tensor, modules: Sequence[nn.Module]) -> Optional[FusionPlan]:
+    """How `modules` (linears of the same input) run as one matmul, or None where each must run its own forward."""
+    if len(modules) < 2 or torch.is_autocast_enabled(x.device.type):
+        return None
+    if not all(_fusable_module(m) for m in modules):
+        return None
+    kind = _base_kind([m.weight for m in modules], x)
+    biases = [m.bias for m in modules]
+    if kind is None or (None in biases and any(b is not None for b in biases)):
+        return None
+    if any(b is not None and (b.requires_grad or b.dtype != x.dtype) for b in biases):
+        return None
+    adapters = []
+    for i, m in enumerate(modules):
+        if not hasattr(m, "lora_A") or m.scale == 0:  # scale 0 (adapters_disabled): the base alone, exactly
+            continue
+        p = m.lora_dropout.p if m.training and isinstance(m.lora_dropout, nn.Dropout) else 0.0
+        if p > 0 and not hash_dropout_applies(x):
+            return None
+        adapters.append(Adapter(i, m.scale, p))
+    return FusionPlan(kind, tuple(adapters))
+
+
+def fused_projections(x: torch.Tensor, modules: Sequence[nn.Module]) -> tuple[torch.Tensor, ...]:
+    """`tuple(m(x) for m in modules)`, as one base matmul plus each module's own adapter where that applies (the
+    outputs are then column slices of one tensor)."""
+    plan = fusion_plan(x, modules)
+    if plan is None:
+        return tuple(m(x) for m in modules)
+    return _run_fused(x, modules, plan)
+
+
+@torch.compiler.disable  # the NF4 and dropout kernels write through raw pointers; the seeds are host values
+def _run_fused(x: torch.Tensor, modules: Sequence[nn.Module], plan: FusionPlan) -> tuple[torch.Tensor, ...]:
+    adapters = tuple(a._replace(seed=draw_seed(x)) if a.p > 0 else a for a in plan.adapters)  # in module order
+    rows = tuple(m.weight.shape[0] for m in modules)
+    bias = None if modules[0].bias is None else torch.cat([m.bias for m in modules])
+    lora = [modules[a.index].lora_A for a in adapters] + [modules[a.index].lora_B for a in adapters]
+    y = _FusedProjections.apply(x, bias, plan.kind, rows, adapters, *[m.weight for m in modules], *lora)
+    return y.split(rows, dim=-1)
+
+
+def _stacked_weight(kind: str, weights: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """The group's base weights as one (sum of rows, in) matrix (NF4: in the scratch buffer, valid until the next
+    dequantization on this thread)."""
+    if kind == "nf4":
+        return nf4_linear.dense_stack(weights, dtype)  # looked up at call time: the estimate wraps it
+    return torch.cat([w.detach() for w in weights])
+
+
+def _shared_down(adapters: Sequence[Adapter]) -> bool:
+    """Whether the adapters' A projections run as one matmul (no dropout: they all read the same x)."""
+    return len(adapters) > 1 and all(a.p == 0 for a in adapters)
+
+
+def _down(x2: torch.Tensor, a: Sequence[torch.Tensor], adapters: Sequence[Adapter]) -> list[torch.Tensor]:
+    """Each adapter's (tokens, r) `dropout(x) A^T`."""
+    if _shared_down(adapters):
+        return list((x2 @ torch.cat(a).T).split([t.shape[0] for t in a], dim=1))
+    return [(dropped(x2, ad.seed, ad.p) if ad.p > 0 else x2) @ a_i.T for ad, a_i in zip(adapters, a)]
+
+
+class _FusedProjections(torch.autograd.Function):
+    """y = x W_cat^T + b_cat, then each adapter's slice of y += scale * dropout(x) A^T B^T; W frozen."""
+
+    @staticmethod
+    def forward(ctx, x, bias, kind: str, rows: tuple[int, ...], adapters: tuple[Adapter, ...], *tensors):
+        n, k = len(rows), len(adapters)
+        weights, a, b = tensors[:n], tensors[n : n + k], tensors[n + k :]
+        dtype = x.dtype
+        y = F.linear(x, _stacked_weight(kind, weights, dtype), bias)
+        x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
+        h = _down(x2, [t.to(dtype) for t in a], adapters)
+        starts = [0, *accumulate(rows)]
+        for ad, h_i, b_i in zip(adapters, h, b):
+            y2[:, starts[ad.index] : starts[ad.index + 1]].addmm_(h_i, b_i.to(dtype).T, alpha=ad.scale)
+        ctx.save_for_backward(x, *weights, *a, *b, *h)
+        ctx.kind, ctx.rows, ctx.adapters = kind, rows, adapters
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        n, adapters = len(ctx.rows), ctx.adapters
+        k = len(adapters)
+        x, *rest = ctx.saved_tensors
+        weights, a, b, h = rest[:n], rest[n : n + k], rest[n + k : n + 2 * k], rest[n + 2 * k :]
+        dtype, starts = grad.dtype, [0, *accumulate(ctx.rows)]
+        g2, x2 = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
+        needs_x = ctx.needs_input_grad[0]
+        grad_x = g2 @ _stacked_weight(ctx.kind, weights, dtype) if needs_x else None
+        a_c, grad_a, grad_b, grad_h = [t.to(dtype) for t in a], [], [], []
+        for ad, b_i, h_i in zip(adapters, b, h):
+            g_i = g2[:, starts[ad.index] : starts[ad.index + 1]]
+            grad_h.append((g_i @ b_i.to(dtype)).mul_(ad.scale))
+            grad_b.append((g_i.T @ h_i).mul_(ad.scale).to(b_i.dtype))
+        if _shared_down(adapters):
+            gh = torch.cat(grad_h, dim=1)
+            grad_a = list((gh.T @ x2).split([t.shape[0] for t in a]))
+            if needs_x:
+                grad_x.addmm_(gh, torch.cat(a_c))
+        else:
+            for ad, a_i, gh in zip(adapters, a_c, grad_h):
+                grad_a.append(gh.T @ (dropped(x2, ad.seed, ad.p) if ad.p > 0 else x2))
+                if needs_x and ad.p > 0:
+                    grad_x += dropped(gh @ a_i, ad.seed, ad.p, inplace=True)
+                elif needs_x:
+                    grad_x.addmm_(gh, a_i)
+        grad_a = [g.to(t.dtype) for g, t in zip(grad_a, a)]
+        grad_x = None if grad_x is None else grad_x.view(x.shape)
+        return (grad_x, None, None, None, None, *[None] * n, *grad_a, *grad_b)
