@@ -1,18 +1,30 @@
-"""Our LoRA/QLoRA vs peer libraries on identical token batches: tokens/s and whole-run peak RSS, one run per process.
+"""Our LoRA/QLoRA vs peer libraries at the presets' settings: tokens/s and whole-run peak RSS, one run per process.
 
     bash benchmarks/peer_envs.sh                      # once: venvs for LitGPT and torchtune under benchmarks/_work/
     python benchmarks/peers.py --checkpoint_dir /path/SmolLM2-135M-Instruct --peers peft litgpt torchtune
     python benchmarks/peers.py --checkpoint_dir D --peers torchtune --quantize        # QLoRA vs torchtune QLoRA
 
-The parent draws the token batches once (seed 0, steps x batch x seq, the checkpoint's vocabulary) and writes
-them to benchmarks/_work/, and every child reads that file, so all sides train on the same tokens whatever their
-torch. Every side: the same Hugging Face checkpoint in bf16, LoRA r=8, alpha=16, dropout 0 on q, k, v, o, gate,
-up, down and lm_head, torch's fused AdamW (lr 1e-4, betas 0.9/0.95, no weight decay; ours keeps its 1-step
-warmup + cosine schedule, the peers a constant lr: neither changes step time or memory), gradient clipping at
-1.0, activation checkpointing per block unless --no_checkpointing, every token a target; tokens/s excludes the
-first step; peak RSS is the child's VmHWM (load included). The sides alternate over --rounds.
+Ours runs as users run it: `python -m lit_qlora.cli finetune` (`litqlora finetune`) in a child, on the dataset
+shipped with lit-qlora packed to --seq tokens (`--data.packing true`), micro-batch = global batch = --batch, so a
+step holds the peers' batch x seq tokens (less the packs' unfilled tails: SmolLM2 4x512 packs average 480 of 512
+tokens, and only real tokens count in our tokens/s). Its tokens/s is the median of metrics.jsonl's per-step
+tokens_per_sec after the first step; its peak RSS is summary.json's peak_rss_bytes, the whole process: load, both
+validations, the steps and the final/ exports (peak_rss_train_bytes, load to the last step, is recorded beside
+it). --compile true|false is passed to finetune only when given. The peers' parent draws their token batches once
+(seed 0, steps x batch x seq, the checkpoint's vocabulary) and writes them to benchmarks/_work/, and every peer
+child reads that file, so the peers train on the same tokens whatever their torch (ours trains on other tokens:
+its first loss is not comparable with theirs).
 
-- ours: benchmarks/train_memory.py's child (Lightning Trainer + FinetuneModule, chunked CE), `--quantize`: NF4.
+Every side: the same Hugging Face checkpoint in bf16, LoRA r=8, alpha=16, dropout --dropout (default 0.05, the
+presets' value) on the adapters' input on q, k, v, o, gate, up, down and lm_head, torch's fused AdamW (lr 1e-4,
+betas 0.9/0.95, no weight decay; ours keeps its 1-step warmup + cosine schedule, the peers a constant lr: neither
+changes step time or memory), gradient clipping at 1.0, activation checkpointing per block unless
+--no_checkpointing. Peers: every token a target, tokens/s excludes the first step, peak RSS is the child's VmHWM
+(load included). The peers' first-step losses agree to ~4e-3 at any dropout: LoRA B starts at 0, so the dropout
+masks do not reach the first forward. The sides alternate over --rounds.
+
+- ours: `litqlora finetune --quantize none` (LoRA) or `nf4` (QLoRA, --quantize): Lightning Trainer +
+  FinetuneModule (chunked CE), our LoRA dropout.
 - peft: transformers + peft in this interpreter; the model's own CE over full logits; non-reentrant gradient
   checkpointing. With --quantize it is skipped: peft 4-bit needs bitsandbytes, which has no CPU path here.
 - litgpt (venv-litgpt): `convert_hf_checkpoint` into benchmarks/_work/litgpt-* (a tied embedding becomes an
@@ -26,8 +38,8 @@ first step; peak RSS is the child's VmHWM (load included). The sides alternate o
   (the output/lm_head base stays bf16 there).
 
 Results: benchmarks/results/peers.{json,md} (--results_dir for scratch runs). A tiny checkpoint for a smoke run:
-`python benchmarks/peers.py --write_tiny DIR` (needs lit_qlora; LoRA B = 0, so every side's first loss is the
-base model's loss on the same batch and must agree).
+`python benchmarks/peers.py --write_tiny DIR` (needs lit_qlora; LoRA B = 0, so every peer's first loss is the
+base model's loss on the same batch and must agree; ours needs a tokenizer there, which DIR lacks).
 """
 
 from __future__ import annotations
@@ -39,6 +51,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -74,7 +87,7 @@ def peft_model(args, seq: int):
     model = AutoModelForCausalLM.from_pretrained(args.checkpoint_dir, dtype=torch.bfloat16)
     if args.checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=HF_TARGETS))
+    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=args.dropout, target_modules=HF_TARGETS))
     return model, lambda ids: model(input_ids=ids, labels=ids).loss, "LoRA on every linear incl. lm_head"
 
 
@@ -115,8 +128,9 @@ def litgpt_model(args, seq: int):
     from torch.nn import ModuleList
 
     out = litgpt_convert(args)
-    config = Config.from_file(out / "model_config.yaml", lora_r=8, lora_alpha=16, lora_dropout=0.0, lora_query=True,
-                              lora_key=True, lora_value=True, lora_projection=True, lora_mlp=True, lora_head=True)
+    config = Config.from_file(out / "model_config.yaml", lora_r=8, lora_alpha=16, lora_dropout=args.dropout,
+                              lora_query=True, lora_key=True, lora_value=True, lora_projection=True, lora_mlp=True,
+                              lora_head=True)
     fabric = L.Fabric(accelerator="cpu", devices=1, precision="bf16-true")
     with fabric.init_module(empty_init=False):
         model = GPT(config)
@@ -163,7 +177,7 @@ def torchtune_model(args, seq: int):
             num_kv_heads=hf["num_key_value_heads"], embed_dim=hf["hidden_size"],
             max_seq_len=hf["max_position_embeddings"], intermediate_dim=hf["intermediate_size"],
             norm_eps=hf["rms_norm_eps"], rope_base=hf.get("rope_theta", 10000.0), lora_rank=8, lora_alpha=16,
-            lora_dropout=0.0, quantize_base=args.quantize)
+            lora_dropout=args.dropout, quantize_base=args.quantize)
     set_trainable_params(model, get_adapter_params(model))
     if args.checkpointing:
         training.set_activation_checkpointing(model, auto_wrap_policy={modules.TransformerSelfAttentionLayer})
@@ -216,6 +230,35 @@ def peer_child(args) -> None:
 
 
 PREPARE = {"litgpt": litgpt_convert}
+
+
+def ours_child(args) -> None:
+    """`litqlora finetune` on the shipped dataset packed to --seq tokens; numbers from its metrics.jsonl and
+    summary.json (see the module docstring)."""
+    with tempfile.TemporaryDirectory(prefix="peers-ours-") as out:
+        cmd = [sys.executable, "-m", "lit_qlora.cli", "finetune", "--checkpoint_dir", args.checkpoint_dir,
+               "--quantize", "nf4" if args.quantize else "none", "--out_dir", out, "--train.max_steps", str(args.steps),
+               "--train.micro_batch_size", str(args.batch), "--train.global_batch_size", str(args.batch),
+               "--train.max_seq_length", str(args.seq), "--data.packing", "true", "--lora.dropout", str(args.dropout),
+               "--train.activation_checkpointing", str(args.checkpointing).lower(), "--train.warmup_steps", "1",
+               "--train.lr", "1e-4", "--lora.r", "8", "--lora.alpha", "16"]
+        cmd += ["--compile", args.compile] if args.compile else []
+        load_before = loadavg()
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode:
+            raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+        rows = [json.loads(line) for line in Path(out, "metrics.jsonl").read_text().splitlines() if line.strip()]
+        summary = json.loads(Path(out, "summary.json").read_text())
+    print(json.dumps({
+        "config": "nf4" if args.quantize else "none", "peak_rss_bytes": summary["peak_rss_bytes"],
+        "peak_rss_train_bytes": summary["peak_rss_train_bytes"],
+        "tokens_per_sec": statistics.median(r["tokens_per_sec"] for r in rows[1:]),
+        "tokens_per_step": [r["tokens"] for r in rows],
+        "step_seconds": [round(r["tokens"] / r["tokens_per_sec"], 2) for r in rows],
+        "losses": [round(r["loss"], 4) for r in rows], "trainable_params": summary["trainable_params"],
+        "wall_seconds": round(summary["wall_seconds"], 1), "command": " ".join(cmd[1:]).replace(out, "TMP"),
+        "loadavg_before": load_before, "loadavg_after": loadavg(),
+    }))
 
 
 def write_tiny(path: Path) -> None:
@@ -277,6 +320,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--no_checkpointing", dest="checkpointing", action="store_false")
+    parser.add_argument("--dropout", type=float, default=0.05, help="LoRA dropout on every side (presets: 0.05)")
+    parser.add_argument("--compile", choices=["true", "false"], help="ours: passed to `finetune --compile` when given")
     parser.add_argument("--results_dir", type=Path, default=HERE / "results")
     parser.add_argument("--write_tiny", type=Path, help="write a tiny random checkpoint there and exit")
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -286,14 +331,17 @@ def main() -> None:
     if args.write_tiny:
         return write_tiny(args.write_tiny)
     if args.child:
-        return peer_child(args)
+        return ours_child(args) if args.child == "ours" else peer_child(args)
     if not args.checkpoint_dir or args.steps < 2:
         parser.error("--checkpoint_dir is required, and --steps >= 2 (tokens/s excludes the first step)")
 
-    common = ["--checkpoint_dir", args.checkpoint_dir, "--batches", str(write_batches(args))]
+    common = ["--checkpoint_dir", args.checkpoint_dir, "--dropout", str(args.dropout)]
     common += [] if args.checkpointing else ["--no_checkpointing"]
-    sides = {"ours": [sys.executable, str(HERE / "train_memory.py"), *common, "--lr", "1e-4", "--child",
-                      "nf4" if args.quantize else "none"]}
+    ours = ["--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps)]
+    ours += ["--compile", args.compile] if args.compile else []
+    sides = {"ours": [sys.executable, str(HERE / "peers.py"), *common, *ours, "--child", "ours"]}
+    sides["ours"] += ["--quantize"] if args.quantize else []
+    common += ["--batches", str(write_batches(args))]
     skipped = {p: SKIP_QUANTIZED[p] for p in args.peers if args.quantize and p in SKIP_QUANTIZED}
     for peer in args.peers:
         if peer not in skipped:
@@ -315,12 +363,14 @@ def main() -> None:
 def record_results(args, started: str, runs: dict[str, list[dict]], skipped: dict[str, str]) -> None:
     import torch
 
-    med = {s: {k: statistics.median(r[k] for r in rs) for k in ("peak_rss_bytes", "tokens_per_sec")}
+    med = {s: {k: statistics.median(r[k] for r in rs) for k in ("peak_rss_bytes", "peak_rss_train_bytes",
+                                                                 "tokens_per_sec") if k in rs[0]}
            for s, rs in runs.items() if rs}
     command = " ".join(["python benchmarks/peers.py --checkpoint_dir", args.checkpoint_dir, "--peers", *args.peers,
                         "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps), "--rounds",
-                        str(args.rounds)] + (["--quantize"] if args.quantize else [])
-                       + ([] if args.checkpointing else ["--no_checkpointing"]))
+                        str(args.rounds), "--dropout", str(args.dropout)] + (["--quantize"] if args.quantize else [])
+                       + ([] if args.checkpointing else ["--no_checkpointing"])
+                       + (["--compile", args.compile] if args.compile else []))
     path = args.results_dir / "peers.json"
     record = json.loads(path.read_text()) if path.is_file() else {"rows": {}}
     record.update({"machine": f"{platform.machine()}, {platform.processor() or 'cpu'}, {torch.get_num_threads()} "
@@ -329,7 +379,8 @@ def record_results(args, started: str, runs: dict[str, list[dict]], skipped: dic
     ours_versions = versions("ours") if med else None
     for peer in args.peers:
         row = {"checkpoint": Path(args.checkpoint_dir).name, "batch": args.batch, "seq": args.seq,
-               "checkpointing": args.checkpointing, "mode": mode, "peer": peer, "started": started, "command": command}
+               "checkpointing": args.checkpointing, "dropout": args.dropout, "compile": args.compile, "mode": mode,
+               "peer": peer, "ours_via": "litqlora finetune", "started": started, "command": command}
         if peer in skipped:
             row["skipped"] = skipped[peer]
         else:
@@ -338,7 +389,8 @@ def record_results(args, started: str, runs: dict[str, list[dict]], skipped: dic
                        versions={"ours": ours_versions, peer: versions(peer)},
                        tokens_per_sec_ours_over_peer=round(m["ours"]["tokens_per_sec"] / m[peer]["tokens_per_sec"], 3),
                        peak_rss_ours_over_peer=round(m["ours"]["peak_rss_bytes"] / m[peer]["peak_rss_bytes"], 3))
-        key = f"{row['checkpoint']} {args.batch}x{args.seq} ckpt={'on' if args.checkpointing else 'off'} {peer} {mode}"
+        key = (f"{row['checkpoint']} {args.batch}x{args.seq} ckpt={'on' if args.checkpointing else 'off'} "
+               f"dropout={args.dropout} compile={args.compile or '-'} {peer} {mode}")
         record["rows"][key] = row
     args.results_dir.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=2) + "\n")
@@ -348,18 +400,22 @@ def record_results(args, started: str, runs: dict[str, list[dict]], skipped: dic
 def markdown(record: dict) -> str:
     gib = 1024**3
     lines = [f"# Ours vs peer libraries, LoRA and QLoRA ({record['machine']}, Python {record['python']})", "",
-             "Identical token batches (one file read by every side), checkpoint, LoRA rank/targets, micro-batch, "
-             "sequence length and checkpointing; medians of alternating runs, one process each; peak RSS = whole run "
-             "(VmHWM). **Goal: ours >= 1.5x the peer's tokens/s at <= 0.8x its peak RSS.** Ratios are ours / peer. "
-             "First-step losses must agree (same weights and batch, LoRA B = 0). Versions and notes below the table.",
-             "", "| checkpoint | BxS | act. ckpt | mode | peer | tok/s ours / peer | ratio | peak GiB ours / peer "
+             "Same checkpoint, LoRA rank/targets/dropout, micro-batch, sequence length and checkpointing; medians of "
+             "alternating runs, one process each; peak RSS = whole run (VmHWM). Ours runs `litqlora finetune` on the "
+             "shipped dataset packed to S tokens (its peak: the whole process, validations and exports included); the "
+             "peers read one file of random token batches (rows with dropout 0 are older runs of an in-process child "
+             "of ours on those batches). **Goal: ours >= 1.5x the peer's tokens/s at <= 0.8x its peak RSS.** Ratios "
+             "are ours / peer. The peers' first-step losses must agree (same weights and batch, LoRA B = 0, so "
+             "dropout does not reach the first forward). Versions and notes below the table.",
+             "", "| checkpoint | BxS | act. ckpt | dropout | compile | mode | peer | tok/s ours / peer | ratio "
+             "| peak GiB ours / peer "
              "| ratio | goal met | first loss ours / peer | trainable ours / peer "
              "| loadavg 1 min (ours, peer; each run) | started | reproduce |",
-             "|---|---|---|---|---|---:|---:|---:|---:|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---:|---:|---:|---:|---|---|---|---|---|---|"]
     notes = []
     for key, r in record["rows"].items():
         head = (f"| {r['checkpoint']} | {r['batch']}x{r['seq']} | {'on' if r['checkpointing'] else 'off'} | "
-                f"{r['mode']} | {r['peer']} |")
+                f"{r.get('dropout', 0.0)} | {r.get('compile') or '-'} | {r['mode']} | {r['peer']} |")
         if "skipped" in r:
             lines.append(f"{head} skipped: {r['skipped']} | | | | | | | | {r['started']} | `{r['command']}` |")
             continue
@@ -372,8 +428,11 @@ def markdown(record: dict) -> str:
                      f"{o[0]['losses'][0]} / {p[0]['losses'][0]} | {o[0]['trainable_params']:,} / "
                      f"{p[0]['trainable_params']:,} | {' '.join(str(x['loadavg_before'][0]) for x in o)}; "
                      f"{' '.join(str(x['loadavg_before'][0]) for x in p)} | {r['started']} | `{r['command']}` |")
+        train_peak = (f" Ours' peak through its last step: {mo['peak_rss_train_bytes'] / gib:.2f} GiB; "
+                      f"`{o[0]['command']}`." if "peak_rss_train_bytes" in mo else "")
         notes.append(f"- {key}: ours {r['versions']['ours']}; {r['peer']} {r['versions'][r['peer']]}. "
-                     f"{r['peer']}: {p[0]['note']}; trainable dtypes {', '.join(p[0]['trainable_dtypes'])}.")
+                     f"{r['peer']}: {p[0]['note']}; trainable dtypes {', '.join(p[0]['trainable_dtypes'])}."
+                     + train_peak)
     return "\n".join(lines + ["", "Versions and notes:", ""] + notes) + "\n"
 
 

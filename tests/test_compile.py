@@ -41,8 +41,9 @@ def fine_tune(checkpoint_dir, out_dir, data, quantize, precision, compile, monke
 # (quantize, precision, loss tolerance, adapter tolerance). In fp32 compiled steps compute what eager ones do up to
 # summation order (measured: losses 2e-6, adapters 1e-6 apart). In bf16 the losses and gradient norms matched
 # exactly, but Adam's update on a tiny gradient is about lr * its sign: a few elements whose bf16 gradient differs in
-# its last bit move apart by ~lr (measured: the adapters up to 3% apart as a whole after 3 steps at lr 1e-2).
-CASES = [("nf4", "32-true", 1e-4, 1e-5), ("none", "bf16-true", 1e-3, 0.08)]
+# its last bit move apart by ~lr (measured: the adapters up to 3% apart as a whole after 3 steps at lr 1e-2; with the
+# fused q/k/v base matmul, one small adapter 9% apart).
+CASES = [("nf4", "32-true", 1e-4, 1e-5), ("none", "bf16-true", 1e-3, 0.05)]
 
 
 @pytest.mark.parametrize("quantize, precision, tol, adapter_tol", CASES)
@@ -59,9 +60,11 @@ def test_compiled_steps_equal_eager_steps(tiny_llama_dir, tmp_path, quantize, pr
     assert [r["grad_norm"] for r in rows] == pytest.approx([r["grad_norm"] for r in eager_rows], rel=tol)
     assert summary["val_loss"] == pytest.approx(eager["val_loss"], rel=tol)
     assert summary["initial_val_loss"] == pytest.approx(eager["initial_val_loss"], rel=tol)
-    for name, tensor in eager_adapter.items():
-        diff = (adapter[name].float() - tensor.float()).norm() / tensor.float().norm()
-        assert diff < adapter_tol, name
+    # All adapters together within adapter_tol; a small one (k_proj's B: 192 x 4) may move by a few sign flips more.
+    diffs = {name: (adapter[name].float() - t.float()).norm() / t.float().norm() for name, t in eager_adapter.items()}
+    total = sum((adapter[n].float() - t.float()).norm() ** 2 for n, t in eager_adapter.items()) ** 0.5
+    assert total / sum(t.float().norm() ** 2 for t in eager_adapter.values()) ** 0.5 < adapter_tol
+    assert max(diffs.values()) < 3 * adapter_tol, max(diffs, key=diffs.get)
     # The heap-release hooks still run around every compiled block, as often as in eager steps.
     assert releases == eager_releases and len(releases) > 0
     # Step 1 compiles (the validation before it compiled the no-grad graphs); at a fixed shape nothing recompiles.
