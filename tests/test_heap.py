@@ -32,27 +32,33 @@ class FakeProcess:
         return HeapTrimmer(budget, rss=self.rss, in_use=lambda: self.in_use, release=self.release)
 
 
-def test_trims_only_when_resident_free_heap_grew_past_the_budget():
+def test_trims_only_when_resident_free_heap_grew_past_the_budget_over_the_working_set():
     proc = FakeProcess()
     trim = proc.trimmer(32 * MIB)
-    assert trim() and proc.releases == 1  # the first call sets the floor
-    proc.free_resident = 30 * MIB
+    proc.free_resident = 200 * MIB  # what loading and validation left
+    assert trim() and proc.releases == 1 and proc.free_resident == 0
+    proc.free_resident = 75 * MIB  # the next block faulted its working set in again and freed it: the floor
+    assert not trim()
+    proc.free_resident = 75 * MIB + 30 * MIB
     assert not trim()
     proc.in_use += 500 * MIB  # live tensors raise RSS and in-use alike: nothing to hand back
     assert not trim()
-    proc.free_resident = 33 * MIB
+    proc.free_resident = 75 * MIB + 33 * MIB
     assert trim() and proc.releases == 2 and proc.free_resident == 0
-    proc.free_resident = 20 * MIB  # measured from the new floor, not the first one
+    proc.free_resident = 40 * MIB  # a new floor
     assert not trim()
-    assert (trim.checks, trim.releases) == (5, 2)
+    proc.free_resident = 40 * MIB + 20 * MIB
+    assert not trim()
+    assert (trim.checks, trim.releases) == (7, 2)
 
 
 def test_the_floor_follows_rss_outside_the_heap():
     proc = FakeProcess()
     trim = proc.trimmer(32 * MIB)
-    trim()
+    trim(), trim()
     proc.other += 40 * MIB  # e.g. Python's arenas grew: one trim, then the floor includes it
     assert trim()
+    assert not trim()
     proc.free_resident = 31 * MIB
     assert not trim()
 

@@ -5,8 +5,8 @@ threshold) leave holes between longer-lived tensors, and each block's forward la
 block did not touch: without a release the resident heap grows ~10 MB per block and a SmolLM2 4x512 QLoRA run
 peaks 600 MB higher (benchmarks/results/heap_release.md). `malloc_trim` after every block keeps the peak, but it
 hands back each block's whole working set, which the next block faults in again (~1.4 M page faults, ~5 GB, per
-step). Trimming only when the resident free bytes have grown by a budget since the last trim keeps most of that
-working set resident.
+step). Trimming only once the resident free bytes have grown by a budget beyond that working set lets several
+blocks run between trims, each reusing the pages the previous one freed.
 
 Resident free bytes are estimated as VmRSS minus what malloc has handed out (mallinfo2's in-use heap chunks and
 mmapped blocks): the rest of the RSS (code, Python's arenas, thread stacks) barely moves during a step, so the
@@ -20,17 +20,22 @@ from typing import Callable, Optional
 
 from lit_qlora.memory import heap_in_use_bytes, release_free_memory, rss_bytes
 
-# Resident free heap allowed to build up between trims. Each trim costs re-faulting everything free (the working
-# set of the block being run, tens of MB), so the budget sets how many blocks run between trims; it is also about
-# what the peak may exceed a trim-every-block peak by.
+# Resident free heap allowed to build up beyond a block's working set between trims. Each trim costs re-faulting
+# everything free (the working set, tens of MB), and blocks add ~3-10 MB each of pages the previous block did not
+# touch, so 32 MB lets ~4-10 blocks run between trims; it is also about what the peak may exceed a
+# trim-every-block peak by.
 DEFAULT_BUDGET_BYTES = 32 << 20
 
 
 class HeapTrimmer:
-    """Calls `release` when the resident free heap has grown by more than `budget_bytes` since the last release.
+    """Calls `release` when the resident free heap has grown by more than `budget_bytes` over its level at the
+    first check after the last release.
 
-    Without an estimate (not glibc, or glibc before 2.33: `in_use` returns None) it releases every time, as
-    training did before this policy."""
+    That level, not the level right after the release, is the floor: between a release and the next check the
+    block being run faults its working set in again and frees it, so measured from the release itself every
+    check would see a working set of resident free heap (~75 MB per SmolLM2 4x512 block) and trim again. The
+    first check of all releases (what loading and validation left behind). Without an estimate (not glibc, or
+    glibc before 2.33: `in_use` returns None) every check releases, as training did before this policy."""
 
     def __init__(self, budget_bytes: int = DEFAULT_BUDGET_BYTES,
                  rss: Callable[[], Optional[int]] = rss_bytes,
@@ -38,7 +43,8 @@ class HeapTrimmer:
                  release: Callable[[], None] = release_free_memory) -> None:
         self.budget_bytes = budget_bytes
         self._rss, self._in_use, self._release = rss, in_use, release
-        self._floor: Optional[int] = None  # the estimate right after the last release
+        self._floor: Optional[int] = None
+        self._released = False  # since the last check
         self.checks = self.releases = 0
 
     def _not_handed_out(self) -> Optional[int]:
@@ -49,9 +55,12 @@ class HeapTrimmer:
         """Release if the budget is exceeded (or nothing can be estimated); returns whether it released."""
         self.checks += 1
         now = self._not_handed_out()
+        if now is not None and self._released:
+            self._floor, self._released = now, False
+            return False
         if now is not None and self._floor is not None and now - self._floor <= self.budget_bytes:
             return False
         self._release()
         self.releases += 1
-        self._floor = self._not_handed_out()
+        self._released = True
         return True
