@@ -2,7 +2,7 @@
 
 Loads the base (NF4 for "nf4", bf16 for "none"; a preset name instead of a directory: random weights), adds LoRA (r=8, alpha=16, every linear), and returns the model,
 its optimizer and `step()`: FinetuneModule.micro_loss_sum on fixed random tokens (seed 0), backward, clipping at
-1.0, fused AdamW, with the HeapRelease callback's heap releases on CPU (before backward, around each block, after
+1.0, fused AdamW, with the HeapRelease callback's heap-release checks on CPU (before backward, around each block, after
 the update).
 """
 
@@ -15,9 +15,9 @@ import torch
 from lit_qlora.config import PRESETS
 from lit_qlora.loading import load_model, random_base
 from lit_qlora.lora import apply_lora
-from lit_qlora.memory import release_free_memory
 from lit_qlora.train.args import TrainArgs
 from lit_qlora.train.callbacks import release_heap_around_blocks
+from lit_qlora.train.heap import HeapTrimmer
 from lit_qlora.train.module import FinetuneModule  # imported here so callers' RSS baselines include Lightning
 
 
@@ -33,7 +33,8 @@ def build_step(checkpoint_dir: str, quantize: str, batch: int, seq: int, checkpo
                       activation_checkpointing=checkpointing)
     module = FinetuneModule(model, train, total_steps=2)
     model.train()
-    release_heap_around_blocks(model)
+    trimmer = HeapTrimmer()
+    release_heap_around_blocks(model, trimmer)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), fused=True)
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
@@ -41,13 +42,13 @@ def build_step(checkpoint_dir: str, quantize: str, batch: int, seq: int, checkpo
 
     def step(before_zero_grad: Optional[Callable[[], Any]] = None) -> Any:
         """One optimizer step; returns what `before_zero_grad` (called with the gradients present) returns."""
-        release_free_memory()
+        trimmer()
         (module.micro_loss_sum(tokens) / ids.numel()).backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         result = before_zero_grad() if before_zero_grad is not None else None
         optimizer.zero_grad(set_to_none=True)
-        release_free_memory()
+        trimmer()
         return result
 
     return model, optimizer, step

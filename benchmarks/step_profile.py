@@ -15,7 +15,7 @@ from pathlib import Path
 
 from torch.profiler import ProfilerActivity, profile
 
-import lit_qlora.train.callbacks as callbacks
+import lit_qlora.train.heap as heap
 import one_step
 
 
@@ -29,7 +29,7 @@ def main() -> None:
     args = parser.parse_args()
 
     trims = [0, 0.0]
-    release = callbacks.release_free_memory
+    release = heap.release_free_memory
 
     def timed_release(*a) -> None:
         t = time.perf_counter()
@@ -37,7 +37,7 @@ def main() -> None:
         trims[0] += 1
         trims[1] += time.perf_counter() - t
 
-    callbacks.release_free_memory = one_step.release_free_memory = timed_release  # per block; per step
+    heap.release_free_memory = timed_release  # what HeapTrimmer calls when it trims
     _, _, step = one_step.build_step(args.checkpoint_dir, args.quantize, args.batch, args.seq, args.checkpointing)
     step()
     trims[:] = [0, 0.0]

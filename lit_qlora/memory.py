@@ -75,15 +75,38 @@ def rss_bytes() -> Optional[int]:
     return _proc_status_bytes("VmRSS")
 
 
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
+
 @lru_cache(maxsize=1)
 def _libc():
     if not sys.platform.startswith("linux"):
         return None
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return libc if hasattr(libc, "malloc_trim") else None
     except OSError:
         return None
+    if not hasattr(libc, "malloc_trim"):
+        return None
+    if hasattr(libc, "mallinfo2"):  # glibc >= 2.33
+        libc.mallinfo2.restype = _MallInfo2
+    return libc
+
+
+def heap_in_use_bytes() -> Optional[int]:
+    """Bytes malloc has handed out and not got back (glibc's mallinfo2: in-use heap chunks plus mmapped ones);
+    None where that is not known (not glibc, or glibc before 2.33).
+
+    Not mallinfo2's free bytes (fordblks): those count the heap's holes whether their pages are resident or were
+    already handed back, so after one trim they stay high and say nothing about what another trim would return."""
+    libc = _libc()
+    if libc is None or not hasattr(libc, "mallinfo2"):
+        return None
+    info = libc.mallinfo2()
+    return info.uordblks + info.hblkhd
 
 
 def release_free_memory() -> None:

@@ -261,17 +261,23 @@ def test_accumulated_step_equals_one_large_batch(tiny_llama_dir, tmp_path):
     assert loss_a == pytest.approx(loss_b, rel=1e-5)
 
 
-def test_cpu_step_returns_freed_heap_around_blocks_before_backward_and_after_the_update(tiny_llama_dir, tmp_path,
+def test_cpu_step_offers_heap_release_around_blocks_before_backward_and_after_the_update(tiny_llama_dir, tmp_path,
                                                                                       monkeypatch):
     import lit_qlora.train.callbacks as callbacks
 
-    calls = []
-    monkeypatch.setattr(callbacks, "release_free_memory", lambda: calls.append(torch.is_grad_enabled()))
+    checks = []
+
+    class Recording(callbacks.HeapTrimmer):
+        def __call__(self) -> bool:
+            checks.append(torch.is_grad_enabled())
+            return super().__call__()
+
+    monkeypatch.setattr(callbacks, "HeapTrimmer", Recording)
     run(tiny_llama_dir, tmp_path / "run", small_data(tmp_path), max_steps=2)  # 2 micro-batches per step
     n_layer = json.loads((tiny_llama_dir / "config.json").read_text())["num_hidden_layers"]
     # Per micro-batch: after each block's forward and before its backward, and before the backward starts; once
     # after each optimizer step. Never during validation (grad disabled).
-    assert len(calls) == 2 * (2 * (2 * n_layer + 1) + 1)
+    assert len(checks) == 2 * (2 * (2 * n_layer + 1) + 1)
 
 
 def test_lr_schedule_warms_up_then_decays_to_zero():

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
 from torch.utils.hooks import RemovableHandle
 
-from lit_qlora.memory import release_free_memory
+from lit_qlora.train.heap import HeapTrimmer
 from lit_qlora.train.signals import StopSignals, TrainingStopped
 from lit_qlora.train.state import collect_training_state, load_training_state, save_training_state, step_dir
 
@@ -119,49 +119,52 @@ class StopOnSignal(Callback):
 
 
 class HeapRelease(Callback):
-    """CPU training: hand the heap that freed activations leave behind back to the OS (glibc's malloc_trim) after
-    each block's forward, before each backward, and after each optimizer step; nothing on GPUs.
+    """CPU training: hand the heap that freed activations leave behind back to the OS after each block's forward,
+    before each backward and after each optimizer step, whenever enough resident free heap has built up
+    (`lit_qlora.train.heap.HeapTrimmer`); nothing on GPUs.
 
     glibc keeps freed blocks below its (dynamic, up to 32 MB) mmap threshold in the heap: on a 1.1B model at 1x512
     (checkpointing on) a QLoRA step left ~0.5 GB of freed activations resident, and the next backward stacked its
-    own peak on top: peak RSS after 2 steps 2.05 GB without the per-step release, 1.71 GB with it. Costs
-    re-faulting those pages once per step (benchmarks/README.md)."""
+    own peak on top. Trimming at every one of those points kept the peak but cost ~1.4 M page faults per SmolLM2
+    4x512 step; the budget keeps the working set resident (benchmarks/results/heap_release.md)."""
 
-    def __init__(self) -> None:
+    def __init__(self, trimmer: Optional[HeapTrimmer] = None) -> None:
+        self.trimmer = trimmer or HeapTrimmer()
         self._hooks: list[RemovableHandle] = []
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if pl_module.device.type == "cpu" and not self._hooks:
-            self._hooks = release_heap_around_blocks(pl_module.model)
+            self._hooks = release_heap_around_blocks(pl_module.model, self.trimmer)
 
     def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
         if pl_module.device.type == "cpu":
-            release_free_memory()  # the forward's freed temporaries, before backward's peak
+            self.trimmer()  # the forward's freed temporaries, before backward's peak
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         if pl_module.device.type == "cpu":
-            release_free_memory()
+            self.trimmer()
 
 
-def release_heap_around_blocks(model: torch.nn.Module) -> list[RemovableHandle]:
-    """Return freed heap to the OS after each block's forward and before its backward (training only).
+def release_heap_around_blocks(model: torch.nn.Module, trimmer: Callable[[], Any]) -> list[RemovableHandle]:
+    """Offer `trimmer` a release after each block's forward and before its backward (training only).
 
     glibc serves the blocks' multi-MB temporaries from the heap (its mmap threshold rises to 32 MB) and cannot
     reuse the holes that the longer-lived checkpointed block inputs leave between them, so RSS climbed by ~200 MB
-    over a forward and ~300 MB over a backward of a 1.1B model at 1x512 (benchmarks/README.md). Trimming once per
-    block keeps RSS near what is live: whole-run peak 1569 -> 1395 MiB, at ~11 ms per trim."""
-    return [block.register_forward_hook(_release_around_block) for block in model.blocks]
+    over a forward and ~300 MB over a backward of a 1.1B model at 1x512 (benchmarks/README.md). The hook runs
+    outside any compiled graph (torch.compiler.disable): a compiled block calls its forward hooks, and dynamo
+    cannot trace the ctypes calls behind a release."""
 
+    @torch.compiler.disable
+    def after_forward(block: torch.nn.Module, args: Any, output: Any) -> None:
+        if not (block.training and torch.is_grad_enabled()):
+            return
+        trimmer()
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(before_backward)
 
-@torch.compiler.disable  # --compile: a forward hook runs inside the compiled block; ctypes calls are not traceable
-def _release_around_block(block: torch.nn.Module, args: Any, output: Any) -> None:
-    if not (block.training and torch.is_grad_enabled()):
-        return
-    release_free_memory()
-    if isinstance(output, torch.Tensor) and output.requires_grad:
-        output.register_hook(_release_before_backward)
+    @torch.compiler.disable
+    def before_backward(grad: torch.Tensor) -> None:
+        trimmer()
 
-
-def _release_before_backward(grad: torch.Tensor) -> None:
-    release_free_memory()
+    return [block.register_forward_hook(after_forward) for block in model.blocks]
