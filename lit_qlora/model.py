@@ -72,7 +72,7 @@ class _LeanRMSNorm(torch.autograd.Function):
         x, weight, rstd = ctx.saved_tensors
         # The gradient reaching the fp32 normalized input: through the scale and (Llama) the cast to x's dtype.
         g = grad.float() * (1.0 + weight.float()) if ctx.plus_one else (grad * weight).float()
-        normed = x.float().mul_(rstd)
+        normed = x.to(torch.float32, copy=True).mul_(rstd)  # never x itself (fp32): saved, maybe a view
         dot = (g * normed).mean(-1, keepdim=True)
         return g.sub_(normed.mul_(dot)).mul_(rstd).to(x.dtype), None, None, None
 
