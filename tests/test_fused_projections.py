@@ -16,8 +16,9 @@ TINY = {"model_type": "llama", "vocab_size": 256, "hidden_size": 128, "intermedi
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128}
 
 
-def lora_model(quantize: str, dropout: float, bias: bool = False, targets="all", dtype=torch.bfloat16):
-    config = Config.from_hf_config({**TINY, "attention_bias": bias})
+def lora_model(quantize: str, dropout: float, bias: bool = False, targets="all", dtype=torch.bfloat16,
+               model_type: str = "llama"):
+    config = Config.from_hf_config({**TINY, "attention_bias": bias, "model_type": model_type})
     torch.manual_seed(0)
     model = apply_lora(random_base(config, quantize, dtype), r=4, alpha=8, dropout=dropout,
                        targets=targets, dtype=dtype)
@@ -88,7 +89,17 @@ def test_with_dropout_each_adapter_has_its_own_mask(monkeypatch):
     torch.manual_seed(3)
     model.zero_grad(set_to_none=True)
     model(torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1))).float().pow(2).mean().backward()
-    assert not torch.equal(model.model.layers[0].self_attn.q_proj.lora_A.grad, grads["model.layers.0.self_attn.q_proj.lora_A"])
+    q_grad = grads["model.layers.0.self_attn.q_proj.lora_A"]
+    assert not torch.equal(model.model.layers[0].self_attn.q_proj.lora_A.grad, q_grad)
+
+
+def test_qk_norm_on_the_fused_outputs(monkeypatch):
+    """Qwen3 normalizes q and k, column slices of one tensor here: its fp32 backward must not write into them."""
+    model = lora_model("nf4", 0.0, dtype=torch.float32, model_type="qwen3")
+    assert model.config.qk_norm
+    fused, unfused = step(model, True, monkeypatch), step(model, False, monkeypatch)
+    assert fused[2] == 4
+    assert_close(fused, unfused, 1e-5)
 
 
 def test_biases_and_untargeted_projections_fuse_too(monkeypatch):

@@ -155,7 +155,9 @@ def assert_equals_one_process(results: dict) -> None:
         assert r["replicated_grad_spread"] == 0.0
         assert r["grad_norm"] == pytest.approx(r["ref_grad_norm"], rel=1e-5)
         assert r["param_diff_after_step"] < 1e-4  # Adam: ~lr (1e-2) per element, tiny gradients amplified
-        assert r["merged_diff"] < 1e-6
+        # fp32 rounding: the one-process model runs q/k/v and gate/up fused (fused_projections), the ranks each
+        # projection on its own, so sums run in another order (Qwen3 tied: 1.6e-6 measured)
+        assert r["merged_diff"] < 1e-5
         # Without the tensor-parallel sum A's (and the inputs') gradients miss the other rank's share.
         assert r["unreduced_grad_rel_diff"] > 1e-2
     assert results[0]["loss"] == results[1]["loss"]
