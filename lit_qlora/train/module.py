@@ -66,15 +66,17 @@ class FinetuneModule(L.LightningModule):
     # replaces every NF4 weight (a tensor subclass) by a swapped-in copy even when nothing moves, which fails once
     # compiled graphs were traced with those weights (the fake-tensor records they keep hold weak references to
     # them). So a move to where every tensor already is does nothing, and with --compile the module stays on its
-    # device after a fit (the next validate would move it back).
+    # device after a fit (the next validate would move it back). Only with --compile: under FSDP2 skipping the
+    # no-op move made steps after the first diverge (tests/test_distributed.py).
     def to(self, *args: Any, **kwargs: Any) -> FinetuneModule:
         device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
-        if device is not None and dtype is None and memory_format is None and self._all_on(device):
+        if self.compile_enabled and device is not None and dtype is None and memory_format is None \
+                and self._all_on(device):
             return self
         return super().to(*args, **kwargs)
 
     def cpu(self) -> FinetuneModule:
-        if self._all_on(torch.device("cpu")) or any(is_compiled(block) for block in self.model.blocks):
+        if self.compile_enabled and (self._all_on(torch.device("cpu")) or any(is_compiled(b) for b in self.model.blocks)):
             return self
         return super().cpu()
 
