@@ -106,8 +106,10 @@ def finetune(
 
 
 def require_compilable(compile: bool, strategy: str) -> None:
-    """--compile works with one process and DDP; with FSDP2 the compiled steps' losses left eager ones' after the
-    first step (tests/test_compile.py), and tensor parallelism is not verified: refused rather than trained wrong."""
+    """--compile works with one process and DDP. With FSDP2 the compiled steps' losses left eager ones' after the
+    first step: FinetuneModule skips Lightning's no-op device moves when compiled, which eager FSDP2 runs were
+    shown to need (tests/test_distributed.py); tensor parallelism is not verified. Refused rather than trained
+    wrong."""
     if compile and strategy in ("fsdp", "tp"):
         raise ValueError(f"--compile true does not support --strategy {strategy} yet (its compiled steps are not "
                          "verified to train what eager ones do): drop --compile, or use --strategy ddp or auto.")

@@ -34,7 +34,7 @@ class HeapTrimmer:
     That level, not the level right after the release, is the floor: between a release and the next check the
     block being run faults its working set in again and frees it, so measured from the release itself every
     check would see a working set of resident free heap (~75 MB per SmolLM2 4x512 block) and trim again. The
-    first check of all releases (what loading and validation left behind). Without an estimate (not glibc, or
+    very first check releases (what loading and validation left behind). Without an estimate (not glibc, or
     glibc before 2.33: `in_use` returns None) every check releases, as training did before this policy."""
 
     def __init__(self, budget_bytes: int = DEFAULT_BUDGET_BYTES,
