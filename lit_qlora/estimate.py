@@ -208,6 +208,8 @@ def trace_step(config: Config, quantize: Quantize, precision: Precision, lora: L
         for name in ("_dense_rows", "dense_stack"):  # one weight's dense rows; a fused group's stacked weights
             stack.enter_context(_patched(linear, name, phase.wrap(getattr(linear, name), "NF4 dequantize scratch")))
         stack.enter_context(_patched(loss, "_head_ce_sum", _first_loss_chunks_traced()))
+        # an NF4 head's loss runs slice by slice of the vocabulary: no tensor is vocabulary-wide, so it is tagged
+        stack.enter_context(_patched(loss, "nf4_head_ce_sum", phase.wrap(loss.nf4_head_ce_sum, "logits/loss chunks")))
         ids = torch.zeros(batch, train.max_seq_length, dtype=torch.long)
         stack.enter_context(default_dtype(dtype))  # as the precision plugin sets it inside training steps
         if device == "cuda":

@@ -25,7 +25,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lit_qlora.lora_dropout import draw_seed, dropped
+from lit_qlora import lora_dropout
+from lit_qlora.lora_dropout import draw_seed
 from lit_qlora.nf4 import linear as nf4_linear
 from lit_qlora.nf4.linear import FrozenNF4Linear
 from lit_qlora.nf4.reference import SUPPORTED_DTYPES
@@ -127,11 +128,23 @@ def _shared_down(adapters: Sequence[Adapter]) -> bool:
     return len(adapters) > 1 and all(a.p == 0 for a in adapters)
 
 
+def _by_p(adapters: Sequence[Adapter]) -> dict[float, list[int]]:
+    """Positions of the adapters, by dropout probability: each group is one pass of the dropout kernel."""
+    groups: dict[float, list[int]] = {}
+    for i, ad in enumerate(adapters):
+        groups.setdefault(ad.p, []).append(i)
+    return groups
+
+
 def _down(x2: torch.Tensor, a: Sequence[torch.Tensor], adapters: Sequence[Adapter]) -> list[torch.Tensor]:
     """Each adapter's (tokens, r) `dropout(x) A^T`."""
     if _shared_down(adapters):
         return list((x2 @ torch.cat(a).T).split([t.shape[0] for t in a], dim=1))
-    return [(dropped(x2, ad.seed, ad.p) if ad.p > 0 else x2) @ a_i.T for ad, a_i in zip(adapters, a)]
+    h: list = [None] * len(adapters)
+    for p, idx in _by_p(adapters).items():
+        for i, h_i in zip(idx, lora_dropout.down(x2, [a[i] for i in idx], [adapters[i].seed for i in idx], p)):
+            h[i] = h_i
+    return h
 
 
 class _FusedProjections(torch.autograd.Function):
@@ -172,13 +185,13 @@ class _FusedProjections(torch.autograd.Function):
             grad_a = list((gh.T @ x2).split([t.shape[0] for t in a]))
             if needs_x:
                 grad_x.addmm_(gh, torch.cat(a_c))
-        else:
-            for ad, a_i, gh in zip(adapters, a_c, grad_h):
-                grad_a.append(gh.T @ (dropped(x2, ad.seed, ad.p) if ad.p > 0 else x2))
-                if needs_x and ad.p > 0:
-                    grad_x += dropped(gh @ a_i, ad.seed, ad.p, inplace=True)
-                elif needs_x:
-                    grad_x.addmm_(gh, a_i)
+        else:  # the dropout kernel adds each group's input gradient into grad_x
+            grad_a = [None] * k
+            for p, idx in _by_p(adapters).items():
+                parts, grad_x = lora_dropout.down_backward(x2, [a[i] for i in idx], [grad_h[i] for i in idx],
+                                                           [adapters[i].seed for i in idx], p, grad_x, needs_x)
+                for i, g in zip(idx, parts):
+                    grad_a[i] = g
         grad_a = [g.to(t.dtype) for g, t in zip(grad_a, a)]
         grad_x = None if grad_x is None else grad_x.view(x.shape)
         return (grad_x, None, None, None, None, *[None] * n, *grad_a, *grad_b)

@@ -9,9 +9,17 @@ lanes at a time by the C kernel beside the NF4 ones (PyTorch ops where it is una
 - activation checkpointing's recompute draws the same seed (it restores the RNG state), and a resumed run
   repeats exactly (the RNG state is checkpointed);
 - other devices keep ``nn.Dropout`` (CUDA's dropout is one fused kernel).
+The dropped copy of x is itself never written where it can be avoided (`down`, `down_backward`): one C kernel
+pass hashes, scales and multiplies by A for every adapter of one input, and backward's pass makes the A gradients
+and adds the input gradient in place. Writing the copy, page faults on its fresh memory included, had made
+dropout 0.05 cost 11% of a SmolLM2 step (benchmarks/README.md, issue 16).
 """
 
 from __future__ import annotations
+
+import threading
+from collections import deque
+from typing import Callable, Optional
 
 import torch
 
@@ -74,24 +82,164 @@ def dropped(x: torch.Tensor, seed: int, p: float, inplace: bool = False) -> torc
     return _dropped_eager(x, seed, threshold, scale)
 
 
+FUSED_MAX_RANK = 64
+"""Adapters up to this rank run dropout and the down projection as one C kernel (`down`, `down_backward`); the
+kernel's work grows with r where a matmul's barely does, so wider adapters keep the dropped copy and the matmul."""
+
+
+_fused_checked: dict[torch.dtype, bool] = {}
+
+
+def _fused_agrees(dtype: torch.dtype) -> bool:
+    """Whether the fused kernels match the dropped copy and matmuls on a ragged problem (tails, two rank blocks,
+    two adapters, accumulation), within the rounding of `dtype`."""
+    g = torch.Generator().manual_seed(0)
+    x, gx = (torch.randn(37, 83, generator=g).to(dtype) for _ in range(2))
+    a = [torch.randn(r, 83, generator=g).to(dtype) for r in (10, 10)]
+    gh = [torch.randn(37, 10, generator=g).to(dtype) for _ in a]
+    seeds, p = [5, 2**32 - 1], 0.3
+    keep = [keep_mask_eager(x.numel(), s, keep_threshold(p)).view(x.shape) for s in seeds]
+    xm = [x.float() * k / (1 - p) for k in keep]
+    h = down(x, a, seeds, p)
+    grad_a, grad_x = down_backward(x, a, gh, seeds, p, gx.clone(), True)
+    want_x = gx.float() + sum((gh[q].float() @ a[q].float()) * keep[q] / (1 - p) for q in range(2))
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    pairs = [(grad_x, want_x)] + [(h[q], xm[q] @ a[q].float().T) for q in range(2)]
+    pairs += [(grad_a[q], gh[q].float().T @ xm[q]) for q in range(2)]
+    return all(torch.allclose(got.float(), want, rtol=tol, atol=tol * want.abs().max().item()) for got, want in pairs)
+
+
+def _fits_kernel(x2: torch.Tensor, a: list[torch.Tensor]) -> bool:
+    ranks = {t.shape[0] for t in a}
+    return x2.device.type == "cpu" and len(ranks) == 1 and max(ranks) <= FUSED_MAX_RANK
+
+
+def _fused_kernel(x2: torch.Tensor, a: list[torch.Tensor]) -> bool:
+    """Whether `down` and `down_backward` use the fused kernels: CPU, one rank up to FUSED_MAX_RANK, the kernels
+    there and checked once for this dtype (a mismatch: one warning, the dropped copy and matmuls instead)."""
+    if not _fits_kernel(x2, a) or not _use_kernel(x2.dtype):
+        return False
+    if x2.dtype not in _fused_checked:
+        _fused_checked[x2.dtype] = True  # the check itself runs the kernels
+        _fused_checked[x2.dtype] = ok = _fused_agrees(x2.dtype)
+        if not ok:
+            native.log.warning("lit_qlora: the fused LoRA dropout kernels disagree with PyTorch; using PyTorch ops")
+    return _fused_checked[x2.dtype]
+
+
+_block_run = threading.local()  # .state: (the checkpointed block's stash, whether this run is its recompute)
+
+
+def reusing_down_products(block: Callable) -> Callable:
+    """`block` for ``torch.utils.checkpoint``: its recompute takes each `down` product from its first run (tokens x
+    r values per adapter, kept until backward) instead of hashing and multiplying x again; both runs draw the same
+    seeds (checkpointing restores the RNG state), which each reuse checks. Saves a third of dropout's kernel work."""
+    stash: deque = deque()
+    runs = [0]
+
+    def run(*args, **kwargs):
+        previous = getattr(_block_run, "state", None)
+        _block_run.state = (stash, runs[0] > 0)
+        runs[0] += 1
+        try:
+            return block(*args, **kwargs)
+        finally:
+            _block_run.state = previous
+
+    return run
+
+
+def down(x2: torch.Tensor, a: list[torch.Tensor], seeds: list[int], p: float) -> list[torch.Tensor]:
+    """Each adapter's ``dropout_q(x2) @ a[q]^T`` (tokens, r) in x2's dtype, mask q drawn from seeds[q]: on CPU one
+    pass over x2 for all of them, the dropped copies never written (x2: (tokens, in))."""
+    state = getattr(_block_run, "state", None)
+    key = (tuple(seeds), p, x2.shape[0], tuple(t.shape for t in a))
+    if state is not None and state[1]:
+        stash = state[0]
+        if stash and stash[0][0] == key:
+            return stash.popleft()[1]
+        stash.clear()  # the recompute took another path: nothing further is reused
+    h = _down(x2, a, seeds, p)
+    if state is not None and not state[1]:
+        state[0].append((key, h))
+    return h
+
+
+def _down(x2: torch.Tensor, a: list[torch.Tensor], seeds: list[int], p: float) -> list[torch.Tensor]:
+    if native.is_fake(x2):
+        return [x2.new_empty(x2.shape[0], t.shape[0]) for t in a]
+    if not _fused_kernel(x2, a):
+        return [dropped(x2, seed, p) @ t.to(x2.dtype).T for t, seed in zip(a, seeds)]
+    x2 = x2.contiguous()
+    h = [torch.empty(x2.shape[0], t.shape[0], dtype=torch.float32) for t in a]
+    native.lora_drop_down(x2, [t.to(x2.dtype).contiguous() for t in a], h, seeds, keep_threshold(p), 1.0 / (1.0 - p))
+    return [t.to(x2.dtype) for t in h]
+
+
+def down_backward(x2: torch.Tensor, a: list[torch.Tensor], grad_h: list[torch.Tensor], seeds: list[int], p: float,
+                  grad_x: Optional[torch.Tensor], needs_x: bool) -> tuple[list[torch.Tensor], Optional[torch.Tensor]]:
+    """`down`'s backward: (each ``grad_h[q]^T @ dropout_q(x2)``, in a[q]'s dtype; the input gradient ``sum_q
+    dropout_q(grad_h[q] @ a[q])``, added into `grad_x` (contiguous, like x2) when given, else new when `needs_x`)."""
+    fake = native.is_fake(x2)  # `litqlora estimate`: the kernel's allocations, without its self-check or its work
+    if not (_fits_kernel(x2, a) if fake else _fused_kernel(x2, a)):
+        grad_a = [(g.T @ dropped(x2, seed, p)).to(t.dtype) for t, g, seed in zip(a, grad_h, seeds)]
+        if needs_x:
+            for t, g, seed in zip(a, grad_h, seeds):
+                part = dropped(g @ t.to(g.dtype), seed, p, inplace=True)
+                grad_x = part if grad_x is None else grad_x.add_(part)
+        return grad_a, grad_x
+    x2 = x2.contiguous()
+    sums = [torch.zeros(t.shape, dtype=torch.float32) for t in a]
+    out = grad_x if grad_x is not None or not needs_x else torch.empty_like(x2)
+    if not fake:
+        native.lora_drop_down_backward(x2, [t.to(x2.dtype).contiguous() for t in a],
+                                       [g.to(x2.dtype).contiguous() for g in grad_h],
+                                       sums, out, grad_x is not None, seeds, keep_threshold(p), 1.0 / (1.0 - p))
+    return [s.to(t.dtype) for s, t in zip(sums, a)], out
+
+
 class _DroppedLoRA(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, a, b, scale: float, p: float, seed: int):
-        h = dropped(x, seed, p) @ a.T  # the dropped copy of x lives only for this matmul
+        x2 = x.reshape(-1, x.shape[-1])
+        h = down(x2, [a], [seed], p)[0]
         ctx.save_for_backward(x, a, b, h)
         ctx.scale, ctx.p, ctx.seed = scale, p, seed
-        return (h @ b.T) * scale
+        return (h @ b.T).mul_(scale).view(*x.shape[:-1], b.shape[0])
 
     @staticmethod
     def backward(ctx, grad):
         x, a, b, h = ctx.saved_tensors
-        g = grad * ctx.scale
+        g = grad.reshape(-1, grad.shape[-1]) * ctx.scale
         grad_h = g @ b
-        rows = lambda t: t.reshape(-1, t.shape[-1])  # noqa: E731
-        grad_a = rows(grad_h).T @ rows(dropped(x, ctx.seed, ctx.p)) if ctx.needs_input_grad[1] else None
-        grad_b = rows(g).T @ rows(h) if ctx.needs_input_grad[2] else None
-        grad_x = dropped(grad_h @ a, ctx.seed, ctx.p, inplace=True) if ctx.needs_input_grad[0] else None
+        (grad_a,), grad_x = down_backward(x.reshape(-1, x.shape[-1]), [a], [grad_h], [ctx.seed], ctx.p, None,
+                                          ctx.needs_input_grad[0])
+        grad_b = g.T @ h if ctx.needs_input_grad[2] else None
+        grad_x = None if grad_x is None else grad_x.view(x.shape)
         return grad_x, grad_a, grad_b, None, None, None
+
+
+class _DroppedDown(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, a, p: float, seed: int):
+        ctx.save_for_backward(x, a)
+        ctx.p, ctx.seed = p, seed
+        return down(x.reshape(-1, x.shape[-1]), [a], [seed], p)[0].view(*x.shape[:-1], a.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, a = ctx.saved_tensors
+        (grad_a,), grad_x = down_backward(x.reshape(-1, x.shape[-1]), [a], [grad.reshape(-1, grad.shape[-1])],
+                                          [ctx.seed], ctx.p, None, ctx.needs_input_grad[0])
+        return None if grad_x is None else grad_x.view(x.shape), grad_a, None, None
+
+
+def dropped_down(x: torch.Tensor, a: torch.Tensor, dropout: torch.nn.Module) -> torch.Tensor:
+    """``dropout(x) @ a^T``, the r-wide half of a LoRA term, as the layer's `dropout` module would drop x: in
+    training on CPU with the hash mask in one kernel pass (`down`), else with the module itself."""
+    if dropout.training and isinstance(dropout, torch.nn.Dropout) and dropout.p > 0 and x.device.type == "cpu":
+        return _DroppedDown.apply(x, a, dropout.p, draw_seed(x))
+    return dropout(x) @ a.T
 
 
 def draw_seed(x: torch.Tensor) -> int:

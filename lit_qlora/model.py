@@ -19,6 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 from lit_qlora.config import Config, rope_attention_factor, rope_inv_freq
 from lit_qlora.fused_projections import fused_projections
+from lit_qlora.lora_dropout import reusing_down_products
 
 
 class RMSNorm(nn.Module):
@@ -286,7 +287,7 @@ class Transformer(nn.Module):
         for i, block in enumerate(self.model.layers):
             mask, (cos, sin) = masks[block.sliding], ropes[block.sliding]
             if i < self.checkpoint_blocks and torch.is_grad_enabled():
-                x = checkpoint(block, x, cos, sin, mask, input_pos, use_reentrant=False)
+                x = checkpoint(reusing_down_products(block), x, cos, sin, mask, input_pos, use_reentrant=False)
             else:
                 x = block(x, cos, sin, mask, input_pos)
         return self.model.norm(x)

@@ -182,7 +182,7 @@ def test_tracing_two_loss_chunks_per_loss_predicts_what_tracing_all_of_them_does
     for chunks in (estimate_module.TRACED_LOSS_CHUNKS, 10**6):
         monkeypatch.setattr(estimate_module, "TRACED_LOSS_CHUNKS", chunks)
         heads.clear()
-        traces.append(trace_step(config, Quantize("nf4"), "bf16-true", LoRAArgs(r=4, alpha=8), train, device))
+        traces.append(trace_step(config, Quantize("none"), "bf16-true", LoRAArgs(r=4, alpha=8), train, device))
         head_calls.append(len(heads))
     assert head_calls == [2 * 4, 8 * 4]  # 2 or 8 chunks per loss, 2 micro-batches x 2 steps
     assert traces[0].peak == traces[1].peak and traces[0].peak_by_category == traces[1].peak_by_category

@@ -125,3 +125,131 @@ def test_in_place_masking_equals_the_copy():
     same = x.clone()
     assert dropped(same, 9, 0.2, inplace=True).data_ptr() == same.data_ptr()
     assert torch.equal(same, copy)
+
+
+def _reference(x, a, grad_h, seeds, p, grad_x):
+    """The fused kernels' results from the mask's definition, in fp32: h, grad_a, grad_x."""
+    keep = [keep_mask_eager(x.numel(), s, keep_threshold(p)).view(x.shape) for s in seeds]
+    xm = [x.float() * k / (1 - p) for k in keep]
+    h = [m @ t.float().T for m, t in zip(xm, a)]
+    grad_a = [g.float().T @ m for g, m in zip(grad_h, xm)]
+    gx = sum((g.float() @ t.float()) * k / (1 - p) for g, t, k in zip(grad_h, a, keep))
+    return h, grad_a, gx + (0 if grad_x is None else grad_x.float())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("rank", [5, 8, 16, 24])
+def test_fused_kernels_equal_the_dropped_copy_and_matmuls(dtype, rank):
+    """Dropout and the down projection in one pass (three adapters of one input, each its own seed): the same
+    values as dropping a copy of x and multiplying, in forward and backward, for ragged shapes (tails), ranks
+    that fill one, part of one or several rank blocks, with grad_x added to or made new."""
+    if not native.use_native(dtype):
+        pytest.skip("no C kernel for this dtype here")
+    assert lora_dropout._fused_kernel(torch.empty(1, 1, dtype=dtype), [torch.empty(rank, 1)])  # passed its check
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(67, 301, generator=g).to(dtype)
+    a = [(torch.randn(rank, 301, generator=g) * 0.1).to(dtype) for _ in range(3)]
+    grad_h = [torch.randn(67, rank, generator=g).to(dtype) for _ in range(3)]
+    seeds, p = [1, 12345, 2**32 - 7], 0.1
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for base in (None, torch.randn(67, 301, generator=g).to(dtype)):
+        h = lora_dropout.down(x, a, seeds, p)
+        grad_a, grad_x = lora_dropout.down_backward(x, a, grad_h, seeds, p, None if base is None else base.clone(),
+                                                    True)
+        want_h, want_a, want_x = _reference(x, a, grad_h, seeds, p, base)
+        for got, want in [*zip(h, want_h), *zip(grad_a, want_a), (grad_x, want_x)]:
+            assert got.dtype == dtype and got.shape == want.shape
+            torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol * want.abs().max().item())
+    kept_grad = grad_x.float() - base.float()
+    dropped_everywhere = ~torch.stack([keep_mask_eager(x.numel(), s, keep_threshold(p)).view(x.shape)
+                                       for s in seeds]).any(0)
+    assert dropped_everywhere.sum() > 0 and (kept_grad[dropped_everywhere].abs() < 1e-2).all()
+
+
+def test_fused_kernels_serve_ranks_up_to_the_limit_and_the_dropped_copy_beyond(monkeypatch):
+    calls = []
+    monkeypatch.setattr(native, "lora_drop_down", lambda *args: calls.append(args[1][0].shape[0]))
+    x = torch.randn(8, 64)
+    for r in (lora_dropout.FUSED_MAX_RANK, lora_dropout.FUSED_MAX_RANK + 1):
+        h = lora_dropout.down(x, [torch.randn(r, 64)], [3], 0.1)
+        assert h[0].shape == (8, r)
+    assert calls == [lora_dropout.FUSED_MAX_RANK]
+    assert not lora_dropout._fused_kernel(x, [torch.randn(4, 64), torch.randn(8, 64)])  # one rank per call
+
+
+def test_fused_kernels_that_disagree_are_not_used(monkeypatch):
+    monkeypatch.setattr(lora_dropout, "_fused_checked", {})
+    monkeypatch.setattr(native, "lora_drop_down", lambda x, a, h, *rest: [t.fill_(1.0) for t in h])
+    x = torch.randn(4, 33)
+    assert not lora_dropout._fused_kernel(x, [torch.randn(2, 33)])
+    want = dropped(x, 3, 0.1) @ torch.ones(2, 33).T
+    assert torch.equal(lora_dropout.down(x, [torch.ones(2, 33)], [3], 0.1)[0], want)
+
+
+def test_a_lora_layer_trains_the_same_through_the_fused_kernel_and_without_it(monkeypatch):
+    torch.manual_seed(0)
+    layer = LoRALinear(nn.Linear(96, 80, bias=False), r=8, alpha=16, dropout=0.2).bfloat16()
+    nn.init.normal_(layer.lora_B)
+    x = torch.randn(3, 11, 96, dtype=torch.bfloat16, requires_grad=True)
+    results = []
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(lora_dropout, "_fused_kernel", lambda *args: False)
+        x.grad = None
+        layer.zero_grad()
+        torch.manual_seed(5)
+        y = layer(x)
+        y.float().pow(2).sum().backward()
+        results.append([y, x.grad, layer.lora_A.grad, layer.lora_B.grad])
+    for got, want in zip(*results):
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("quantize", ["none", "nf4"])
+def test_checkpointing_reuses_the_first_runs_down_products_and_changes_no_gradient(quantize, monkeypatch):
+    """A checkpointed block's recompute takes each adapter's dropout(x) A^T from the block's first run (the same
+    seeds), so dropout's forward kernel runs once per adapter call, not twice, and every gradient is what the
+    model without checkpointing computes, bit for bit."""
+    from lit_qlora.config import Config
+    from lit_qlora.loading import random_base
+    from lit_qlora.lora import apply_lora
+    from lit_qlora.train.loss import lm_loss_sum
+
+    config = Config.from_hf_config({"model_type": "llama", "vocab_size": 256, "hidden_size": 128,
+                                    "intermediate_size": 256, "num_hidden_layers": 3, "num_attention_heads": 4,
+                                    "num_key_value_heads": 2, "max_position_embeddings": 64})
+    torch.manual_seed(0)
+    model = apply_lora(random_base(config, quantize, torch.bfloat16), r=8, alpha=16, dropout=0.1,
+                       dtype=torch.bfloat16).train()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.05)
+    lora_dropout._fused_kernel(torch.empty(1, 8, dtype=torch.bfloat16), [torch.empty(8, 8)])  # its check runs `down`
+    computed = []
+    compute = lora_dropout._down
+    monkeypatch.setattr(lora_dropout, "_down", lambda *args: computed.append(1) or compute(*args))
+    ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(1))
+    runs = {}
+    for blocks in (0, config.n_layer):
+        model.checkpoint_blocks = blocks
+        model.zero_grad(set_to_none=True)
+        computed.clear()
+        torch.manual_seed(4)
+        lm_loss_sum(model, ids, ids).backward()
+        runs[blocks] = (len(computed), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    (plain_calls, plain), (ckpt_calls, ckpt) = runs[0], runs[config.n_layer]
+    # per block: q/k/v, o, gate/up, down; plus the head (NF4: in the vocabulary-sliced loss); the recompute adds none
+    assert (plain_calls, ckpt_calls) == (4 * config.n_layer + 1,) * 2
+    assert plain.keys() == ckpt.keys() and len(plain) == 2 * (7 * config.n_layer + 1)
+    for name in plain:
+        assert torch.equal(plain[name], ckpt[name]), name
+
+
+def test_a_recompute_that_takes_another_path_computes_afresh():
+    x = torch.randn(6, 32)
+    a = [torch.randn(4, 32)]
+    run = lora_dropout.reusing_down_products(lambda seed: lora_dropout.down(x, a, [seed], 0.2)[0])
+    first = run(7)
+    assert torch.equal(run(8), lora_dropout._down(x, a, [8], 0.2)[0])  # another seed: not the stashed product
+    assert not torch.equal(first, run(8))

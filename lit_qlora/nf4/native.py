@@ -22,7 +22,7 @@ import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from importlib import resources
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -120,6 +120,13 @@ def _compile_native() -> ctypes.CDLL:
     lib.lora_dropout.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint32,
                                  ctypes.c_uint32, ctypes.c_float, ctypes.c_int32]  # fmt: skip
     lib.lora_dropout.restype = None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.lora_drop_down.argtypes = [ptr, i64, i64, i64, ctypes.c_int32, ptr, i64, ptr, ptr, ctypes.c_uint32,
+                                   ctypes.c_float, ctypes.c_int32]  # fmt: skip
+    lib.lora_drop_down.restype = None
+    lib.lora_drop_down_bwd.argtypes = [ptr, i64, i64, i64, i64, ctypes.c_int32, ptr, i64, ptr, ptr, ptr,
+                                       ctypes.c_int32, ptr, ctypes.c_uint32, ctypes.c_float, ctypes.c_int32]  # fmt: skip
+    lib.lora_drop_down_bwd.restype = None
     lib.nf4_has_f16.restype = ctypes.c_int
     lib.has_f16 = bool(lib.nf4_has_f16())
     return lib
@@ -262,6 +269,47 @@ def dropout_elements(src: torch.Tensor, out: torch.Tensor, seed: int, threshold:
         lib.lora_dropout(ptrs[0], ptrs[1], c0 * chunk, min(n, c1 * chunk), seed, threshold, scale, fmt)
 
     _run_blocks(call, -(-n // chunk), n * src.element_size())
+
+
+def _pointers(tensors) -> ctypes.Array:
+    return (ctypes.c_int64 * len(tensors))(*[t.data_ptr() for t in tensors])
+
+
+def lora_drop_down(x: torch.Tensor, a: Sequence[torch.Tensor], h: Sequence[torch.Tensor], seeds: Sequence[int],
+                   threshold: int, scale: float) -> None:
+    """C kernel: ``h[q] = (x * keep_q * scale) @ a[q].T`` for each adapter q without writing the dropped x (x
+    contiguous (rows, cols); a[q] (r, cols) of x's dtype, h[q] float32 (rows, r), all contiguous; see lora_dropout)."""
+    lib = _native_state["lib"]
+    rows, cols = x.shape
+    r, fmt = a[0].shape[0], _FMT[x.dtype]
+    arrays = (_pointers(a), _pointers(h), (ctypes.c_int64 * len(seeds))(*seeds))
+    chunk = 32
+
+    def call(c0: int, c1: int) -> None:
+        lib.lora_drop_down(x.data_ptr(), cols, c0 * chunk, min(rows, c1 * chunk), len(a), arrays[0], r, arrays[1],
+                           arrays[2], threshold, scale, fmt)
+
+    _run_blocks(call, -(-rows // chunk), x.numel() * x.element_size() * len(a))
+
+
+def lora_drop_down_backward(x: torch.Tensor, a: Sequence[torch.Tensor], grad_h: Sequence[torch.Tensor],
+                            grad_a: Sequence[torch.Tensor], grad_x: Optional[torch.Tensor], accumulate: bool,
+                            seeds: Sequence[int], threshold: int, scale: float) -> None:
+    """C kernel: ``grad_a[q] += grad_h[q].T @ (x * keep_q * scale)`` and ``grad_x (+)= sum_q keep_q * scale *
+    (grad_h[q] @ a[q])`` (a[q] and grad_h[q] (rows, r) of x's dtype, float32 grad_a (r, cols); grad_x like x, or
+    None)."""
+    lib = _native_state["lib"]
+    rows, cols = x.shape
+    r, fmt = a[0].shape[0], _FMT[x.dtype]
+    arrays = (_pointers(a), _pointers(grad_h), _pointers(grad_a), (ctypes.c_int64 * len(seeds))(*seeds))
+    gx = None if grad_x is None else grad_x.data_ptr()
+    block = 16  # a thread's columns start on a whole vector
+
+    def call(c0: int, c1: int) -> None:
+        lib.lora_drop_down_bwd(x.data_ptr(), rows, cols, c0 * block, min(cols, c1 * block), len(a), arrays[0], r,
+                               arrays[1], arrays[2], gx, int(accumulate), arrays[3], threshold, scale, fmt)
+
+    _run_blocks(call, -(-cols // block), x.numel() * x.element_size() * len(a))
 
 
 def use_native(dtype: Optional[torch.dtype] = None) -> bool:

@@ -99,8 +99,7 @@ def lm_loss_sum(model, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.T
 
     `model.logits`, not `lm_head`: a model that soft-caps its logits (Gemma 2) trains on the capped ones."""
     hidden = model.forward_hidden(input_ids)
-    if vocab_sliced_head(model.lm_head, model.config.final_softcap) and not native.is_fake(hidden):
-        # (`litqlora estimate` traces the token-chunked loss: the same logits per chunk as per slice here.)
+    if vocab_sliced_head(model.lm_head, model.config.final_softcap):
         return nf4_head_ce_sum(model.lm_head, *next_token_pairs(hidden, labels), LOGITS_CHUNK_ELEMS)
     chunk_tokens = max(1, LOGITS_CHUNK_ELEMS // model.config.vocab_size)
     params = [p for p in model.lm_head.parameters() if p.requires_grad]

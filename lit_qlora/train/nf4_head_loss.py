@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
+from lit_qlora.lora_dropout import dropped_down
 from lit_qlora.nf4 import is_nf4, row_slices
 from lit_qlora.nf4.linear import DENSE_CHUNK_ELEMS, _dense_rows
 
@@ -53,7 +54,7 @@ class _VocabSlicedLoss(torch.autograd.Function):
         lora = len(params) == 2
         with torch.enable_grad():
             h = hidden.detach().requires_grad_(grads and hidden.requires_grad)
-            p_graph = head.lora_dropout(h) @ params[0].to(dtype).T * head.scale if lora else None
+            p_graph = dropped_down(h, params[0].to(dtype), head.lora_dropout) * head.scale if lora else None
         p = p_graph.detach() if lora else None
         b = params[1].detach().to(dtype) if lora else None
         slices = row_slices(head.weight, slice_elems)
