@@ -193,7 +193,7 @@ def down_backward(x2: torch.Tensor, a: list[torch.Tensor], grad_h: list[torch.Te
     out = grad_x if grad_x is not None or not needs_x else torch.empty_like(x2)
     if not fake:
         native.lora_drop_down_backward(x2, [t.to(x2.dtype).contiguous() for t in a],
-                                       [g.to(x2.dtype).contiguous() for g in grad_h],
+                                       [g.float().contiguous() for g in grad_h],
                                        sums, out, grad_x is not None, seeds, keep_threshold(p), 1.0 / (1.0 - p))
     return [s.to(t.dtype) for s, t in zip(sums, a)], out
 

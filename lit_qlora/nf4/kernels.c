@@ -244,7 +244,7 @@ void lora_dropout(const void* src, void* dst, int64_t e0, int64_t e1, uint32_t s
    : 0, keep as in lora_dropout above. No dropped copy of x is written: it costs a pass over memory and, freshly
    allocated, page faults, more than the hash and the r-wide products together (issue 16).
    lora_drop_down:     h_q[t, :] = xm_q[t, :] @ A_q^T  for rows [t0, t1)      A_q like x (r, cols), h_q fp32 (rows, r)
-   lora_drop_down_bwd: gA_q[:, j] = gh_q^T @ xm_q[:, j]  for columns [j0, j1)  gh_q like x, gA_q fp32
+   lora_drop_down_bwd: gA_q[:, j] = gh_q^T @ xm_q[:, j]  for columns [j0, j1)  gh_q, gA_q fp32
                        gx[:, j] = (acc ? gx[:, j] : 0) + sum_q keep_q * scale * (gh_q @ A_q[:, j])   (storage fmt)
    Columns are the backward's unit of work: a thread owns its columns of every gA and of gx, so nothing is
    reduced across threads; a tile of rows at a time, so x's strided reads stay within a few pages. */
@@ -264,6 +264,11 @@ static inline int keep1(int64_t i, uint32_t seed, uint32_t thr) {
     return mix1((uint32_t)i * 0x9E3779B1u + seed) >= thr;
 }
 static inline void store16(void* dst, int64_t i, v16f v, int fmt) {
+#if defined(__AVX512BF16__)
+    /* the instruction rounds to nearest-even as bf16_bits does (NaN payloads and fp32 denormals aside: those it
+       keeps quiet and flushes); a gradient store, where a third of the backward's time went to rounding by hand */
+    if (fmt == 0) { __m256bh o = _mm512_cvtneps_pbh((__m512)v); memcpy((uint16_t*)dst + i, &o, 32); return; }
+#endif
     if (fmt == 0) { v16w o = __builtin_convertvector(bf16_bits(v), v16w); memcpy((uint16_t*)dst + i, &o, 32); }
 #if HAS_F16
     else if (fmt == 1) { v16w o = __builtin_convertvector(f16_bits(v), v16w); memcpy((uint16_t*)dst + i, &o, 32); }
@@ -372,21 +377,20 @@ void lora_drop_down(const void* x, int64_t cols, int64_t t0, int64_t t1, int32_t
 }
 /* One 16-column vector of rows [t0, t1) (at most LORA_TB), one adapter, ranks [0, kn) (A, G and GA start at the
    block's first rank; G's rows are r apart): the ranks' gA sums and A values are registers over the tile's rows;
-   the tile's gx terms are added to gsum. A and G are stored like x. */
+   the tile's gx terms are added to gsum. A is stored like x, G in fp32 (broadcast from memory, not converted). */
 static inline __attribute__((always_inline)) void down_bwd_vec(const void* x, int64_t cols, int64_t t0, int64_t t1,
-        int64_t j, const char* A, const char* G, int64_t r, float* GA, uint32_t seed, v16u thr, float scale,
+        int64_t j, const char* A, const float* G, int64_t r, float* GA, uint32_t seed, v16u thr, float scale,
         int fmt, v16f* gsum, const int kn) {
-    const int64_t size = fmt == 2 ? 4 : 2;
     v16f a[8], s[8];
     for (int k = 0; k < kn; ++k) { a[k] = load16(A, k * cols + j, fmt); s[k] = (v16f){0}; }
     v16u keep, h = hash_start(t0 * cols + j, seed);
     const uint32_t step = (uint32_t)cols * 0x9E3779B1u;
     for (int64_t t = t0; t < t1; ++t, h += step) {
         v16f xm = drop16(x, t * cols + j, h, thr, scale, fmt, &keep);
-        const char* g = G + t * r * size;
+        const float* g = G + t * r;
         v16f d = {0}, e = {0};  /* two chains: the sum over ranks is a row's longest dependency */
         for (int k = 0; k < kn; ++k) {
-            const float gk = load1(g, k, fmt);
+            const float gk = g[k];
             s[k] += gk * xm;
             if (k & 1) e += gk * a[k]; else d += gk * a[k];
         }
@@ -412,13 +416,13 @@ void lora_drop_down_bwd(const void* x, int64_t rows, int64_t cols, int64_t j0, i
             for (int64_t t = t0; t < t1; ++t) gsum[t - t0] = (v16f){0};
             for (int32_t q = 0; q < n; ++q) {
                 const char* A = (const char*)a[q];
-                const char* G = (const char*)gh[q];
+                const float* G = (const float*)gh[q];
                 float* GA = (float*)ga[q];
                 const uint32_t seed = (uint32_t)seeds[q];
                 for (int64_t k0 = 0; k0 < r; k0 += 8) {
                     const int64_t kn = r - k0 < 8 ? r - k0 : 8;
                     const char* Ak = A + k0 * cols * size;
-                    const char* Gk = G + k0 * size;
+                    const float* Gk = G + k0;
                     float* GAk = GA + k0 * cols;
                     /* each rank block hashes again and adds its own ranks' gx terms */
                     if (kn == 8) down_bwd_vec(x, cols, t0, t1, j, Ak, Gk, r, GAk, seed, thr, scale, fmt, gsum, 8);
@@ -441,7 +445,7 @@ void lora_drop_down_bwd(const void* x, int64_t rows, int64_t cols, int64_t j0, i
                     float* GA = (float*)ga[q];
                     float xm = load1(x, t * cols + j, fmt) * scale, d = 0.0f;
                     for (int64_t k = 0; k < r; ++k) {
-                        const float gk = load1((const void*)gh[q], t * r + k, fmt);
+                        const float gk = ((const float*)gh[q])[t * r + k];
                         GA[k * cols + j] += gk * xm;
                         d += gk * load1((const void*)a[q], k * cols + j, fmt);
                     }

@@ -296,8 +296,8 @@ def lora_drop_down_backward(x: torch.Tensor, a: Sequence[torch.Tensor], grad_h: 
                             grad_a: Sequence[torch.Tensor], grad_x: Optional[torch.Tensor], accumulate: bool,
                             seeds: Sequence[int], threshold: int, scale: float) -> None:
     """C kernel: ``grad_a[q] += grad_h[q].T @ (x * keep_q * scale)`` and ``grad_x (+)= sum_q keep_q * scale *
-    (grad_h[q] @ a[q])`` (a[q] and grad_h[q] (rows, r) of x's dtype, float32 grad_a (r, cols); grad_x like x, or
-    None)."""
+    (grad_h[q] @ a[q])`` (a[q] (r, cols) of x's dtype, float32 grad_h[q] (rows, r) and grad_a (r, cols); grad_x like x,
+    or None)."""
     lib = _native_state["lib"]
     rows, cols = x.shape
     r, fmt = a[0].shape[0], _FMT[x.dtype]
