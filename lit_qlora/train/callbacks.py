@@ -136,6 +136,11 @@ class HeapRelease(Callback):
         if pl_module.device.type == "cpu" and not self._hooks:
             self._hooks = release_heap_around_blocks(pl_module.model, self.trimmer)
 
+    def on_validation_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                                batch_idx: int, dataloader_idx: int = 0) -> None:
+        if pl_module.device.type == "cpu":
+            self.trimmer()  # a validation's temporaries: the first one, before any training step, set a run's peak
+
     def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
         if pl_module.device.type == "cpu":
             self.trimmer()  # the forward's freed temporaries, before backward's peak
