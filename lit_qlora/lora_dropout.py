@@ -12,7 +12,7 @@ lanes at a time by the C kernel beside the NF4 ones (PyTorch ops where it is una
 The dropped copy of x is itself never written where it can be avoided (`down`, `down_backward`): one C kernel
 pass hashes, scales and multiplies by A for every adapter of one input, and backward's pass makes the A gradients
 and adds the input gradient in place. Writing the copy, page faults on its fresh memory included, had made
-dropout 0.05 cost 11% of a SmolLM2 step (benchmarks/README.md, issue 16).
+dropout 0.05 cost 13.5% of a SmolLM2 4x512 step; 6% now (`benchmarks/dropout_ab.py`, benchmarks/README.md).
 """
 
 from __future__ import annotations
