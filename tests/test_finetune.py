@@ -273,11 +273,17 @@ def test_cpu_step_offers_heap_release_around_blocks_before_backward_and_after_th
             return super().__call__()
 
     monkeypatch.setattr(callbacks, "HeapTrimmer", Recording)
+    validation, offer = [], callbacks.HeapRelease.on_validation_batch_end
+    monkeypatch.setattr(callbacks.HeapRelease, "on_validation_batch_end",
+                        lambda self, *args, **kwargs: validation.append(1) or offer(self, *args, **kwargs))
     run(tiny_llama_dir, tmp_path / "run", small_data(tmp_path), max_steps=2)  # 2 micro-batches per step
     n_layer = json.loads((tiny_llama_dir / "config.json").read_text())["num_hidden_layers"]
     # Per micro-batch: after each block's forward and before its backward, and before the backward starts; once
-    # after each optimizer step. Never during validation (grad disabled).
-    assert len(checks) == 2 * (2 * (2 * n_layer + 1) + 1)
+    # after each optimizer step.
+    # And once after each validation batch, the first validation (before any training step) included.
+    assert len(checks) - len(validation) == 2 * (2 * (2 * n_layer + 1) + 1)
+    assert len(validation) >= 2 and len(validation) % 2 == 0  # the first and the last validation, alike
+    assert checks[: len(validation) // 2] == [False] * (len(validation) // 2)  # the first: grad disabled
 
 
 def test_lr_schedule_warms_up_then_decays_to_zero():
