@@ -149,20 +149,13 @@ def _cuda_dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, inplac
     return torch.native_dropout(x, p, training)[0] if training and 0 < p < 1 else x
 
 
-def _cuda_lora_dropout(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float, p: float) -> torch.Tensor:
-    """A LoRA layer's adapter as it runs on a GPU: CUDA's dropout (which keeps its mask and the dropped copy of x for
-    backward), not the CPU's regenerated hash mask (the fake step's tensors are CPU tensors)."""
-    return (_cuda_dropout(x, p) @ a.T @ b.T) * scale
-
-
 def trace_step(config: Config, quantize: Quantize, precision: Precision, lora: LoRAArgs, train: TrainArgs,
                device: str = "cuda", micro_batch_size: Optional[int] = None) -> AllocationTrace:
     """Two optimizer steps of a fine-tune (each: forward, loss, backward per micro-batch, clipping, AdamW) on fake
     tensors; the trace holds the peak of allocated bytes and its categories."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from lit_qlora import fused_projections
-    from lit_qlora import lora as lora_module
+    from lit_qlora import lora_dropout
     from lit_qlora.lora import apply_lora
     from lit_qlora.loading import default_dtype, random_base
     from lit_qlora.nf4 import is_nf4, linear
@@ -215,8 +208,7 @@ def trace_step(config: Config, quantize: Quantize, precision: Precision, lora: L
         if device == "cuda":
             stack.enter_context(_gpu_nf4_paths())
             stack.enter_context(_patched(torch.nn.functional, "dropout", _cuda_dropout))
-            stack.enter_context(_patched(lora_module, "dropped_lora", _cuda_lora_dropout))
-            stack.enter_context(_patched(fused_projections, "hash_dropout_applies", lambda x: False))
+            stack.enter_context(_patched(lora_dropout, "hash_dropout_applies", lambda x: False))
         with trace:
             for _ in range(2):
                 for _ in range(min(accumulation, 2)):  # a second micro-batch runs with the gradients present

@@ -46,12 +46,6 @@ class FusionPlan(NamedTuple):
     adapters: tuple[Adapter, ...]
 
 
-def hash_dropout_applies(x: torch.Tensor) -> bool:
-    """Whether LoRA dropout on `x` runs as the hash mask (CPU, as `LoRALinear` decides): the fused path uses only
-    that one (`litqlora estimate --device cuda` patches this to say no, as on a GPU)."""
-    return x.device.type == "cpu"
-
-
 def _fusable_module(m: nn.Module) -> bool:
     # Exact types: a subclass (tensor-parallel layers) computes something else. Module hooks would be skipped.
     kind_ok = type(m) in (nn.Linear, FrozenNF4Linear) or getattr(type(m), "fusable", False)
@@ -90,7 +84,7 @@ def fusion_plan(x: torch.Tensor, modules: Sequence[nn.Module]) -> Optional[Fusio
         if not hasattr(m, "lora_A") or m.scale == 0:  # scale 0 (adapters_disabled): the base alone, exactly
             continue
         p = m.lora_dropout.p if m.training and isinstance(m.lora_dropout, nn.Dropout) else 0.0
-        if p > 0 and not hash_dropout_applies(x):
+        if p > 0 and not lora_dropout.hash_dropout_applies(x):  # the fused path has no other dropout
             return None
         adapters.append(Adapter(i, m.scale, p))
     return FusionPlan(kind, tuple(adapters))

@@ -13,6 +13,7 @@ import torch.nn as nn
 
 from lit_qlora.checkpoint import TensorSpec, atomic_write_text, iter_safetensors, write_safetensors
 from lit_qlora.guards import require_finite
+from lit_qlora import lora_dropout
 from lit_qlora.lora_dropout import dropped_lora
 from lit_qlora.nf4 import dequantize_nf4, frozen_linear, is_nf4, row_slices
 from lit_qlora.parallel.distributed import full, is_sharded, reshard, shard_like
@@ -74,7 +75,7 @@ class LoRALinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = frozen_linear(x, self.weight, self.bias)
         a, b = self.lora_A.to(x.dtype), self.lora_B.to(x.dtype)
-        if self.training and isinstance(self.lora_dropout, nn.Dropout) and x.device.type == "cpu":
+        if self.training and isinstance(self.lora_dropout, nn.Dropout) and lora_dropout.hash_dropout_applies(x):
             return out + dropped_lora(x, a, b, self.scale, self.lora_dropout.p)  # no per-element RNG, no mask kept
         return out + (self.lora_dropout(x) @ a.T @ b.T) * self.scale
 

@@ -198,27 +198,6 @@ def down_backward(x2: torch.Tensor, a: list[torch.Tensor], grad_h: list[torch.Te
     return [s.to(t.dtype) for s, t in zip(sums, a)], out
 
 
-class _DroppedLoRA(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, a, b, scale: float, p: float, seed: int):
-        x2 = x.reshape(-1, x.shape[-1])
-        h = down(x2, [a], [seed], p)[0]
-        ctx.save_for_backward(x, a, b, h)
-        ctx.scale, ctx.p, ctx.seed = scale, p, seed
-        return (h @ b.T).mul_(scale).view(*x.shape[:-1], b.shape[0])
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, a, b, h = ctx.saved_tensors
-        g = grad.reshape(-1, grad.shape[-1]) * ctx.scale
-        grad_h = g @ b
-        (grad_a,), grad_x = down_backward(x.reshape(-1, x.shape[-1]), [a], [grad_h], [ctx.seed], ctx.p, None,
-                                          ctx.needs_input_grad[0])
-        grad_b = g.T @ h if ctx.needs_input_grad[2] else None
-        grad_x = None if grad_x is None else grad_x.view(x.shape)
-        return grad_x, grad_a, grad_b, None, None, None
-
-
 class _DroppedDown(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, a, p: float, seed: int):
@@ -237,9 +216,15 @@ class _DroppedDown(torch.autograd.Function):
 def dropped_down(x: torch.Tensor, a: torch.Tensor, dropout: torch.nn.Module) -> torch.Tensor:
     """``dropout(x) @ a^T``, the r-wide half of a LoRA term, as the layer's `dropout` module would drop x: in
     training on CPU with the hash mask in one kernel pass (`down`), else with the module itself."""
-    if dropout.training and isinstance(dropout, torch.nn.Dropout) and dropout.p > 0 and x.device.type == "cpu":
+    if dropout.training and isinstance(dropout, torch.nn.Dropout) and dropout.p > 0 and hash_dropout_applies(x):
         return _DroppedDown.apply(x, a, dropout.p, draw_seed(x))
     return dropout(x) @ a.T
+
+
+def hash_dropout_applies(x: torch.Tensor) -> bool:
+    """Whether LoRA dropout on `x` runs as the hash mask (CPU tensors; elsewhere `nn.Dropout`). Every LoRA path
+    asks this, by module attribute: `litqlora estimate --device cuda` patches it to say no, as on a GPU."""
+    return x.device.type == "cpu"
 
 
 def draw_seed(x: torch.Tensor) -> int:
@@ -249,5 +234,6 @@ def draw_seed(x: torch.Tensor) -> int:
 
 @torch.compiler.disable  # the kernel writes through raw pointers
 def dropped_lora(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float, p: float) -> torch.Tensor:
-    """``scale * dropout(x, p) @ a^T @ b^T`` in training, for CPU tensors."""
-    return _DroppedLoRA.apply(x, a, b, scale, p, draw_seed(x))
+    """``scale * dropout(x, p) @ a^T @ b^T`` in training, for CPU tensors: what autograd saves is x, A, B and the
+    r-wide product (the mm's output is scaled in place; nothing of its size is kept)."""
+    return (_DroppedDown.apply(x, a, p, draw_seed(x)) @ b.T).mul_(scale)

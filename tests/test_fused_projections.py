@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from lit_qlora import fused_projections as fp
+from lit_qlora import lora_dropout
 from lit_qlora.config import Config
 from lit_qlora.loading import random_base
 from lit_qlora.lora import apply_lora
@@ -120,7 +121,7 @@ def test_fallbacks(monkeypatch):
     monkeypatch.setattr(linear, "DENSE_CHUNK_ELEMS", 128 * 128)  # the stack would pass the dense-copy bound
     assert fp.fusion_plan(x, modules) is None
     monkeypatch.undo()
-    monkeypatch.setattr(fp, "hash_dropout_applies", lambda x: False)  # dropout off the CPU: nn.Dropout per module
+    monkeypatch.setattr(lora_dropout, "hash_dropout_applies", lambda x: False)  # dropout off the CPU: nn.Dropout per module
     assert fp.fusion_plan(x, modules) is None
     model.eval()
     assert fp.fusion_plan(x, modules) is not None  # no dropout in eval
