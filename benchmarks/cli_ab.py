@@ -1,5 +1,5 @@
 """Variants of the SmolLM2 preset through `litqlora finetune`, alternating, in one session (issue 16's "Done when"):
-QLoRA vs LoRA with checkpointing on and off, and what dropout 0.05 costs.
+QLoRA vs LoRA with checkpointing on and off, what dropout 0.05 costs, and what the short OpenMP spin changes quiet.
 
     python benchmarks/cli_ab.py [--rounds 2] [--steps 6] [--variants lora qlora lora_ckpt_off ...]
 
@@ -32,16 +32,21 @@ VARIANTS = {
     "lora_dropout0": ["--quantize", "none", "--train.activation_checkpointing", "true", "--lora.dropout", "0"],
     "lora_compiled": ["--quantize", "none", "--train.activation_checkpointing", "true", "--compile", "true"],
     "qlora_compiled": ["--quantize", "nf4", "--train.activation_checkpointing", "true", "--compile", "true"],
+    "lora_spin": ["--quantize", "none", "--train.activation_checkpointing", "true"],
+    "qlora_spin": ["--quantize", "nf4", "--train.activation_checkpointing", "true"],
 }
+# libgomp's own default (workers spin ~3 ms after each op) instead of the short spin lit_qlora/__init__.py sets
+ENVS = {"lora_spin": {"GOMP_SPINCOUNT": "300000"}, "qlora_spin": {"GOMP_SPINCOUNT": "300000"}}
 RATIOS = [("qlora", "lora"), ("qlora_ckpt_off", "lora_ckpt_off"), ("lora", "lora_dropout0"),
-          ("lora_compiled", "lora"), ("qlora_compiled", "qlora")]
+          ("lora_compiled", "lora"), ("qlora_compiled", "qlora"), ("lora", "lora_spin"), ("qlora", "qlora_spin")]
 
 
 def run(variant: str, steps: int, out_dir: Path) -> dict:
     cmd = [sys.executable, "-m", "lit_qlora.cli", "finetune", "--config",
            str(ROOT / "config_hub/finetune/smollm2-135m/lora.yaml"), "--out_dir", str(out_dir),
            "--train.max_steps", str(steps), "--train.save_interval", str(steps), *SHAPE, *VARIANTS[variant]]
-    subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL, env={**env, **ENVS.get(variant, {})})
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     steady = [r["tokens_per_sec"] for r in rows[1:] if not r.get("compile_seconds")]
     summary = json.loads((out_dir / "summary.json").read_text())

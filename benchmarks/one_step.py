@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
+import lit_qlora  # noqa: F401  (before torch: sets the OpenMP wait policy `litqlora` runs with, read as libgomp loads)
 import torch
 
 from lit_qlora.config import PRESETS

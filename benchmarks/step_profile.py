@@ -13,6 +13,7 @@ import argparse
 import time
 from pathlib import Path
 
+import lit_qlora  # noqa: F401  (before torch: sets the OpenMP wait policy `litqlora` runs with, read as libgomp loads)
 from torch.profiler import ProfilerActivity, profile
 
 import lit_qlora.train.heap as heap

@@ -333,6 +333,24 @@ def test_nf4_linear_chain_reuses_scratch_correctly():
     assert torch.equal(x.grad, x2.grad)
 
 
+def test_validation_and_training_share_one_scratch_buffer(monkeypatch):
+    """Inference mode (validation, generation) dequantizes into the same CPU scratch buffer training then writes:
+    one buffer, not one per mode held through training, and training after validation still computes right."""
+    monkeypatch.setattr(lin, "_scratch", __import__("threading").local())
+    t = quantize_nf4(weight((256, 128), torch.bfloat16, seed=4))
+    x = torch.randn(3, 128, dtype=torch.bfloat16, requires_grad=True)
+    dense = t.get_original_weight()
+    with torch.inference_mode():
+        assert torch.equal(nf4_linear(x.detach(), t), F.linear(x.detach(), dense))
+    y = nf4_linear(x, t)
+    y.square().sum().backward()
+    x2 = x.detach().clone().requires_grad_()
+    F.linear(x2, dense).square().sum().backward()
+    assert torch.equal(y, F.linear(x2.detach(), dense)) and torch.equal(x.grad, x2.grad)
+    assert list(lin._scratch.buffers) == [torch.bfloat16]
+    assert not lin._scratch.buffers[torch.bfloat16].is_inference()
+
+
 class _ToyQLoRA(torch.nn.Module):
     def __init__(self, base: NF4Tensor):
         super().__init__()

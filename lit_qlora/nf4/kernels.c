@@ -7,6 +7,9 @@
    a vector permute (vpermw / vpermd on AVX-512). */
 #include <stdint.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
@@ -454,5 +457,66 @@ void lora_drop_down_bwd(const void* x, int64_t rows, int64_t cols, int64_t j0, i
                 if (gx) store1(gx, t * cols + j, o + (acc ? load1(gx, t * cols + j, fmt) : 0.0f), fmt);
             }
         }
+    }
+}
+
+/* ---- Threaded entry points: the kernel above over [lo, hi), split across `threads` threads of torch's own
+   OpenMP team. native.py links libgomp, which resolves to the copy torch already loaded, so these regions reuse
+   the workers torch's ops use. A second pool of our own would compete with those workers while they spin after
+   each torch op, and under a competing process that had cut throughput 16-fold (benchmarks/README, issue 16). */
+static inline void my_share(int64_t lo, int64_t hi, int64_t unit, int64_t* a, int64_t* b) {
+#ifdef _OPENMP
+    int64_t t = omp_get_thread_num(), k = omp_get_num_threads();
+#else
+    int64_t t = 0, k = 1;
+#endif
+    int64_t units = (hi - lo + unit - 1) / unit, per = (units + k - 1) / k;
+    *a = lo + t * per * unit < hi ? lo + t * per * unit : hi;
+    *b = lo + (t + 1) * per * unit < hi ? lo + (t + 1) * per * unit : hi;
+}
+
+void nf4_quantize_mt(int32_t threads, const void* w, int64_t b0, int64_t b1, int64_t bs, const float* thr,
+                     uint8_t* qout, void* amax_out, int32_t fmt) {
+    #pragma omp parallel num_threads(threads)
+    { int64_t a, b; my_share(b0, b1, 1, &a, &b); if (a < b) nf4_quantize(w, a, b, bs, thr, qout, amax_out, fmt); }
+}
+
+void nf4_dequant16_mt(int32_t threads, const uint8_t* q, const float* scale, const float* levels, int64_t b0,
+                      int64_t b1, int64_t hb, uint16_t* out, int32_t fmt) {
+    #pragma omp parallel num_threads(threads)
+    { int64_t a, b; my_share(b0, b1, 1, &a, &b); if (a < b) nf4_dequant16(q, scale, levels, a, b, hb, out, fmt); }
+}
+
+void nf4_dequant32_mt(int32_t threads, const uint8_t* q, const float* scale, const float* levels, int64_t b0,
+                      int64_t b1, int64_t hb, float* out, int32_t fmt) {
+    #pragma omp parallel num_threads(threads)
+    { int64_t a, b; my_share(b0, b1, 1, &a, &b); if (a < b) nf4_dequant32(q, scale, levels, a, b, hb, out, fmt); }
+}
+
+void lora_dropout_mt(int32_t threads, const void* src, void* dst, int64_t e0, int64_t e1, uint32_t seed,
+                     uint32_t threshold, float scale, int32_t fmt) {
+    #pragma omp parallel num_threads(threads)
+    { int64_t a, b; my_share(e0, e1, 1 << 14, &a, &b); if (a < b) lora_dropout(src, dst, a, b, seed, threshold, scale, fmt); }
+}
+
+/* rows in steps of 32 (the kernel blocks rows in pairs) */
+void lora_drop_down_mt(int32_t threads, const void* x, int64_t cols, int64_t t0, int64_t t1, int32_t n,
+                       const int64_t* a, int64_t r, const int64_t* h, const int64_t* seeds, uint32_t threshold,
+                       float scale, int32_t fmt) {
+    #pragma omp parallel num_threads(threads)
+    {
+        int64_t lo, hi; my_share(t0, t1, 32, &lo, &hi);
+        if (lo < hi) lora_drop_down(x, cols, lo, hi, n, a, r, h, seeds, threshold, scale, fmt);
+    }
+}
+
+/* columns in steps of 16, so each thread's columns start on a whole vector */
+void lora_drop_down_bwd_mt(int32_t threads, const void* x, int64_t rows, int64_t cols, int64_t j0, int64_t j1,
+                           int32_t n, const int64_t* a, int64_t r, const int64_t* gh, const int64_t* ga, void* gx,
+                           int32_t acc, const int64_t* seeds, uint32_t threshold, float scale, int32_t fmt) {
+    #pragma omp parallel num_threads(threads)
+    {
+        int64_t lo, hi; my_share(j0, j1, 16, &lo, &hi);
+        if (lo < hi) lora_drop_down_bwd(x, rows, cols, lo, hi, n, a, r, gh, ga, gx, acc, seeds, threshold, scale, fmt);
     }
 }

@@ -51,13 +51,14 @@ def _scratch_matrix(rows: int, cols: int, dtype: torch.dtype, device: torch.devi
     if buffers is None:
         buffers = _scratch.buffers = {}
     numel = rows * cols
-    # A buffer made under inference_mode (generation, evaluation) is an inference tensor that autograd code
-    # may not write to later, so each mode keeps its own.
-    key = (dtype, torch.is_inference_mode_enabled())
-    buf = buffers.get(key)
+    buf = buffers.get(dtype)
     if buf is None or buf.numel() < numel:
-        buffers.pop(key, None)
-        buf = buffers[key] = torch.empty(numel, dtype=dtype)
+        buffers.pop(dtype, None)
+        # Made outside inference_mode even under it (validation, generation): an inference tensor could not be
+        # written by training later, and a second buffer per mode had held up to 32 MB through every training
+        # step after the first validation.
+        with torch.inference_mode(False):
+            buf = buffers[dtype] = torch.empty(numel, dtype=dtype)
     return buf[:numel].view(rows, cols)
 
 

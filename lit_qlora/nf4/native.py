@@ -1,5 +1,6 @@
 """The native CPU path: kernels.c compiled with ``gcc -O3 -march=native`` on first use, checked against the
-PyTorch path before it is trusted, and run across ``torch.get_num_threads()`` threads through ctypes.
+PyTorch path before it is trusted, and run through ctypes across ``torch.get_num_threads()`` threads of torch's own
+OpenMP team (the library links libgomp, which resolves to the copy torch loaded; without OpenMP it runs on one).
 
 The shared library is cached per source, compiler, flags and CPU under ``~/.cache/lit_qlora/kernels`` (or
 ``$LIT_QLORA_KERNEL_CACHE``), so an edited kernels.c or another CPU gets its own build. Without a compiler,
@@ -20,9 +21,8 @@ import subprocess
 import sys
 import tempfile
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from importlib import resources
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -35,18 +35,6 @@ log = logging.getLogger(__name__)
 _FMT = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 _native_lock = threading.Lock()
 _native_state: dict = {"lib": None, "tried": False, "error": None}
-_pool: Optional[ThreadPoolExecutor] = None
-_pool_lock = threading.Lock()
-
-
-def _forget_pool_after_fork() -> None:
-    # a forked child inherits the executor object but none of its threads: start a fresh one when needed
-    global _pool, _pool_lock
-    _pool, _pool_lock = None, threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_pool_after_fork)
 
 
 def _cpu_fingerprint() -> str:
@@ -88,8 +76,16 @@ def _compile_native() -> ctypes.CDLL:
     compiler = os.environ.get("LIT_QLORA_CC") or shutil.which("gcc") or shutil.which("cc")
     if not compiler:
         raise RuntimeError("no C compiler (gcc/cc) found")
-    flags = ["-O3", "-march=native", "-std=gnu11", "-shared", "-fPIC"]
-    flags += shlex.split(os.environ.get("LIT_QLORA_CFLAGS", ""))  # extra flags, e.g. for debugging
+    extra = shlex.split(os.environ.get("LIT_QLORA_CFLAGS", ""))  # extra flags, e.g. for debugging
+    try:
+        return _build(compiler, ["-O3", "-march=native", "-std=gnu11", "-shared", "-fPIC", "-fopenmp", *extra])
+    except RuntimeError as e:  # a compiler without OpenMP (clang on macOS): the same kernels on one thread
+        log.warning("lit_qlora.nf4: building the native kernels with -fopenmp failed (%s); they run on one thread",
+                    str(e)[-300:])
+        return _build(compiler, ["-O3", "-march=native", "-std=gnu11", "-shared", "-fPIC", *extra])
+
+
+def _build(compiler: str, flags: list[str]) -> ctypes.CDLL:
     # The text that is hashed is the text compiled (written out below), so the key always names its build.
     source = kernel_source()
     key = hashlib.sha256("\n".join([source, compiler, *flags, _cpu_fingerprint()]).encode()).hexdigest()[:16]
@@ -108,25 +104,19 @@ def _compile_native() -> ctypes.CDLL:
                 raise RuntimeError(f"{compiler} failed: {res.stderr.strip()[-2000:]}")
             os.replace(tmp_lib, lib_path)  # atomic: concurrent processes see a complete file or none
     lib = ctypes.CDLL(lib_path)
-    argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-                ctypes.c_int64, ctypes.c_void_p, ctypes.c_int32]  # fmt: skip
-    for name in ("nf4_dequant16", "nf4_dequant32"):
-        fn = getattr(lib, name)
-        fn.argtypes = argtypes
-        fn.restype = None
-    lib.nf4_quantize.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32]  # fmt: skip
-    lib.nf4_quantize.restype = None
-    lib.lora_dropout.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint32,
-                                 ctypes.c_uint32, ctypes.c_float, ctypes.c_int32]  # fmt: skip
-    lib.lora_dropout.restype = None
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.lora_drop_down.argtypes = [ptr, i64, i64, i64, ctypes.c_int32, ptr, i64, ptr, ptr, ctypes.c_uint32,
-                                   ctypes.c_float, ctypes.c_int32]  # fmt: skip
-    lib.lora_drop_down.restype = None
-    lib.lora_drop_down_bwd.argtypes = [ptr, i64, i64, i64, i64, ctypes.c_int32, ptr, i64, ptr, ptr, ptr,
-                                       ctypes.c_int32, ptr, ctypes.c_uint32, ctypes.c_float, ctypes.c_int32]  # fmt: skip
-    lib.lora_drop_down_bwd.restype = None
+    i32, i64, ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
+    dequant = [ptr, ptr, ptr, i64, i64, i64, ptr, i32]
+    signatures = {  # each kernel's arguments after the thread count its threaded `_mt` entry point takes first
+        "nf4_dequant16": dequant, "nf4_dequant32": dequant,
+        "nf4_quantize": [ptr, i64, i64, i64, ptr, ptr, ptr, i32],
+        "lora_dropout": [ptr, ptr, i64, i64, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_float, i32],
+        "lora_drop_down": [ptr, i64, i64, i64, i32, ptr, i64, ptr, ptr, ctypes.c_uint32, ctypes.c_float, i32],
+        "lora_drop_down_bwd": [ptr, i64, i64, i64, i64, i32, ptr, i64, ptr, ptr, ptr, i32, ptr, ctypes.c_uint32,
+                               ctypes.c_float, i32],
+    }  # fmt: skip
+    for name, args in signatures.items():
+        fn = getattr(lib, name + "_mt")
+        fn.argtypes, fn.restype = [i32, *args], None
     lib.nf4_has_f16.restype = ctypes.c_int
     lib.has_f16 = bool(lib.nf4_has_f16())
     return lib
@@ -193,23 +183,9 @@ def _self_test() -> None:
                     raise RuntimeError(f"native dequantize self-test mismatch for {dtype} -> {out_dtype}")
 
 
-def _run_blocks(call: Callable[[int, int], None], n_blocks: int, work_bytes: int) -> None:
-    """Run ``call(b0, b1)`` over [0, n_blocks), split across torch.get_num_threads() Python threads (the
-    ctypes call releases the GIL); small jobs run inline."""
-    threads = max(1, min(torch.get_num_threads(), work_bytes >> 20, n_blocks))
-    if threads == 1:
-        call(0, n_blocks)
-        return
-    global _pool
-    if _pool is None:
-        with _pool_lock:
-            if _pool is None:
-                _pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="nf4")
-    per = -(-n_blocks // threads)
-    futures = [_pool.submit(call, b0, min(n_blocks, b0 + per)) for b0 in range(per, n_blocks, per)]
-    call(0, min(n_blocks, per))
-    for f in futures:
-        f.result()
+def _threads(n_units: int, work_bytes: int) -> int:
+    """Threads for a kernel call: torch's count, but one per MiB of work at most (small jobs run on one)."""
+    return max(1, min(torch.get_num_threads(), work_bytes >> 20, n_units))
 
 
 def is_fake(t: torch.Tensor) -> bool:
@@ -225,12 +201,9 @@ def quantize_blocks(src: torch.Tensor, block_size: int, q_out: torch.Tensor, s_o
     thr = cached(("thr_tensor", src.dtype), lambda: torch.tensor(thresholds(src.dtype), dtype=torch.float32))
     fmt = _FMT[src.dtype]
     n_blocks = s_out.numel()
-    ptrs = (src.data_ptr(), thr.data_ptr(), q_out.data_ptr(), s_out.data_ptr())
-
-    def call(b0: int, b1: int) -> None:
-        lib.nf4_quantize(ptrs[0], b0, b1, block_size, ptrs[1], ptrs[2], ptrs[3], fmt)
-
-    _run_blocks(call, n_blocks, src.numel() * src.element_size())
+    threads = _threads(n_blocks, src.numel() * src.element_size())
+    lib.nf4_quantize_mt(threads, src.data_ptr(), 0, n_blocks, block_size, thr.data_ptr(), q_out.data_ptr(),
+                        s_out.data_ptr(), fmt)
 
 
 def dequantize_blocks(qdata: torch.Tensor, scales: torch.Tensor, levels: torch.Tensor, dtype: torch.dtype,
@@ -247,14 +220,10 @@ def dequantize_blocks(qdata: torch.Tensor, scales: torch.Tensor, levels: torch.T
     fmt = _FMT[dtype]
     if is_fake(out):
         return  # a dry run: the temporaries above are counted, the kernel's writes need no data
-    fn = lib.nf4_dequant16 if out.dtype != torch.float32 else lib.nf4_dequant32
+    fn = lib.nf4_dequant16_mt if out.dtype != torch.float32 else lib.nf4_dequant32_mt
     # The kernel indexes blocks from its pointers, so a block range is a shift of the input pointers.
-    ptrs = (qdata.data_ptr() + b0 * hb, scales.data_ptr() + b0 * 4, levels.data_ptr(), out.data_ptr())
-
-    def call(b0: int, b1: int) -> None:
-        fn(ptrs[0], ptrs[1], ptrs[2], b0, b1, hb, ptrs[3], fmt)
-
-    _run_blocks(call, n_blocks, out.numel() * out.element_size())
+    fn(_threads(n_blocks, out.numel() * out.element_size()), qdata.data_ptr() + b0 * hb, scales.data_ptr() + b0 * 4,
+       levels.data_ptr(), 0, n_blocks, hb, out.data_ptr(), fmt)
 
 
 def dropout_elements(src: torch.Tensor, out: torch.Tensor, seed: int, threshold: int, scale: float) -> None:
@@ -262,13 +231,8 @@ def dropout_elements(src: torch.Tensor, out: torch.Tensor, seed: int, threshold:
     contiguous, same dtype; see lit_qlora/lora_dropout.py)."""
     lib = _native_state["lib"]
     fmt, n = _FMT[src.dtype], src.numel()
-    chunk = 1 << 14
-    ptrs = (src.data_ptr(), out.data_ptr())
-
-    def call(c0: int, c1: int) -> None:
-        lib.lora_dropout(ptrs[0], ptrs[1], c0 * chunk, min(n, c1 * chunk), seed, threshold, scale, fmt)
-
-    _run_blocks(call, -(-n // chunk), n * src.element_size())
+    threads = _threads(-(-n // (1 << 14)), n * src.element_size())  # the C side splits in chunks of 2**14
+    lib.lora_dropout_mt(threads, src.data_ptr(), out.data_ptr(), 0, n, seed, threshold, scale, fmt)
 
 
 def _pointers(tensors) -> ctypes.Array:
@@ -282,14 +246,9 @@ def lora_drop_down(x: torch.Tensor, a: Sequence[torch.Tensor], h: Sequence[torch
     lib = _native_state["lib"]
     rows, cols = x.shape
     r, fmt = a[0].shape[0], _FMT[x.dtype]
-    arrays = (_pointers(a), _pointers(h), (ctypes.c_int64 * len(seeds))(*seeds))
-    chunk = 32
-
-    def call(c0: int, c1: int) -> None:
-        lib.lora_drop_down(x.data_ptr(), cols, c0 * chunk, min(rows, c1 * chunk), len(a), arrays[0], r, arrays[1],
-                           arrays[2], threshold, scale, fmt)
-
-    _run_blocks(call, -(-rows // chunk), x.numel() * x.element_size() * len(a))
+    threads = _threads(-(-rows // 32), x.numel() * x.element_size() * len(a))  # the C side splits in 32 rows
+    lib.lora_drop_down_mt(threads, x.data_ptr(), cols, 0, rows, len(a), _pointers(a), r, _pointers(h),
+                          (ctypes.c_int64 * len(seeds))(*seeds), threshold, scale, fmt)
 
 
 def lora_drop_down_backward(x: torch.Tensor, a: Sequence[torch.Tensor], grad_h: Sequence[torch.Tensor],
@@ -301,15 +260,11 @@ def lora_drop_down_backward(x: torch.Tensor, a: Sequence[torch.Tensor], grad_h: 
     lib = _native_state["lib"]
     rows, cols = x.shape
     r, fmt = a[0].shape[0], _FMT[x.dtype]
-    arrays = (_pointers(a), _pointers(grad_h), _pointers(grad_a), (ctypes.c_int64 * len(seeds))(*seeds))
     gx = None if grad_x is None else grad_x.data_ptr()
-    block = 16  # a thread's columns start on a whole vector
-
-    def call(c0: int, c1: int) -> None:
-        lib.lora_drop_down_bwd(x.data_ptr(), rows, cols, c0 * block, min(cols, c1 * block), len(a), arrays[0], r,
-                               arrays[1], arrays[2], gx, int(accumulate), arrays[3], threshold, scale, fmt)
-
-    _run_blocks(call, -(-cols // block), x.numel() * x.element_size() * len(a))
+    threads = _threads(-(-cols // 16), x.numel() * x.element_size() * len(a))  # the C side splits in 16 columns
+    lib.lora_drop_down_bwd_mt(threads, x.data_ptr(), rows, cols, 0, cols, len(a), _pointers(a), r, _pointers(grad_h),
+                              _pointers(grad_a), gx, int(accumulate), (ctypes.c_int64 * len(seeds))(*seeds),
+                              threshold, scale, fmt)
 
 
 def use_native(dtype: Optional[torch.dtype] = None) -> bool:
