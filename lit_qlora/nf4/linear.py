@@ -3,7 +3,9 @@ projection (NF4 or dense) that LoRA layers and tensor-parallel layers call; the 
 
 The dense weight exists only for the matmul that needs it: backward re-dequantizes instead of saving it.
 A weight larger than ``DENSE_CHUNK_ELEMS`` is used a slice of rows at a time, so the transient dense copy stays
-at 32 MB (bf16) however large the weight: a 32000x2048 lm_head would need 131 MB, Llama-3's 128256x4096 1 GB.
+at 16 MB (bf16) however large the weight: a 32000x2048 lm_head would need 131 MB, Llama-3's 128256x4096 1 GB.
+(16 MB rather than 32: on CPU it is the one memory cost QLoRA has and LoRA lacks, and halving it cost no measurable
+step time on SmolLM2 4x512: benchmarks/README, issue 16.)
 (Backward sums the slices' partial products in fp32; when that sum would be larger than the whole dense weight,
 many tokens through a wide weight, it dequantizes the weight whole instead.)
 On CPU the dense slice is written into a per-thread scratch buffer reused across calls: a fresh multi-MB
@@ -26,7 +28,7 @@ from lit_qlora.nf4.codec import dequantize_nf4, is_nf4
 from lit_qlora.nf4.layout import row_slices
 from lit_qlora.nf4.reference import SUPPORTED_DTYPES
 
-DENSE_CHUNK_ELEMS = 1 << 24
+DENSE_CHUNK_ELEMS = 1 << 23
 
 _scratch = threading.local()
 
