@@ -85,7 +85,6 @@ def finetune(
             that compiled). Pays off in runs of more than a few dozen steps; a resume may change it.
     """
     # Input a user can get wrong, checked before setup() spends seconds importing the training stack.
-    require_compilable(compile, strategy)
     if Path(checkpoint_dir) != DEFAULT_CHECKPOINT:
         require_checkpoint_dir(checkpoint_dir)
     if data.json_path is not None:
@@ -103,16 +102,6 @@ def finetune(
                      accelerator=accelerator, devices=devices, num_nodes=num_nodes, strategy=strategy,
                      tensor_parallel=tensor_parallel, nf4_shards=nf4_shards, resume=resume_from or False, lora=lora,
                      train=train, data=data, ignore_modules=ignore_modules, compile=compile))
-
-
-def require_compilable(compile: bool, strategy: str) -> None:
-    """--compile works with one process and DDP. With FSDP2 the compiled steps' losses left eager ones' after the
-    first step: FinetuneModule skips Lightning's no-op device moves when compiled, which eager FSDP2 runs were
-    shown to need (tests/test_distributed.py); tensor parallelism is not verified. Refused rather than trained
-    wrong."""
-    if compile and strategy in ("fsdp", "tp"):
-        raise ValueError(f"--compile true does not support --strategy {strategy} yet (its compiled steps are not "
-                         "verified to train what eager ones do): drop --compile, or use --strategy ddp or auto.")
 
 
 def recipe(checkpoint_dir: Path, quantize: str, precision: str, seed: int, lora: LoRAArgs, train: TrainArgs,

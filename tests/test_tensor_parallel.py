@@ -174,9 +174,10 @@ def test_tensor_parallel_equals_one_process(quantize, tiny_llama_dir, tmp_path):
 
 @pytest.mark.slow
 @needs_gloo
-def test_finetune_tensor_parallel_equals_one_process(tiny_llama_dir, tmp_path):
-    """`--strategy tp --tensor_parallel 2` (LoRA, fp32 base): every step's loss, the gradient norm, the final
-    adapter and the merged export equal a 1-process run's."""
+@pytest.mark.parametrize("compile", ["false", "true"])
+def test_finetune_tensor_parallel_equals_one_process(compile, tiny_llama_dir, tmp_path):
+    """`--strategy tp --tensor_parallel 2` (LoRA, fp32 base), eager or with every block compiled: every step's loss,
+    the gradient norm, the final adapter and the merged export equal a 1-process eager run's."""
     from test_distributed import STEPS, TRAIN, assert_same_final, cli_run, metrics
     from test_finetune import small_data
 
@@ -187,7 +188,7 @@ def test_finetune_tensor_parallel_equals_one_process(tiny_llama_dir, tmp_path):
     ref_dir, out = tmp_path / "one", tmp_path / "tp"
     finetune(checkpoint_dir=tiny_llama_dir, out_dir=ref_dir, quantize="none", precision="32-true", accelerator="cpu",
              lora=LoRAArgs(r=4, alpha=8, dropout=0.0), data=data, train=TrainArgs(**TRAIN))
-    cli_run(tiny_llama_dir, out, data, "tp", "--tensor_parallel", "2", "--quantize", "none")
+    cli_run(tiny_llama_dir, out, data, "tp", "--tensor_parallel", "2", "--quantize", "none", "--compile", compile)
     ref, got = metrics(ref_dir), metrics(out)
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))
     assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in ref], rel=1e-5)
@@ -226,3 +227,24 @@ def test_qlora_tensor_parallel_export_is_the_one_process_merge(tiny_llama_dir, t
     whole = load_file(str(merge(tiny_llama_dir, out / "final", tmp_path / "whole") / "model.safetensors"))
     key = "model.layers.0.mlp.down_proj.weight"
     assert not torch.equal(whole[key], mb[key])
+
+
+@pytest.mark.slow
+@needs_gloo
+def test_compiled_qlora_tensor_parallel_trains_what_eager_does(tiny_llama_dir, tmp_path):
+    """QLoRA under `--strategy tp` with every block compiled (the NF4 matmul runs eagerly inside the compiled
+    block, on its shard): the same losses and final adapter as the eager tensor-parallel run."""
+    from safetensors.torch import load_file
+    from test_distributed import cli_run, metrics
+    from test_finetune import small_data
+
+    data = small_data(tmp_path)
+    runs = {}
+    for compile in ("false", "true"):
+        runs[compile] = tmp_path / compile
+        cli_run(tiny_llama_dir, runs[compile], data, "tp", "--tensor_parallel", "2", "--compile", compile)
+    eager, compiled = metrics(runs["false"]), metrics(runs["true"])
+    assert [r["loss"] for r in compiled] == pytest.approx([r["loss"] for r in eager], rel=1e-5)
+    a, b = (load_file(str(runs[c] / "final" / "adapter.safetensors")) for c in ("false", "true"))
+    assert a.keys() == b.keys() and max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
+    assert any(b[k].abs().max() > 1e-3 for k in b if k.endswith("lora_B"))  # it trained

@@ -14,7 +14,7 @@ import torch
 from lit_qlora.compile import compile_blocks, compile_seconds, is_compiled
 from lit_qlora.memory import peak_memory_stats
 from lit_qlora.model import Transformer
-from lit_qlora.parallel.distributed import full, no_gradient_sync, shard_model
+from lit_qlora.parallel.distributed import full, no_gradient_sync, reshard, shard_model
 from lit_qlora.parallel.tensor_parallel import average_over_data, parallelize
 from lit_qlora.train.args import TrainArgs
 from lit_qlora.train.loss import lm_loss_sum, target_count
@@ -66,12 +66,15 @@ class FinetuneModule(L.LightningModule):
     # replaces every NF4 weight (a tensor subclass) by a swapped-in copy even when nothing moves, which fails once
     # compiled graphs were traced with those weights (the fake-tensor records they keep hold weak references to
     # them). So a move to where every tensor already is does nothing, and with --compile the module stays on its
-    # device after a fit (the next validate would move it back). Only with --compile: under FSDP2 skipping the
-    # no-op move made steps after the first diverge (tests/test_distributed.py).
+    # device after a fit (the next validate would move it back). One thing the move did still matters under FSDP2:
+    # it reshards first. The root unit keeps its parameters gathered after a forward (a validation's, under inference
+    # mode), and training from those left the head's adapter without gradients in step 1. Only with --compile, so
+    # eager runs keep Lightning's moves as they are.
     def to(self, *args: Any, **kwargs: Any) -> FinetuneModule:
         device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
         if self.compile_enabled and device is not None and dtype is None and memory_format is None \
                 and self._all_on(device):
+            reshard(self.model)
             return self
         return super().to(*args, **kwargs)
 
