@@ -132,8 +132,8 @@ def test_two_compiled_ddp_processes_equal_one_eager_process(tiny_llama_dir, one_
 @needs_gloo
 def test_two_compiled_fsdp_processes_equal_one_eager_process(tiny_llama_dir, one_process, tmp_path):
     """FSDP2 over compiled blocks trains what one eager process trains. Compiled runs skip Lightning's no-op device
-    moves; without the reshard those moves did, the root unit trained from parameters a validation had gathered and
-    every step after the first diverged."""
+    moves; without the reshard those moves did (the root unit keeps the parameters a validation gathered), every
+    step after the first diverged."""
     ref_dir, data = one_process
     out = tmp_path / "fsdp"
     cli_run(tiny_llama_dir, out, data, "fsdp", "--nf4_shards", "2", "--compile", "true")

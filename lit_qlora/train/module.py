@@ -67,9 +67,9 @@ class FinetuneModule(L.LightningModule):
     # compiled graphs were traced with those weights (the fake-tensor records they keep hold weak references to
     # them). So a move to where every tensor already is does nothing, and with --compile the module stays on its
     # device after a fit (the next validate would move it back). One thing the move did still matters under FSDP2:
-    # it reshards first. The root unit keeps its parameters gathered after a forward (a validation's, under inference
-    # mode), and training from those left the head's adapter without gradients in step 1. Only with --compile, so
-    # eager runs keep Lightning's moves as they are.
+    # it reshards first. The root unit keeps its parameters gathered after a forward (the validation's, under
+    # inference mode); without the reshard every step after the first diverged from eager (tests/test_compile.py).
+    # Only with --compile, so eager runs keep Lightning's moves as they are.
     def to(self, *args: Any, **kwargs: Any) -> FinetuneModule:
         device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
         if self.compile_enabled and device is not None and dtype is None and memory_format is None \
