@@ -128,6 +128,28 @@ def test_two_compiled_ddp_processes_equal_one_eager_process(tiny_llama_dir, one_
     assert json.loads((out / "summary.json").read_text())["compile_seconds"] > 0
 
 
+def test_new_batch_shapes_stop_recompiling_after_the_first_change():
+    """An unpacked run's batches change length: the first change recompiles with dynamic lengths, later ones reuse it."""
+    from lit_qlora.config import Config
+    from lit_qlora.lora import apply_lora
+    from lit_qlora.train.loss import lm_loss_sum
+
+    torch._dynamo.reset()  # forget the shapes earlier tests compiled the same code for
+    torch.manual_seed(0)
+    model = Transformer(Config(vocab_size=64, n_layer=2, n_embd=32, n_head=2, n_query_groups=1,
+                               intermediate_size=64)).train()
+    apply_lora(model, 4, 8, dropout=0.1)
+    model.checkpoint_blocks = 2
+    compile_blocks(model)
+    spent = []
+    for length in (16, 24, 20, 31, 9):
+        before = compile_seconds()
+        x = torch.randint(0, 64, (2, length))
+        lm_loss_sum(model, x, x).backward()
+        spent.append(compile_seconds() - before)
+    assert spent[0] > 0 and spent[1] > 0 and spent[2:] == [0, 0, 0]
+
+
 @pytest.mark.slow
 @needs_gloo
 def test_two_compiled_fsdp_processes_equal_one_eager_process(tiny_llama_dir, one_process, tmp_path):
