@@ -69,16 +69,17 @@ def main() -> None:
                     runs.append({"round": round_, "variant": variant, "competitor": loaded,
                                  "tokens_per_sec": round(rate, 1)})
                     print(json.dumps(runs[-1]), flush=True)
+    results = []
     for variant in args.variants:
         mine = [r for r in runs if r["variant"] == variant]
         quiet = statistics.median(r["tokens_per_sec"] for r in mine if not r["competitor"])
         loaded = statistics.median(r["tokens_per_sec"] for r in mine if r["competitor"])
-        result = {"variant": variant, "steps": args.steps, "runs": mine, "quiet_tokens_per_sec": quiet,
-                  "loaded_tokens_per_sec": loaded, "loaded_over_quiet": round(loaded / quiet, 3)}
-        print(json.dumps(result))
-        out = HERE / "results" / "contention.json"
-        previous = json.loads(out.read_text()) if out.exists() else []
-        out.write_text(json.dumps([*previous, result], indent=2) + "\n")
+        results.append({"variant": variant, "steps": args.steps, "runs": mine, "quiet_tokens_per_sec": quiet,
+                        "loaded_tokens_per_sec": loaded, "loaded_over_quiet": round(loaded / quiet, 3)})
+        print(json.dumps(results[-1]))
+    out = HERE / "results" / "contention.json"
+    previous = json.loads(out.read_text()) if out.exists() else []
+    out.write_text(json.dumps([*previous, *results], indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -76,13 +76,14 @@ def _compile_native() -> ctypes.CDLL:
     compiler = os.environ.get("LIT_QLORA_CC") or shutil.which("gcc") or shutil.which("cc")
     if not compiler:
         raise RuntimeError("no C compiler (gcc/cc) found")
-    extra = shlex.split(os.environ.get("LIT_QLORA_CFLAGS", ""))  # extra flags, e.g. for debugging
+    flags = ["-O3", "-march=native", "-std=gnu11", "-shared", "-fPIC"]
+    flags += shlex.split(os.environ.get("LIT_QLORA_CFLAGS", ""))  # extra flags, e.g. for debugging
     try:
-        return _build(compiler, ["-O3", "-march=native", "-std=gnu11", "-shared", "-fPIC", "-fopenmp", *extra])
+        return _build(compiler, [*flags, "-fopenmp"])
     except RuntimeError as e:  # a compiler without OpenMP (clang on macOS): the same kernels on one thread
         log.warning("lit_qlora.nf4: building the native kernels with -fopenmp failed (%s); they run on one thread",
                     str(e)[-300:])
-        return _build(compiler, ["-O3", "-march=native", "-std=gnu11", "-shared", "-fPIC", *extra])
+        return _build(compiler, flags)
 
 
 def _build(compiler: str, flags: list[str]) -> ctypes.CDLL:
