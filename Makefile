@@ -16,9 +16,10 @@ install-test: install
 
 # The main job: a real QLoRA fine-tune of the bundled SmolLM2 on the shipped dataset (CPU, minutes), then a
 # question the run never trained on (a row of its validation split), answered by the NF4 base alone and with the
-# trained adapter.
+# trained adapter. --resume auto: `make demo` again after Ctrl+C continues the interrupted fine-tune, and after a
+# finished one it only says so.
 demo: install
-	litqlora finetune --config config_hub/finetune/smollm2-135m/qlora.yaml
+	litqlora finetune --config config_hub/finetune/smollm2-135m/qlora.yaml --resume auto
 	@echo; echo "A question held out from training (a validation row of the demo set), before and after fine-tuning:"
 	@litqlora generate --checkpoint_dir $(SMOLLM2_DIR) --adapter_dir out/finetune/smollm2-135m-qlora \
 		--prompt "What is the capital of Austria?" --compare_base true

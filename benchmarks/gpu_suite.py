@@ -71,7 +71,7 @@ def run(ckpt: Path, data: Path, out_dir: Path, quantize: str, micro: int, seq: i
            "--data.val_split", "0.02", "--lora.dropout", "0.05", "--train.max_steps", str(steps),
            "--train.micro_batch_size", str(micro), "--train.global_batch_size", str(micro),
            "--train.max_seq_length", str(seq), "--train.activation_checkpointing", str(checkpointing).lower(),
-           "--train.warmup_steps", "1"]
+           "--train.warmup_steps", "1", "--overwrite", "true"]  # a rerun of the suite measures afresh
     if compile_ is not None:
         cmd += ["--compile", compile_]
     started = time.perf_counter()

@@ -27,13 +27,14 @@ from typing import Any, Literal, Optional
 import yaml
 from jsonargparse import ArgumentError, ArgumentParser
 
-from lit_qlora.checkpoint import atomic_write_text
 from lit_qlora.errors import UserError
 from lit_qlora.eval import SAMPLE_DATA_FILE
-from lit_qlora.eval.report import write_report
 from lit_qlora.eval.truthfulqa import check_truthfulqa_file
-from lit_qlora.finetune import ensure_default_checkpoint, finetune
+from lit_qlora.hardware import PrecisionChoice
 from lit_qlora.train.args import TrainArgs, flatten
+
+# The fine-tune, the checkpoint code and the report (each imports torch) are imported where used: the CLI imports
+# `compare` to build `--help` (lit_qlora.cli.commands says why and how).
 
 TASK = "truthfulqa_mc2"
 RUNS = {"lora": "none", "qlora": "nf4"}
@@ -50,6 +51,8 @@ class StageFailed(UserError):
 
 
 def finetune_parser() -> ArgumentParser:
+    from lit_qlora.finetune import finetune
+
     parser = ArgumentParser(exit_on_error=False)
     parser.add_argument("--config", action="config")
     parser.add_function_arguments(finetune, fail_untyped=False)
@@ -87,13 +90,15 @@ def resolve_recipe(recipe: Optional[Path], train: Optional[dict[str, Any]], chec
     except (ArgumentError, SystemExit) as e:
         source = f"--config {recipe}" if recipe else "the built-in recipe"
         raise ValueError(f"{source} with the --train overrides is not a valid fine-tune recipe: {e}") from None
-    for key in ("config", "out_dir", "quantize", "resume", "debug"):  # set per run by compare
+    for key in ("config", "out_dir", "quantize", "resume", "overwrite", "debug"):  # set per run by compare
         cfg.pop(key, None)
     return parser.dump(cfg)
 
 
 def run_stage(name: str, argv: list[str], out_dir: Path) -> None:
     """Run `litqlora ARGV` in a child process, echoing its output and keeping a copy in logs/NAME.log."""
+    from lit_qlora.checkpoint import atomic_write_text
+
     log_path = out_dir / "logs" / f"{name}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "lit_qlora.cli", *argv]
@@ -127,6 +132,8 @@ def same_recipe(before: str, now: str) -> bool:
 
 def check_settings(out_dir: Path, settings: dict[str, Any]) -> None:
     """Refuse to mix runs of another recipe into OUT_DIR; evaluation settings may change (evals rerun)."""
+    from lit_qlora.checkpoint import atomic_write_text
+
     path = out_dir / "compare.json"
     if path.is_file():
         before = json.loads(path.read_text())
@@ -147,7 +154,7 @@ def compare(
     train: Optional[dict[str, Any]] = None,
     data_file: Optional[Path] = None,
     limit: Optional[float] = None,
-    eval_precision: Literal["bf16-true", "16-true", "32-true"] = "32-true",
+    eval_precision: PrecisionChoice = "32-true",
     eval_batch_size: int = 8,
 ) -> dict[str, Any]:
     """LoRA baseline vs QLoRA: same recipe and seed, truthfulqa_mc2 of the base and both merged models.
@@ -167,7 +174,8 @@ def compare(
         data_file: TruthfulQA multiple-choice rows (JSON, JSONL or Parquet) for truthfulqa_mc2; default: the
             shipped 20-question sample (eval/data/truthfulqa_mc_sample.jsonl).
         limit: Evaluate only the first N questions (below 1: that fraction).
-        eval_precision: Evaluation dtype. 32-true keeps batch-shape rounding out of a small comparison.
+        eval_precision: Evaluation dtype. 32-true keeps batch-shape rounding out of a small comparison (auto:
+            what suits the device, as for evaluate).
         eval_batch_size: Sequences per forward pass in evaluation.
     """
     out_dir = Path(out_dir)
@@ -179,6 +187,8 @@ def compare(
         raise ValueError(f"--eval_batch_size must be at least 1, got {eval_batch_size}")
     recipe_yaml = resolve_recipe(recipe, train, checkpoint_dir)
     base_dir = Path(yaml.safe_load(recipe_yaml)["checkpoint_dir"])
+    from lit_qlora.finetune import ensure_default_checkpoint  # the settings are checked: now the stack may load
+
     ensure_default_checkpoint(base_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     eval_settings = {"task": TASK, "data_file": str(data_file.resolve()), "limit": limit,
@@ -196,6 +206,8 @@ def compare(
                     "--precision", eval_precision, "--batch_size", str(eval_batch_size),
                     "--out_dir", str(out_dir / "eval" / name)]
             run_stage(f"evaluate-{name}", argv + (["--limit", str(limit)] if limit is not None else []), out_dir)
+    from lit_qlora.eval.report import write_report
+
     report = write_report(out_dir, evaluated)
     print(f"\n{(out_dir / 'report.md').read_text()}\nWrote {out_dir}/report.md, report.json and report.png")
     return report

@@ -12,20 +12,14 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any, Literal, Optional, Sequence
 
-import torch
-
-from lit_qlora.checkpoint import atomic_write_text
 from lit_qlora.download import DownloadError
 from lit_qlora.eval.truthfulqa import LOCAL_TASKS, check_truthfulqa_file, prepare_local_tasks
-from lit_qlora.loading import load_model, resolve_quantize
-from lit_qlora.lora import read_adapter_config
-from lit_qlora.memory import module_bytes, peak_rss_bytes
-from lit_qlora.tokenizer import Tokenizer
+from lit_qlora.hardware import PrecisionChoice, resolved
 
 
-# lm-eval (our LM adapter subclasses its LM; its evaluator, task index and utils take over a second) is imported
-# where used, so `litqlora --help` and the other commands, which import this module for the command table, do not
-# pay for it.
+# lm-eval (our LM adapter subclasses its LM; its evaluator, task index and utils take over a second), torch and
+# the model stack are imported where used, so `litqlora --help` and the other commands, which import this module
+# for the command table, do not pay for them.
 
 
 def split_tasks(tasks: str | Sequence[str]) -> list[str]:
@@ -91,7 +85,7 @@ def evaluate(
     tasks: str,
     adapter_dir: Optional[Path] = None,
     quantize: Optional[Literal["nf4", "none"]] = None,
-    precision: Literal["bf16-true", "16-true", "32-true"] = "bf16-true",
+    precision: PrecisionChoice = "auto",
     data_file: Optional[Path] = None,
     limit: Optional[float] = None,
     batch_size: int = 8,
@@ -112,7 +106,8 @@ def evaluate(
         quantize: nf4 = NF4-quantize every base linear as it loads (with an adapter: the exact model QLoRA
             trained); none = plain precision weights. With --adapter_dir it defaults to what the adapter was
             trained with (adapter_config.json "quantize"), else none.
-        precision: Weights and compute dtype: bf16-true, 16-true (fp16) or 32-true (fp32).
+        precision: Weights and compute dtype: auto (bf16 where the device computes it natively, else fp32 on a CPU
+            and fp16 on a GPU), bf16-true, 16-mixed (fp16 for inference), 16-true (fp16) or 32-true (fp32).
         data_file: Local TruthfulQA multiple-choice rows (JSON, JSON Lines or Parquet with question,
             mc1_targets, mc2_targets) for truthfulqa_mc1 / truthfulqa_mc2, so they run offline. The bundled
             sample: eval/data/truthfulqa_mc_sample.jsonl.
@@ -122,8 +117,15 @@ def evaluate(
         out_dir: Where results.json and the samples go.
         device: cpu, cuda, cuda:1, ...; default cuda when available, else cpu.
     """
+    import torch
     from lm_eval import simple_evaluate  # slow imports, see the top of the module
     from lm_eval.utils import make_table
+
+    from lit_qlora.checkpoint import atomic_write_text
+    from lit_qlora.loading import load_model, resolve_quantize
+    from lit_qlora.lora import read_adapter_config
+    from lit_qlora.memory import module_bytes, peak_rss_bytes
+    from lit_qlora.tokenizer import Tokenizer
 
     started = time.perf_counter()
     names = split_tasks(tasks)
@@ -149,6 +151,7 @@ def evaluate(
         tokenizer = Tokenizer(checkpoint_dir)
         acfg = read_adapter_config(adapter_dir) if adapter_dir is not None else None
         quantize = resolve_quantize(quantize, acfg)
+        precision = resolved(precision, run_device.type)  # results.json records what ran
         model = load_model(checkpoint_dir, quantize, precision, adapter_dir, device=run_device)
         loaded = time.perf_counter()
         if run_device.type == "cuda":

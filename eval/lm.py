@@ -28,7 +28,7 @@ import torch
 from lm_eval.api.model import LM
 from tqdm import tqdm
 
-from lit_qlora.generate import generate
+from lit_qlora.sampling import generate
 from lit_qlora.model import Transformer
 from lit_qlora.tokenizer import Tokenizer
 

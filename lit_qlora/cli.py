@@ -26,14 +26,17 @@ import yaml
 from jsonargparse import ActionConfigFile, ArgumentError, ArgumentParser, Namespace, set_parsing_settings
 
 from lit_qlora.errors import UserError
-from lit_qlora.guards import is_oom
-from lit_qlora.train.signals import TrainingStopped
+from lit_qlora.train.signals import Interrupted, TrainingStopped
 
 Command = Callable[..., Any]
 
 
 def commands() -> dict[str, Command]:
-    # Imported here, after main() has quieted the libraries' loggers: torchao logs warnings while it is imported.
+    # --help and argument errors must not wait seconds for torch and torchao (a test checks neither is imported):
+    # a verb's module imports only light modules at its top, and the heavy ones inside the functions that use them,
+    # when the command runs (after main() has quieted the loggers: torchao logs warnings while it is imported).
+    # Names of heavy types in its annotations stay text (`from __future__ import annotations`), never imported in
+    # an `if TYPE_CHECKING:` block: jsonargparse executes those blocks when it reads a signature.
     from lit_qlora.download import download
     from lit_qlora.estimate import estimate
     from lit_qlora.eval.compare import compare
@@ -62,6 +65,14 @@ def commands() -> dict[str, Command]:
 # raise it). Out-of-memory errors are user errors too (`guards.is_oom`).
 USER_ERRORS: tuple[type[Exception], ...] = (UserError, ValueError, FileNotFoundError, NotADirectoryError,
                                             PermissionError, FloatingPointError)
+
+
+def is_user_error(error: Exception) -> bool:
+    if isinstance(error, USER_ERRORS):
+        return True
+    from lit_qlora.guards import is_oom  # imports torch: asked only of errors not ours (a command's checks raise ours)
+
+    return is_oom(error)
 
 
 def quiet_library_logs() -> None:
@@ -378,7 +389,7 @@ def main(argv: list[str] | None = None) -> None:
         run(parser, table, cfg)
     except TrainingStopped as e:
         print(f"litqlora: {e}", file=sys.stderr)
-        sys.exit(e.exit_code)
+        raise Interrupted(e.exit_code) from None
     except MemoryError:
         if debug:
             raise
@@ -386,13 +397,13 @@ def main(argv: list[str] | None = None) -> None:
               file=sys.stderr)
         sys.exit(1)
     except Exception as e:
-        if debug or not (isinstance(e, USER_ERRORS) or is_oom(e)):
+        if debug or not is_user_error(e):
             raise  # a bug: the traceback is what its report needs
         print(f"litqlora: error: {e}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:
         print("litqlora: interrupted", file=sys.stderr)
-        sys.exit(130)
+        raise Interrupted(130) from None
 
 
 if __name__ == "__main__":

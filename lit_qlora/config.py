@@ -31,16 +31,22 @@ HF_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 # The one precision/dtype table: Lightning's precision name, the dtype's name in our files (adapter_config.json's
-# base_dtype / lora_dtype, `convert_gguf --dtype`), the torch dtype. Everything below is a view of it.
+# base_dtype / lora_dtype, `convert_gguf --dtype`), the torch dtype of the base and the compute, the adapters' dtype.
+# Everything below is a view of it. (`auto` is not a row: lit_qlora.hardware resolves it to one.)
 _PRECISION_TABLE = (
-    ("bf16-true", "bfloat16", torch.bfloat16),
-    ("16-true", "float16", torch.float16),
-    ("32-true", "float32", torch.float32),
+    ("bf16-true", "bfloat16", torch.bfloat16, torch.bfloat16),
+    ("16-mixed", "float16", torch.float16, torch.float32),  # fp16 compute, fp32 adapters and AdamW state
+    ("16-true", "float16", torch.float16, torch.float16),
+    ("32-true", "float32", torch.float32, torch.float32),
 )
-Precision = Literal["bf16-true", "16-true", "32-true"]
-PRECISION_DTYPES: dict[str, torch.dtype] = {precision: dtype for precision, _, dtype in _PRECISION_TABLE}
-DTYPES: dict[str, torch.dtype] = {name: dtype for _, name, dtype in _PRECISION_TABLE}
-DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for _, name, dtype in _PRECISION_TABLE}
+Precision = Literal["bf16-true", "16-mixed", "16-true", "32-true"]
+"""A resolved precision (what `--precision auto` becomes: lit_qlora.hardware.choose_precision)."""
+PRECISION_DTYPES: dict[str, torch.dtype] = {precision: dtype for precision, _, dtype, _ in _PRECISION_TABLE}
+ADAPTER_DTYPES: dict[str, torch.dtype] = {precision: lora for precision, _, _, lora in _PRECISION_TABLE}
+MIXED_PRECISIONS = frozenset(p for p, _, dtype, lora in _PRECISION_TABLE if dtype != lora)
+"""Precisions whose trainable weights are wider than the compute: they train with dynamic loss scaling."""
+DTYPES: dict[str, torch.dtype] = {name: dtype for _, name, dtype, _ in _PRECISION_TABLE}
+DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for _, name, dtype, _ in _PRECISION_TABLE}
 
 
 class Quantize(str, Enum):

@@ -24,12 +24,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Iterator, Literal, Optional
 
-import torch
-
-from lit_qlora.checkpoint import atomic_write_text
-from lit_qlora.config import PRECISION_DTYPES, PRESETS, Config, Precision, Quantize
-from lit_qlora.memory_trace import CATEGORIES, AllocationTrace, StepPhase
+from lit_qlora.hardware import PrecisionChoice, choose_precision
 from lit_qlora.train.args import DataArgs, LoRAArgs, TrainArgs
+
+# torch and the model stack are imported inside the functions, and annotations name their types as text: the CLI
+# imports `estimate` to build `--help` (lit_qlora.cli.commands says why and how).
 
 GiB = 1 << 30
 CUDA_BLOCK = 512  # the caching allocator rounds every allocation up to this
@@ -49,6 +48,8 @@ def parse_bytes(text: str) -> int:
 def resolve_config(checkpoint_dir: str | Path) -> tuple[Config, str]:
     """The model to estimate and where its shape came from: a directory's config.json (no weights needed), a preset
     name, or, for a recipe whose checkpoint is not downloaded, the preset its directory is named after."""
+    from lit_qlora.config import PRESETS, Config
+
     path = Path(checkpoint_dir)
     if (path / "config.json").is_file():
         return Config.from_checkpoint(path), f"{path / 'config.json'}"
@@ -78,6 +79,8 @@ def _patched(obj: Any, name: str, value: Any) -> Iterator[None]:
 def _nf4_caches_set_aside() -> Iterator[None]:
     """Our NF4 code's process-wide caches set aside: a fake tensor must not stay cached for a later real run, nor a
     real one reach the fake step."""
+    import torch
+
     from lit_qlora.nf4 import linear, reference
     from lit_qlora.nf4.native import use_native
 
@@ -119,6 +122,8 @@ def resident_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -
     """What a real run holds between steps (for `memory_trace.profiled_peak`, the measurement an estimate is checked
     against): weights, LoRA and its AdamW state, our NF4 scratch buffers. (Not the C kernels' lookup tables,
     ~0.2 MiB of process-wide constants, which no estimate counts.)"""
+    import torch
+
     from lit_qlora.nf4 import linear
 
     tensors = list(model.parameters()) + list(model.buffers())
@@ -146,6 +151,8 @@ def _gpu_nf4_paths() -> Iterator[None]:
 
 def _cuda_dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
     """Dropout as CUDA runs it: one fused kernel that keeps a 1-byte mask for backward."""
+    import torch
+
     return torch.native_dropout(x, p, training)[0] if training and 0 < p < 1 else x
 
 
@@ -153,16 +160,20 @@ def trace_step(config: Config, quantize: Quantize, precision: Precision, lora: L
                device: str = "cuda", micro_batch_size: Optional[int] = None) -> AllocationTrace:
     """Two optimizer steps of a fine-tune (each: forward, loss, backward per micro-batch, clipping, AdamW) on fake
     tensors; the trace holds the peak of allocated bytes and its categories."""
+    import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from lit_qlora import lora_dropout
+    from lit_qlora.config import ADAPTER_DTYPES, PRECISION_DTYPES
     from lit_qlora.lora import apply_lora
     from lit_qlora.loading import default_dtype, random_base
+    from lit_qlora.memory_trace import AllocationTrace, StepPhase
     from lit_qlora.nf4 import is_nf4, linear
     from lit_qlora.train import loss
     from lit_qlora.train.loss import lm_loss_sum
 
     dtype = PRECISION_DTYPES[precision]
+    lora_dtype = ADAPTER_DTYPES[precision]  # fp32 under 16-mixed
     batch = micro_batch_size or train.micro_batch_size
     accumulation = train.accumulation(1)
     phase = StepPhase()
@@ -170,7 +181,7 @@ def trace_step(config: Config, quantize: Quantize, precision: Precision, lora: L
         stack.enter_context(_nf4_caches_set_aside())
         stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
         model = random_base(config, quantize, dtype)
-        apply_lora(model, lora.r, lora.alpha, lora.dropout, lora.targets, lora.rslora, dtype)
+        apply_lora(model, lora.r, lora.alpha, lora.dropout, lora.targets, lora.rslora, lora_dtype)
         n_ckpt = train.activation_checkpointing
         model.checkpoint_blocks = config.n_layer if n_ckpt is True else int(n_ckpt or 0)
         model.train()
@@ -247,7 +258,7 @@ def estimate(
     checkpoint_dir: str = "checkpoints/SmolLM2-135M-Instruct",
     out_dir: Path = Path("out/estimate"),
     quantize: Literal["nf4", "none"] = "nf4",
-    precision: Literal["bf16-true", "16-true", "32-true"] = "bf16-true",
+    precision: PrecisionChoice = "auto",
     seed: int = 1337,
     devices: int = 1,
     num_nodes: int = 1,
@@ -266,7 +277,9 @@ def estimate(
             (e.g. Llama-2-7b), or a recipe's checkpoint directory that is not downloaded yet (its preset is used).
         out_dir: Where estimate.json goes.
         quantize: nf4 (QLoRA) or none (LoRA), as for finetune.
-        precision: Compute dtype, as for finetune.
+        precision: As for finetune; auto is what finetune's auto picks on the target --device: bf16-true for
+            cuda (it assumes a GPU with bf16, compute capability >= 8.0; for a T4 or V100 pass 16-mixed), and for
+            cpu what this machine's CPU would pick.
         seed: Accepted so a finetune recipe reads as it is (an estimate has no randomness).
         devices: Devices per node, as for finetune.
         num_nodes: Nodes, as for finetune.
@@ -280,6 +293,9 @@ def estimate(
         device_memory: The card's memory, e.g. 24GiB: also find the largest micro-batch size that fits, with and
             without activation checkpointing.
     """
+    from lit_qlora.checkpoint import atomic_write_text
+    from lit_qlora.config import Quantize
+
     for flag, value, least in (("--devices", devices, 1), ("--num_nodes", num_nodes, 1),
                                ("--train.micro_batch_size", train.micro_batch_size, 1),
                                ("--train.max_seq_length", train.max_seq_length, 2)):
@@ -293,9 +309,11 @@ def estimate(
         raise ValueError(f"--strategy tp needs --tensor_parallel >= 2 dividing devices x num_nodes ({world_size}).")
     train.accumulation(world_size // (tensor_parallel if strategy == "tp" else 1))  # checks the batch sizes
     budget = parse_bytes(device_memory) if device_memory is not None else None
+    precision, precision_reason = estimate_precision(precision, device)
     print(f"Estimating {config.name} ({source}): {'QLoRA (NF4 base)' if quantize is Quantize.NF4 else 'LoRA'}, "
           f"micro-batch {train.micro_batch_size} x {train.max_seq_length}, activation checkpointing "
-          f"{train.activation_checkpointing}, {world_size} rank(s), {device}")
+          f"{train.activation_checkpointing}, {world_size} rank(s), {device}, precision {precision} "
+          f"({precision_reason})")
 
     @functools.cache  # the batch search may ask again for the size and setting of the first prediction
     def predict(micro_batch_size: int, checkpointing: Any = train.activation_checkpointing) -> tuple[int, dict]:
@@ -306,7 +324,8 @@ def estimate(
 
     peak, by_category = predict(train.micro_batch_size, train.activation_checkpointing)
     result: dict[str, Any] = {
-        "model": config.name, "source": source, "quantize": str(quantize), "precision": precision, "device": device,
+        "model": config.name, "source": source, "quantize": str(quantize), "precision": precision,
+        "precision_reason": precision_reason, "device": device,
         "world_size": world_size, "strategy": strategy, "tensor_parallel": tensor_parallel,
         "micro_batch_size": train.micro_batch_size, "max_seq_length": train.max_seq_length,
         "activation_checkpointing": train.activation_checkpointing, "peak_bytes": peak, "by_category": by_category,
@@ -322,6 +341,14 @@ def estimate(
     atomic_write_text(out_dir / "estimate.json", json.dumps(result, indent=2) + "\n")
     print(f"Wrote {out_dir / 'estimate.json'}")
     return result
+
+
+def estimate_precision(precision: str, device: str) -> tuple[str, str]:
+    """(the precision the estimate models, why): --precision auto on a cuda target assumes an Ampere-or-newer GPU."""
+    if precision == "auto" and device == "cuda":
+        return "bf16-true", ("auto on cuda, assuming a GPU with bf16 (compute capability >= 8.0); a T4 or V100 "
+                             "runs 16-mixed: pass --precision 16-mixed")
+    return choose_precision(precision, device)
 
 
 def fits(peak: int, budget: int, device: str) -> bool:
@@ -360,6 +387,8 @@ def largest_batches(predict, budget: int, device: str, limit: int = 256, traces:
 
 
 def render(result: dict[str, Any]) -> str:
+    from lit_qlora.memory_trace import CATEGORIES
+
     rank = f" per rank ({result['world_size']} ranks, {result['strategy']})" if result["world_size"] > 1 else ""
     lines = [f"Predicted peak {result['device']} memory{rank}: {result['peak_bytes'] / GiB:.2f} GiB", "",
              f"{'category':<24}{'GiB':>9}"]

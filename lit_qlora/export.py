@@ -7,24 +7,20 @@ import json
 from pathlib import Path
 from typing import Literal, Optional
 
-import torch
-import torch.nn as nn
-
-from lit_qlora.checkpoint import (TensorSpec, atomic_write_text, remove_path, replace_dir, save_hf_checkpoint,
-                                  write_safetensors)
-from lit_qlora.hf_layout import fuse_lora
-from lit_qlora.loading import load_model
-from lit_qlora.lora import LoRALinear, lora_modules, read_adapter_config, row_chunks, save_adapter, weight_rows
-from lit_qlora.parallel.distributed import is_sharded
+# torch and the model stack are imported inside the functions, and annotations name their types as text: the CLI
+# imports `merge` and `export_peft` to build `--help` (lit_qlora.cli.commands says why and how).
 
 
-def hf_tensor_specs(model: nn.Module, dtype: torch.dtype = torch.bfloat16, merge: bool = True) -> list[TensorSpec]:
+def hf_tensor_specs(model: nn.Module, dtype: torch.dtype, merge: bool = True) -> list[TensorSpec]:
     """Specs of the model's Hugging Face state dict; each tensor is produced (dequantized, merged, cast) only
     when written, a block of rows at a time (`LoRALinear.merged_chunks`, `MERGE_CHUNK_ELEMS` values), so no whole
     high-precision weight exists: a merged head or MLP weight costs a few 16 MB blocks, not 3x its fp32 size.
 
     merge=True writes dequant(W) + scale * B @ A for LoRA layers; merge=False writes their base weight alone.
     """
+    from lit_qlora.checkpoint import TensorSpec
+    from lit_qlora.lora import LoRALinear, row_chunks, weight_rows
+
     specs = []
     tied = export_config(model, merge).tie_embeddings
     named = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers())
@@ -45,6 +41,8 @@ def hf_tensor_specs(model: nn.Module, dtype: torch.dtype = torch.bfloat16, merge
 
 def export_config(model: nn.Module, merged: bool):
     """The model config to write: a merged adapter on a tied head unties it (the head now differs)."""
+    from lit_qlora.lora import LoRALinear
+
     config = model.config
     head = getattr(model, "lm_head", None)
     if merged and config.tie_embeddings and isinstance(head, LoRALinear):
@@ -63,6 +61,11 @@ def merge(checkpoint_dir: Path, adapter_dir: Path, out_dir: Path,
         quantize: Base to merge into: nf4 = dequant(NF4(W)), the weights QLoRA trained against; none = the
             original W. Defaults to what the adapter was trained with.
     """
+    import torch
+
+    from lit_qlora.checkpoint import save_hf_checkpoint
+    from lit_qlora.loading import load_model
+
     model = load_model(checkpoint_dir, quantize, adapter_dir=adapter_dir)
     specs = hf_tensor_specs(model, torch.bfloat16, merge=True)
     return save_hf_checkpoint(out_dir, export_config(model, True), specs, tokenizer_dir=Path(checkpoint_dir),
@@ -97,6 +100,12 @@ def export_peft(checkpoint_dir: Path, adapter_dir: Path, out_dir: Path, with_deq
         with_dequantized_base: Also write dequant(NF4(W)), the base QLoRA trained against, to OUT_DIR/base/ so
             the adapter applies exactly in other runtimes.
     """
+    import torch
+
+    from lit_qlora.checkpoint import save_hf_checkpoint
+    from lit_qlora.loading import load_model
+    from lit_qlora.lora import read_adapter_config
+
     model = load_model(checkpoint_dir, adapter_dir=adapter_dir)
     acfg = read_adapter_config(adapter_dir)
     base_dir = Path(out_dir) / "base" if with_dequantized_base else Path(checkpoint_dir)
@@ -109,6 +118,10 @@ def export_peft(checkpoint_dir: Path, adapter_dir: Path, out_dir: Path, with_deq
 
 def write_peft_adapter(model: nn.Module, acfg: dict, out_dir: Path, base_name: str) -> Path:
     """adapter_model.safetensors (PEFT key names) + adapter_config.json for the LoRA layers of `model`."""
+    from lit_qlora.checkpoint import TensorSpec, atomic_write_text, write_safetensors
+    from lit_qlora.hf_layout import fuse_lora
+    from lit_qlora.lora import lora_modules
+
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     adapters = {name: (m.lora_A.detach(), m.lora_B.detach()) for name, m in lora_modules(model).items()}
@@ -135,6 +148,13 @@ def export_final(model: nn.Module, final_dir: Path, checkpoint_dir: Path, adapte
     An FSDP-sharded or tensor-parallel model has no whole base here: the merged model and PEFT adapter are then
     built from the base checkpoint and the written adapter, as `litqlora merge` does (the same NF4 layout,
     recorded as nf4_world_size / nf4_tensor_parallel, gives the same bits)."""
+    import torch
+
+    from lit_qlora.checkpoint import remove_path, replace_dir, save_hf_checkpoint
+    from lit_qlora.loading import load_model
+    from lit_qlora.lora import save_adapter
+    from lit_qlora.parallel.distributed import is_sharded
+
     final_dir = Path(final_dir)
     staging = final_dir.with_name(f".{final_dir.name}.tmp")
     remove_path(staging)  # a killed export's leftovers

@@ -15,12 +15,8 @@ import warnings
 from pathlib import Path
 from typing import Any, Literal, Optional
 
-import numpy as np
-import torch
-
-from lit_qlora.checkpoint import (CheckpointError, TensorSpec, atomic_write_text, remove_path, replace_dir,
-                                  write_safetensors)
-from lit_qlora.config import DTYPES, Config, rope_inv_freq
+# numpy, torch and the checkpoint code are imported inside the functions, and annotations name their types as text:
+# the CLI imports `convert_gguf_command` to build `--help` (lit_qlora.cli.commands says why and how).
 
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -60,6 +56,9 @@ def bundled_smollm2_path() -> Path:
 
 def convert_gguf(file: str | Path, out_dir: Path, dtype: str = "float32") -> Path:
     """Convert a GGUF file ("smollm2" = the bundled SmolLM2-135M-Instruct) into a HF checkpoint directory."""
+    from lit_qlora.checkpoint import atomic_write_text, write_safetensors
+    from lit_qlora.config import DTYPES
+
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}.")
     path = bundled_smollm2_path() if str(file) == "smollm2" else Path(file)
@@ -105,6 +104,8 @@ def convert_gguf_command(
         dtype: Dtype of the written weights; float32 keeps the dequantized values exactly.
         overwrite: Replace OUT_DIR when it already holds files (without it, an existing directory is left alone).
     """
+    from lit_qlora.checkpoint import CheckpointError, remove_path, replace_dir
+
     if out_dir is None:
         out_dir = Path("checkpoints") / ("SmolLM2-135M-Instruct" if file == "smollm2" else Path(file).stem)
     out_dir = Path(out_dir)
@@ -143,11 +144,15 @@ def _open(path: Path):
 def _f32(value: float) -> float:
     """GGUF stores floats as float32: 1e-5 comes back as 9.99999974738e-06. Return the shortest decimal that
     round-trips to the same float32, i.e. the value written in the original config.json."""
+    import numpy as np
+
     single = np.float32(value)
     return float(str(single)) if float(single) == value else float(value)
 
 
 def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any], path: Path | str = "<gguf>") -> Config:
+    from lit_qlora.config import Config
+
     arch = meta["general.architecture"]
 
     def key(name: str, default: Any = None) -> Any:
@@ -191,6 +196,11 @@ def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any], path: Path |
 
 
 def _rope_scaling(meta: dict[str, Any], tensors: dict[str, Any], config: Config, path) -> dict[str, Any] | None:
+    import numpy as np
+    import torch
+
+    from lit_qlora.config import rope_inv_freq
+
     arch = config.model_type
     if "rope_freqs.weight" in tensors:
         # llama.cpp stores Llama 3.x scaling as a per-frequency divisor tensor instead of its parameters. Rebuild
@@ -237,6 +247,7 @@ def _dequantize(tensor, path, first_row_only: bool = False) -> np.ndarray:
     """float32 (out, in) values of a GGUF tensor. `first_row_only` checks cheaply that the type is supported
     (quant blocks never span rows, so one row is a valid input for every type)."""
     import gguf
+    import numpy as np
 
     data = tensor.data[:1] if first_row_only and tensor.data.ndim > 1 else tensor.data
     try:
@@ -284,6 +295,10 @@ def expected_shapes(config: Config) -> dict[str, tuple[int, ...]]:
 
 def weight_specs(tensors: dict[str, Any], config: Config, dtype: torch.dtype, path) -> list[TensorSpec]:
     """One lazily dequantized TensorSpec per model weight, checked up front (names, shapes, quant types)."""
+    import torch
+
+    from lit_qlora.checkpoint import TensorSpec
+
     expected = expected_shapes(config)
     names = {n: hf_name(n) for n in tensors if n != "rope_freqs.weight"}  # rope_freqs became config.rope_scaling
     unknown = [n for n, hf in names.items() if hf not in expected]
@@ -447,4 +462,6 @@ def sentencepiece_merges(tokens: list[str], scores: list[float], types: list[int
 
 # -- writing ---------------------------------------------------------------------------------------------------
 def _write_json(path: Path, data: dict[str, Any]) -> None:
+    from lit_qlora.checkpoint import atomic_write_text
+
     atomic_write_text(path, json.dumps(data, indent=2, ensure_ascii=False) + "\n")

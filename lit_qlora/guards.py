@@ -47,6 +47,6 @@ def require_finite(tensors: Mapping[str, torch.Tensor], what: str) -> None:
     if bad:
         raise FloatingPointError(
             f"{len(bad)} adapter tensor(s) are not finite (e.g. {bad[0]}), so {what} was not written; the newest "
-            "checkpoint on disk is still good. Lower --train.lr or use --precision bf16-true or 32-true, then "
-            "resume with --resume auto."
+            "checkpoint on disk is still good. Lower --train.lr or use --precision bf16-true, 16-mixed or 32-true, "
+            "then resume with --resume auto."
         )

@@ -16,6 +16,7 @@ import torch.nn as nn
 
 from lit_qlora.checkpoint import load_checkpoint
 from lit_qlora.config import DTYPES, PRECISION_DTYPES, Config, Precision, Quantize
+from lit_qlora.hardware import PrecisionChoice, resolved
 from lit_qlora.lora import apply_lora, load_adapter, read_adapter_config
 from lit_qlora.model import Transformer
 from lit_qlora.nf4 import base_linears, is_ignored, is_nf4, quantize_linears, quantize_weight
@@ -32,7 +33,7 @@ def resolve_quantize(quantize: Quantize | str | None, adapter_config: Optional[d
 def load_model(
     checkpoint_dir: Path | str,
     quantize: Quantize | str | None = None,
-    precision: Optional[Precision] = None,
+    precision: Optional[PrecisionChoice] = None,
     adapter_dir: Path | str | None = None,
     shard: Optional[TensorParallelShard] = None,
     *,
@@ -47,7 +48,8 @@ def load_model(
         checkpoint_dir: Hugging Face model directory.
         quantize: nf4 = every base linear not in `ignore_modules` stored as NF4 (QLoRA); none = plain weights.
             Default: what the adapter trained with, else none.
-        precision: Compute dtype (Lightning's name). Default: the adapter's, else bf16-true.
+        precision: Compute dtype (Lightning's name, or auto: what suits `device`, lit_qlora.hardware). Default: the
+            adapter's, else bf16-true.
         adapter_dir: A fine-tune's output: its base is rebuilt exactly as it trained (NF4 codes from the dtype
             training quantized, the same NF4 layout and ignored modules, from adapter_config.json) and its LoRA
             adapter is applied on top.
@@ -59,6 +61,8 @@ def load_model(
             every rank's shard NF4-quantized on its own, dequantized and put back together (dense); the rest NF4.
         device: Where the model goes once loaded (loading and quantization run on the CPU).
     """
+    if precision == "auto":
+        precision = resolved(precision, "cuda" if device is not None and torch.device(device).type == "cuda" else "cpu")
     if adapter_dir is None:
         quantize = resolve_quantize(quantize)
         model = _load_base(Path(checkpoint_dir), quantize, PRECISION_DTYPES[precision or "bf16-true"], ignore_modules,

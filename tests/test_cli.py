@@ -75,10 +75,16 @@ HEAVY = ("lightning", "transformers", "matplotlib", "scipy", "torchmetrics", "lm
 UNUSED_BY_FINETUNE = {"transformers", "matplotlib", "scipy"}
 
 
-def modules_loaded_by(*argv: str, before: str = "") -> set[str]:
-    """Which of HEAVY, and torch, are in sys.modules once `litqlora ARGV` has run (in a fresh interpreter that runs
-    `before` first)."""
-    watch = (*HEAVY, "torch")
+# What answering --help or an argument error must not import: seconds of start-up (torch, torchao) or more.
+STARTUP_HEAVY = ("torch", "torchao", "numpy", "lightning", "lm_eval", "transformers", "matplotlib", "scipy",
+                 "huggingface_hub", "safetensors", "tokenizers", "gguf")
+COMMANDS = ("finetune", "estimate", "download", "convert_gguf", "generate", "merge", "export_peft", "evaluate",
+            "compare")
+
+
+def modules_loaded_by(*argv: str, before: str = "", watch: tuple[str, ...] = (*HEAVY, "torch")) -> set[str]:
+    """Which of `watch` (HEAVY and torch unless told) are in sys.modules once `litqlora ARGV` has run (in a fresh
+    interpreter that runs `before` first)."""
     code = (f"import sys\n{before}\nfrom lit_qlora.cli import main\ntry:\n    main(sys.argv[1:])\n"
             f"except SystemExit:\n    pass\nprint('LOADED', *sorted(m for m in {watch!r} if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code, *map(str, argv)], capture_output=True, text=True, timeout=600)
@@ -87,11 +93,24 @@ def modules_loaded_by(*argv: str, before: str = "") -> set[str]:
     return set(line[0].split()[1:])
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["finetune", "--help"], ["generate", "--help"], ["compare", "--help"],
-                                  ["finetune", "--no_such_option", "1"], ["finetune", "--checkpoint_dir", "no/such"],
-                                  ["finetun"]])
-def test_help_and_argument_errors_do_not_import_the_training_stack(argv):
-    assert modules_loaded_by(*argv) - {"torch"} == set()
+def test_the_lean_start_up_checks_cover_every_command():
+    from lit_qlora.cli import commands
+
+    assert set(COMMANDS) == set(commands())
+
+
+@pytest.mark.parametrize("argv", [["--help"], *([command, "--help"] for command in COMMANDS),
+                                  [], ["finetun"], ["finetune", "--no_such_option", "1"], ["generate"],
+                                  ["estimate", "--train.lr", "fast"], ["compare", "--config", "no/such.yaml"]],
+                         ids=lambda argv: " ".join(argv) or "no-command")
+def test_help_and_argument_errors_import_neither_torch_nor_the_training_stack(argv):
+    """`litqlora --help` answers in a fraction of a second (3 s with torch on a fast machine, 16 s on a busy one)."""
+    assert modules_loaded_by(*argv, watch=STARTUP_HEAVY) == set()
+
+
+def test_a_checked_user_error_does_not_import_the_training_stack():
+    """A fine-tune's own checks (here: a checkpoint directory that does not exist) fail before Lightning loads."""
+    assert modules_loaded_by("finetune", "--checkpoint_dir", "no/such") - {"torch"} == set()
 
 
 def test_a_fine_tune_trains_without_transformers_matplotlib_or_scipy(tiny_llama_dir, tmp_path):
@@ -209,9 +228,10 @@ def test_compare_base_prints_the_base_reply_then_the_fine_tuned_one(tiny_llama_d
 
 
 @pytest.mark.slow
-def test_the_demo_shows_the_fine_tune_answering_a_held_out_question(smollm2_dir, tmp_path, capsys):
-    """`make demo`'s recipe and question: the question is a validation row (never trained on); the NF4 base does
-    not answer it, the fine-tuned model does."""
+def test_the_demo_recipe_fine_tunes_and_compares_answers_to_a_held_out_question(smollm2_dir, tmp_path, capsys):
+    """`make demo`'s recipe and question, 3 steps of its 20 (the whole demo is `make demo`'s, minutes on a fast CPU
+    and most of an hour on a slow one): the question is a validation row (never trained on), the NF4 base does not
+    answer it, and the demo prints its answer without and with the adapter."""
     import re
     from pathlib import Path
 
@@ -229,8 +249,13 @@ def test_the_demo_shows_the_fine_tune_answering_a_held_out_question(smollm2_dir,
     train, val = split_rows(load_json_rows(DEMO_DATASET), recipe["data"]["val_split"], recipe["seed"])
     assert question in [r["instruction"] for r in val] and question not in [r["instruction"] for r in train]
 
-    main(["finetune", "--config", str(preset), "--checkpoint_dir", str(smollm2_dir), "--out_dir", str(tmp_path)])
+    main(["finetune", "--config", str(preset), "--checkpoint_dir", str(smollm2_dir), "--out_dir", str(tmp_path),
+          "--train.max_steps", "3"])
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["val_loss"] < summary["initial_val_loss"]
     capsys.readouterr()
     generate_command(question, checkpoint_dir=smollm2_dir, adapter_dir=tmp_path, compare_base=True)
     base, tuned = capsys.readouterr().out.split("fine-tuned (with the adapter")
-    assert "Vienna" not in base and "The capital of Austria is Vienna." in tuned
+    assert base.startswith("base model (NF4, without the adapter):\n  ") and "Vienna" not in base
+    assert tuned.startswith(f" from {tmp_path}):\n  ")
+    assert tuned.split("):\n", 1)[1].strip() not in ("", base.split(":\n", 1)[1].strip())  # the adapter changed it

@@ -54,7 +54,7 @@ def test_compiled_steps_equal_eager_steps(tiny_llama_dir, tmp_path, quantize, pr
     eager_rows, eager, eager_adapter, eager_releases = fine_tune(tiny_llama_dir, tmp_path / "eager", data, quantize,
                                                                  precision, False, monkeypatch)
     rows, summary, adapter, releases = fine_tune(tiny_llama_dir, tmp_path / "compiled", data, quantize, precision,
-                                                 True, monkeypatch)
+                                                 "force", monkeypatch)  # force: bf16 too on a CPU that emulates it
     # The same losses, gradient norms and adapters after 3 steps (dropout draws the same masks: its seeds come from
     # torch's generator, outside the graphs, and checkpointing's recompute restores it).
     assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in eager_rows], rel=tol)
@@ -161,3 +161,32 @@ def test_two_compiled_fsdp_processes_equal_one_eager_process(tiny_llama_dir, one
     cli_run(tiny_llama_dir, out, data, "fsdp", "--nf4_shards", "2", "--compile", "true")
     assert [r["loss"] for r in metrics(out)] == pytest.approx([r["loss"] for r in metrics(ref_dir)], rel=1e-5)
     assert_same_final(ref_dir, out)
+
+
+def test_compile_on_a_cpu_that_emulates_the_precision_is_refused_with_the_why_and_force_overrides(
+        tiny_llama_dir, tmp_path, monkeypatch):
+    """The trap of an AVX2 CPU: bf16 emulated, and compiling that took minutes per step. Refused before anything runs;
+    fp32 (what auto picks there) compiles."""
+    from lit_qlora.errors import UserError
+    from lit_qlora.finetune import compile_choice
+
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"avx2": True})  # an AVX2-only CPU
+    with pytest.raises(UserError) as refused:
+        finetune(checkpoint_dir=tiny_llama_dir, out_dir=tmp_path / "run", accelerator="cpu", precision="bf16-true",
+                 compile=True)
+    message = str(refused.value)
+    assert "--compile force" in message and "--precision auto (32-true here" in message and "emulated" in message
+    assert "7 min 50 s" in message  # the measured why
+    assert not (tmp_path / "run").exists()  # refused before anything was written
+    assert compile_choice(True, "cpu", "32-true") is True
+    assert compile_choice("force", "cpu", "bf16-true") is True and compile_choice(False, "cpu", "bf16-true") is False
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"avx2": True, "avx512_bf16": True})
+    assert compile_choice(True, "cpu", "bf16-true") is True  # native bf16
+
+
+def test_compile_true_is_taken_on_a_gpu(monkeypatch):
+    from lit_qlora.finetune import compile_choice
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"avx2": True})
+    assert compile_choice(True, "auto", "bf16-true") is True and compile_choice(True, "cuda", "16-mixed") is True

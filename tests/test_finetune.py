@@ -201,7 +201,10 @@ def test_a_run_prints_its_steps_losses_and_tokens_per_sec_and_nothing_of_lightni
     assert len(lines) == len(expected) == 5, proc.stderr
     for line, pattern in zip(lines, expected):
         assert re.fullmatch(pattern, line), (line, pattern)
-    assert proc.stdout.lstrip().startswith(f"Run finished: {out}\n")
+    # stdout: the precision chosen and why, first, then the report (which repeats the precision)
+    assert re.match(rf"Precision: {summary['precision']} \(auto: [^\n]+\)\n\nRun finished: {re.escape(str(out))}\n",
+                    proc.stdout), proc.stdout
+    assert re.search(rf"\n  precision +{summary['precision']}\n", proc.stdout)
     for noise in ("max_epochs", "v_num", "it/s", "GPU available", "TPU available", "Warning"):
         assert noise not in proc.stdout + proc.stderr, noise
 
@@ -215,7 +218,7 @@ def test_the_progress_bar_is_ours_with_or_without_rich(tiny_llama_dir, tmp_path,
     from lightning.pytorch.callbacks.progress import ProgressBar
     from lightning.pytorch.trainer.connectors import callback_connector
 
-    from lit_qlora.finetune import fit, setup
+    from lit_qlora.train.run import fit, setup
     from lit_qlora.train.progress import StepProgressBar
 
     class Terminal(io.StringIO):

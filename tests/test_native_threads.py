@@ -96,7 +96,7 @@ def test_dropout_kernels_give_the_same_bits_on_any_thread_count():
     assert (elementwise()[0] == 0).float().mean().item() == pytest.approx(p, abs=0.003)
 
 
-def spin_count(env: dict, code: str = "import lit_qlora.cli") -> int:
+def spin_count(env: dict, code: str = "import lit_qlora.cli, torch") -> int:
     """How long libgomp's workers spin before sleeping, as it reports at load (OMP_DISPLAY_ENV=verbose)."""
     clean = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     proc = subprocess.run([sys.executable, "-c", code], env={**clean, "OMP_DISPLAY_ENV": "verbose", **env},

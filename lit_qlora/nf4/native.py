@@ -26,6 +26,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from lit_qlora.hardware import avx2_capped
 from lit_qlora.nf4.reference import (SUPPORTED_DTYPES, cached, dequantize_eager, dequantize_scalers,
                                   double_quantize, level_table, quantize_eager, thresholds)
 
@@ -76,7 +77,9 @@ def _compile_native() -> ctypes.CDLL:
     compiler = os.environ.get("LIT_QLORA_CC") or shutil.which("gcc") or shutil.which("cc")
     if not compiler:
         raise RuntimeError("no C compiler (gcc/cc) found")
-    flags = ["-O3", "-march=native", "-std=gnu11", "-shared", "-fPIC"]
+    # Under the AVX2 cap (lit_qlora.hardware.AVX2_ENV) the kernels are built for AVX2 too, as a user's CPU runs them.
+    march = "x86-64-v3" if avx2_capped() and platform.machine() in ("x86_64", "AMD64") else "native"
+    flags = ["-O3", f"-march={march}", "-std=gnu11", "-shared", "-fPIC"]
     flags += shlex.split(os.environ.get("LIT_QLORA_CFLAGS", ""))  # extra flags, e.g. for debugging
     try:
         return _build(compiler, [*flags, "-fopenmp"])

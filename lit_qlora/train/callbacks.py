@@ -4,6 +4,8 @@ file, resumable checkpoints, stopping on a signal, and returning freed heap to t
 from __future__ import annotations
 
 import json
+import signal
+import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -13,8 +15,9 @@ from lightning.pytorch.callbacks import Callback
 from torch.utils.hooks import RemovableHandle
 
 from lit_qlora.train.heap import HeapTrimmer
-from lit_qlora.train.signals import StopSignals, TrainingStopped
-from lit_qlora.train.state import collect_training_state, load_training_state, save_training_state, step_dir
+from lit_qlora.train.signals import StopRequested, StopSignals
+from lit_qlora.train.state import (collect_training_state, latest_checkpoint, load_training_state, read_state,
+                                   run_totals, save_training_state, step_dir)
 
 
 class MetricsLog(Callback):
@@ -57,65 +60,105 @@ class ResumableCheckpoints(Callback):
     optimizer, RNG: `lit_qlora.train.state`); a resumed run's state is restored as training starts."""
 
     def __init__(self, out_dir: Path, save_interval: Optional[int], keep_last: int, total_steps: int,
-                 run: dict[str, Any], resume_from: Optional[Path] = None) -> None:
+                 run: dict[str, Any], resume_from: Optional[Path] = None, started: Optional[float] = None) -> None:
         self.out_dir, self.save_interval, self.keep_last = Path(out_dir), save_interval, keep_last
         self.total_steps, self.run, self.resume_from = total_steps, run, resume_from
         self.last_saved: Optional[int] = None
+        # For the whole run's time and throughput in each checkpoint (run_totals): this process's start
+        # (perf_counter) and what the checkpoint it resumes from had counted.
+        self.started = time.perf_counter() if started is None else started
+        self.totals_before = read_state(resume_from).get("totals", {}) if resume_from is not None else {}
+
+    def totals(self, history: list[dict[str, Any]]) -> dict[str, Any]:
+        """The whole run's time and throughput until now (`history`: this process's steps), resumed runs included."""
+        return run_totals(history, time.perf_counter() - self.started, self.totals_before)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.resume_from is not None:
-            load_training_state(self.resume_from, pl_module.model, trainer.optimizers[0])
+            state = load_training_state(self.resume_from, pl_module.model, trainer.optimizers[0])
+            if hasattr(trainer.precision_plugin, "load_state_dict") and state.get("loss_scale"):
+                trainer.precision_plugin.load_state_dict(state["loss_scale"])  # 16-mixed: the same scale goes on
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         step = pl_module.step
-        if (self.save_interval and step % self.save_interval == 0) or step == self.total_steps:
+        due = (self.save_interval and step % self.save_interval == 0) or step == self.total_steps
+        if due and self.last_saved != step:  # (StopOnSignal, called first, may have saved this step)
             self.save(trainer, pl_module, step)
 
     def save(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
         collected = collect_training_state(pl_module.model, trainer.optimizers[0])  # FSDP: every rank gathers
         if trainer.is_global_zero:
-            state = {"total_steps": self.total_steps, "run": self.run, "initial_val_loss": pl_module.initial_val_loss}
+            state = {"total_steps": self.total_steps, "run": self.run, "initial_val_loss": pl_module.initial_val_loss,
+                     "totals": self.totals(pl_module.history)}
+            loss_scale = getattr(trainer.precision_plugin, "loss_scale", lambda: None)()
+            if loss_scale is not None:  # 16-mixed: the scaler's scale and growth tracker, for an exact resume
+                state["loss_scale"] = trainer.precision_plugin.state_dict()
             save_training_state(self.out_dir, step, None, None, state, self.keep_last, collected)
         trainer.strategy.barrier()
         self.last_saved = step
 
 
 class StopOnSignal(Callback):
-    """SIGTERM / SIGINT (`lit_qlora.train.signals`): the current optimizer step finishes, every rank saves a
-    checkpoint at that same step and stops, and the run raises TrainingStopped."""
+    """SIGTERM / SIGINT (`lit_qlora.train.signals`): at the end of the current optimizer step every rank saves a
+    checkpoint at that same step and stops; in a validation, the run stops after the current batch. Either way the
+    run raises TrainingStopped once the trainer call has returned. `signals` is entered around the whole run
+    (finetune.fit); within it, each trainer call gets our handlers back over the SIGTERM handler Lightning sets."""
 
     def __init__(self, checkpoints: ResumableCheckpoints) -> None:
         self.checkpoints = checkpoints
-        self.signals = StopSignals()  # remembers the handlers of now, before Lightning sets its own
+        self.signals = StopSignals(lambda: resume_advice(checkpoints.out_dir, checkpoints.total_steps))
         self.stopped_at: Optional[int] = None
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.signals.install()  # over Lightning's SIGTERM handler, which would stop without saving
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.signals.install()
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         # Every rank learns of a signal any rank got, so all of them save and stop at the same step.
         received = torch.tensor(float(self.signals.received is not None), device=pl_module.device)
         if trainer.strategy.reduce(received, reduce_op="sum") > 0:
+            self.signals.reached_safe_point()
             step = pl_module.step
             if self.checkpoints.last_saved != step:
                 self.checkpoints.save(trainer, pl_module, step)
             self.stopped_at = step
             trainer.should_stop = True
 
+    def on_validation_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                                batch_idx: int, dataloader_idx: int = 0) -> None:
+        # Validation changes no state: the newest checkpoint on disk is the run's. No agreement between ranks here
+        # (a collective would cost every batch): a rank the signal missed would wait in its next collective until
+        # that times out, but Ctrl+C and schedulers signal every process of a job.
+        received = self.signals.received
+        if received is not None:
+            self.signals.reached_safe_point()
+            raise StopRequested(f"stopped by {received.name} during validation; "
+                                f"{resume_advice(self.checkpoints.out_dir, self.checkpoints.total_steps)}", received)
+
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.signals.restore()
         if self.stopped_at is not None:
             received = self.signals.received
             name = received.name if received else "a signal on another rank"
-            raise TrainingStopped(
+            raise StopRequested(
                 f"stopped by {name} after optimizer step {self.stopped_at} of {self.checkpoints.total_steps}; the "
                 f"checkpoint {step_dir(self.checkpoints.out_dir, self.stopped_at)} holds the run's state. Run the same "
-                "command with --resume auto to continue.", received or 15)
+                "command with --resume auto to continue.", received or signal.SIGTERM)
 
-    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
-        self.signals.restore()
+
+def resume_advice(out_dir: Path, total_steps: int) -> str:
+    """What a run stopped now leaves to resume from, read from disk: the newest complete checkpoint and how to go on
+    from it, or that there is none yet."""
+    newest = latest_checkpoint(out_dir)
+    if newest is None:
+        return ("no checkpoint exists yet, so nothing of this run is kept: run the same command again to start "
+                "it over.")
+    step = read_state(newest).get("step")
+    return (f"the newest checkpoint, {newest} (optimizer step {step} of {total_steps}), holds the run's state. Run "
+            "the same command with --resume auto to continue from it.")
 
 
 class HeapRelease(Callback):

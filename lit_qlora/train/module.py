@@ -130,11 +130,19 @@ class FinetuneModule(L.LightningModule):
         lr = scheduler.get_last_lr()[0]
         loss = self.accumulate_gradients(micro_batches)
         step = self.step + 1
+        precision = self.trainer.precision_plugin
+        loss_scale = getattr(precision, "loss_scale", lambda: None)()
+        if loss_scale is not None:
+            precision.unscale_gradients(optimizer)  # 16-mixed: the checks, norm and clipping see true gradients
         problem = self.nonfinite_problem(loss)
-        if problem and self.train_args.on_nonfinite == "stop":
+        overflow = problem is not None and loss_scale is not None and bool(torch.isfinite(loss))
+        if overflow:
+            # Dynamic loss scaling at work, not a diverging run: the scaler skips this update and halves its scale.
+            problem = f"The gradients overflowed fp16 at loss scale {loss_scale:g} (loss {loss.item():.4f})"
+        if problem and self.train_args.on_nonfinite == "stop" and not overflow:
             raise FloatingPointError(
                 f"{problem} at optimizer step {step}; nothing from this step was saved (earlier checkpoints are "
-                "unaffected). Lower --train.lr, use --precision bf16-true or 32-true instead of 16-true, or "
+                "unaffected). Lower --train.lr, use --precision bf16-true, 16-mixed or 32-true instead of 16-true, or "
                 "pass --train.on_nonfinite skip to skip such batches; then resume with --resume auto."
             )
         grad_norm = None

@@ -10,6 +10,7 @@ def print_report(summary: dict[str, Any], out_dir: Path) -> None:
     gib = 1024**3
     rows = [
         ("steps", summary["steps"]),
+        *([("precision", summary["precision"])] if summary.get("precision") else []),
         ("train loss (last step)", loss(summary["train_loss"])),
         ("val loss (before -> after)", f"{loss(summary['initial_val_loss'])} -> {loss(summary['val_loss'])}"),
         (f"tokens/s (after {warmup(summary)})", f"{summary['tokens_per_sec']:.1f}" if summary["tokens_per_sec"] else "-"),

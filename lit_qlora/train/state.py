@@ -123,3 +123,24 @@ def load_training_state(path: Path, model: torch.nn.Module, optimizer: torch.opt
         elif torch.cuda.is_available() and int(name.split(".")[1]) < torch.cuda.device_count():
             torch.cuda.set_rng_state(tensor, int(name.split(".")[1]))
     return state
+
+
+def run_totals(history: list[dict[str, Any]], wall_seconds: float, before: Optional[dict[str, Any]] = None
+               ) -> dict[str, Any]:
+    """The whole run's time and throughput up to now, as each checkpoint's state.json records them ("totals") and
+    summary.json reports them: the totals of the checkpoint this process resumed from (`before`; empty for a new
+    run) plus this process's steps (`history`: FinetuneModule's rows) and `wall_seconds`.
+
+    A process's first step, and any step that compiled, is warm-up: steady throughput leaves them out (all of a
+    process's steps after its first when every one compiled). The steps an interrupted process ran after its last
+    checkpoint are not counted: the resumed run trains them again."""
+    before = before or {}
+    steady = [r for r in history[1:] if not r.get("compile_seconds")] or history[1:]
+    first = before.get("first_step_seconds")
+    return {
+        "wall_seconds": before.get("wall_seconds", 0.0) + wall_seconds,
+        "steady_tokens": before.get("steady_tokens", 0) + sum(r["tokens"] for r in steady),
+        "steady_seconds": before.get("steady_seconds", 0.0) + sum(r["seconds"] for r in steady),
+        "warmup_steps": before.get("warmup_steps", 0) + len(history) - len(steady),
+        "first_step_seconds": first if first is not None else history[0]["seconds"] if history else None,
+    }

@@ -1,0 +1,52 @@
+"""Sampling with the KV cache: the tokens a model generates after a prompt, greedy or sampled."""
+
+from __future__ import annotations
+
+from typing import Iterator, Optional, Sequence
+
+import torch
+
+from lit_qlora.model import Transformer
+
+
+def sample(logits: torch.Tensor, temperature: float, top_k: Optional[int], generator: torch.Generator) -> int:
+    if temperature <= 0:
+        return int(torch.argmax(logits).item())
+    logits = logits.float() / temperature
+    if top_k is not None and top_k < logits.size(-1):
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+@torch.inference_mode()
+def generate(
+    model: Transformer,
+    prompt: Sequence[int],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: Optional[int] = None,
+    stop_ids: Sequence[int] = (),
+    seed: int = 1234,
+) -> Iterator[int]:
+    """Yield new token ids one by one; stops after `max_new_tokens` or at a stop id (which is not yielded)."""
+    device = next(model.parameters()).device
+    max_len = min(len(prompt) + max_new_tokens, model.config.max_seq_length)
+    if len(prompt) >= max_len:
+        raise ValueError(f"The prompt has {len(prompt)} tokens; the model's context is {model.config.max_seq_length}.")
+    generator = torch.Generator(device=device).manual_seed(seed)
+    model.set_kv_cache(batch_size=1, max_len=max_len, device=device)
+    try:
+        idx = torch.tensor([list(prompt)], device=device)
+        input_pos = torch.arange(len(prompt), device=device)
+        for _ in range(max_len - len(prompt)):
+            logits = model(idx, input_pos=input_pos)[0, -1]
+            token = sample(logits, temperature, top_k, generator)
+            if token in stop_ids:
+                return
+            yield token
+            idx = torch.tensor([[token]], device=device)
+            input_pos = input_pos[-1:] + 1
+    finally:
+        model.clear_kv_cache()

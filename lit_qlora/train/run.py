@@ -1,0 +1,280 @@
+"""One fine-tune run: `setup()` builds the pieces (Trainer with its callbacks, FinetuneModule, data) from resolved
+settings; `fit()` validates, trains, validates again and writes final/, summary.json and the report.
+
+`litqlora finetune` (lit_qlora.finetune) checks what a user can get wrong, then calls these; Python callers and tests
+may call them directly.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional, Union
+
+import torch
+
+from lit_qlora.checkpoint import atomic_write_text
+from lit_qlora.compile import compile_seconds
+from lit_qlora.config import ADAPTER_DTYPES, DTYPE_NAMES, MIXED_PRECISIONS, PRECISION_DTYPES, Quantize
+from lit_qlora.export import export_final
+from lit_qlora.finetune import ensure_default_checkpoint, recipe, resolve_resume
+from lit_qlora.guards import oom_advice
+from lit_qlora.hardware import choose_precision
+from lit_qlora.lora import apply_lora, full_lora_state_dict, load_adapter, resolve_targets
+from lit_qlora.loading import load_model
+from lit_qlora.memory import peak_memory_stats, release_free_memory
+from lit_qlora.nf4 import count_linears
+from lit_qlora.parallel.distributed import build_strategy, keep_frozen_out_of_ddp, nf4_shards_for
+from lit_qlora.parallel.tensor_parallel import TensorParallelShard
+from lit_qlora.tokenizer import Tokenizer
+from lit_qlora.train.args import DataArgs, LoRAArgs, TrainArgs, total_steps_for
+from lit_qlora.train.report import print_report
+from lit_qlora.train.state import read_state
+
+
+@dataclass
+class RunConfig:
+    """A run's resolved settings."""
+
+    checkpoint_dir: Path
+    out_dir: Path
+    quantize: Quantize
+    precision: str
+    seed: int
+    lora: LoRAArgs
+    train: TrainArgs
+    data: DataArgs
+    ignore_modules: list[str]
+    world_size: int
+    strategy: str
+    tensor_parallel: int
+    nf4_shards: int  # the NF4 layout's shard count (nf4_shards_for)
+    start_step: int
+    total_steps: int
+    resume_from: Optional[Path]
+    initial_val_loss: Optional[float] = None  # a resumed run's, from its checkpoint
+    compile: bool = False
+    precision_reason: str = "given with --precision"
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The frozen base's and the compute's dtype."""
+        return PRECISION_DTYPES[self.precision]
+
+    @property
+    def lora_dtype(self) -> torch.dtype:
+        """The adapters' (and AdamW state's) dtype: fp32 under 16-mixed, else the compute dtype."""
+        return ADAPTER_DTYPES[self.precision]
+
+    @property
+    def data_ranks(self) -> int:
+        """Ranks that see different samples (the ranks of one tensor-parallel group see the same)."""
+        return self.world_size // self.tensor_parallel
+
+    def as_json(self) -> dict[str, Any]:
+        """What every checkpoint's state.json records as "run": the recipe and how it was laid out on devices."""
+        return {**recipe(self.checkpoint_dir, self.quantize, self.precision, self.seed, self.lora, self.train, self.data,
+                         self.ignore_modules),
+                "world_size": self.world_size, "strategy": self.strategy, "tensor_parallel": self.tensor_parallel,
+                "nf4_shards": self.nf4_shards, "compile": self.compile}
+
+    def adapter_config(self) -> dict[str, Any]:
+        """final/adapter_config.json: what loading the adapter onto its base needs."""
+        lora, dtype_name = self.lora, DTYPE_NAMES[self.dtype]
+        lora_dtype_name = DTYPE_NAMES[self.lora_dtype]
+        return {
+            "r": lora.r, "alpha": lora.alpha, "dropout": lora.dropout, "targets": resolve_targets(lora.targets),
+            "rslora": lora.rslora, "quantize": self.quantize.value, "precision": self.precision, "base_dtype": dtype_name,
+            "lora_dtype": lora_dtype_name, "base_model": str(Path(self.checkpoint_dir).resolve()),
+            "ignore_modules": self.ignore_modules, "nf4_world_size": self.nf4_shards,
+            **({"nf4_tensor_parallel": self.tensor_parallel} if self.quantize is Quantize.NF4 and self.tensor_parallel > 1
+               else {}),
+        }
+
+    def oom(self, where: Callable[[], str]) -> AbstractContextManager:
+        """Out-of-memory errors inside become advice naming `where()` and the settings that lower memory."""
+        settings = (f"micro_batch_size={self.train.micro_batch_size}, max_seq_length={self.train.max_seq_length}, "
+                    f"activation_checkpointing={self.train.activation_checkpointing}")
+        return oom_advice(where, settings=settings, quantized=self.quantize is Quantize.NF4)
+
+
+@dataclass
+class Run:
+    """What setup() builds and fit() runs. The Lightning types are named in comments, not annotations: importing
+    them here would load Lightning with the module (see setup)."""
+
+    config: RunConfig
+    trainer: Any  # lightning.Trainer
+    module: Any  # lit_qlora.train.module.FinetuneModule
+    data: Any  # lit_qlora.data.module.SFTDataModule
+    train_loader: Any  # torch.utils.data.DataLoader
+    started: float  # perf_counter() at the start: this process's part of summary.json's wall_seconds
+
+
+def setup(checkpoint_dir: Path, out_dir: Path, quantize: str, precision: str, seed: int, accelerator: str,
+          devices: int, num_nodes: int, strategy: str, tensor_parallel: int, nf4_shards: Optional[int],
+          resume: Union[bool, str, Path], lora: LoRAArgs, train: TrainArgs, data: DataArgs,
+          ignore_modules: Optional[list[str]], compile: bool = False, precision_reason: Optional[str] = None) -> Run:
+    """Check the settings, load the data and the base (NF4 unless quantize=none), add LoRA, build the Trainer.
+    `precision` may be auto (resolved here); `precision_reason` says why it is what it is (summary.json)."""
+    # Lightning (and what builds on it) loads here, without transformers, matplotlib and scipy, which torchmetrics
+    # would import only because they are installed (lit_qlora.train.lean_imports).
+    from lit_qlora.train.lean_imports import lean_imports
+
+    with lean_imports():
+        import lightning as L
+
+        from lit_qlora.data.module import SFTDataModule
+        from lit_qlora.precision import NF4Precision
+        from lit_qlora.train.callbacks import HeapRelease, MetricsLog, ResumableCheckpoints, StopOnSignal
+        from lit_qlora.train.module import FinetuneModule
+        from lit_qlora.train.progress import StepProgressBar, quiet_lightning
+        from lit_qlora.train.tensorboard import RunTensorBoardLogger
+
+    started = time.perf_counter()
+    if precision == "auto" or precision_reason is None:
+        precision, precision_reason = choose_precision(precision, accelerator)
+    out_dir = Path(out_dir)
+    world_size = devices * num_nodes
+    strategy_arg = build_strategy(strategy, world_size, tensor_parallel)  # checks the sizes before any loading
+    train.accumulation(world_size // tensor_parallel)  # checks that the global batch divides
+    L.seed_everything(seed, verbose=False)
+    ensure_default_checkpoint(checkpoint_dir)
+    dm = SFTDataModule(data, Tokenizer(checkpoint_dir), train.max_seq_length, train.micro_batch_size, seed)
+    dm.setup("fit")
+    total_steps = total_steps_for(train, len(dm.train_set))
+    resume_from = resolve_resume(resume, out_dir)
+    resume_state = read_state(resume_from) if resume_from else {}
+    if resume_from and nf4_shards is None and strategy != "tp":  # keep the NF4 bits on another number of devices
+        saved = resume_state.get("run", {}).get("nf4_shards")
+        nf4_shards = saved if saved and (strategy != "fsdp" or saved % world_size == 0) else None
+    config = RunConfig(Path(checkpoint_dir), out_dir, Quantize(quantize), precision, seed, lora, train, data,
+                       list(ignore_modules or []), world_size, strategy, tensor_parallel,
+                       nf4_shards_for(strategy, world_size, nf4_shards), resume_state.get("step", 0), total_steps,
+                       resume_from, resume_state.get("initial_val_loss"), compile, precision_reason)
+
+    checkpoints = ResumableCheckpoints(out_dir, train.save_interval, train.keep_last, total_steps, config.as_json(),
+                                       resume_from, started)
+    # StopOnSignal first: at a step's end after a signal, it saves (a periodic save of that step is then skipped)
+    # before its grace runs out.
+    callbacks = [HeapRelease(), MetricsLog(out_dir, config.start_step, train.log_interval), StopOnSignal(checkpoints),
+                 checkpoints, StepProgressBar(train.log_interval)]
+    # Our plugin quantizes (QLoRA) and, under 16-mixed, keeps the base fp16 and scales the loss (QLoRA and LoRA).
+    nf4 = config.quantize is Quantize.NF4
+    plugin = NF4Precision(precision, config.ignore_modules, config.nf4_shards, quantize=nf4) \
+        if nf4 or precision in MIXED_PRECISIONS else None
+    quiet_lightning()
+    logger = RunTensorBoardLogger(out_dir, config.start_step)
+    trainer = L.Trainer(
+        accelerator=accelerator, devices=devices, num_nodes=num_nodes, strategy=strategy_arg,
+        precision=None if plugin else precision, plugins=[plugin] if plugin else None, callbacks=callbacks,
+        logger=logger, log_every_n_steps=train.log_interval, max_epochs=1, enable_checkpointing=False,
+        num_sanity_val_steps=0, use_distributed_sampler=False, enable_model_summary=False,
+    )
+    if trainer.is_global_zero:  # known from here on; rank_zero_only learns the rank only when the strategy starts
+        logger.log_settings(config.as_json())
+    # The Trainer knows this process's rank before any process group exists: tensor parallelism loads its shard.
+    with config.oom(lambda: "while loading the base model"):
+        shard = TensorParallelShard(trainer.global_rank % tensor_parallel, tensor_parallel) if tensor_parallel > 1 else None
+        model = load_model(config.checkpoint_dir, config.quantize, precision, shard=shard,
+                           ignore_modules=config.ignore_modules, nf4_world_size=config.nf4_shards).train()
+    apply_lora(model, lora.r, lora.alpha, lora.dropout, lora.targets, lora.rslora, dtype=config.lora_dtype)
+    n_ckpt = train.activation_checkpointing
+    model.checkpoint_blocks = model.config.n_layer if n_ckpt is True else int(n_ckpt or 0)
+    module = FinetuneModule(model, train, total_steps, config.start_step, compile=compile)
+    keep_frozen_out_of_ddp(module)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # The ranks of one tensor-parallel group (consecutive global ranks) take the same samples.
+    loader = dm.step_dataloader(train.global_batch_size, config.start_step, total_steps,
+                                trainer.global_rank // tensor_parallel, config.data_ranks)
+    return Run(config, trainer, module, dm, loader, started)
+
+
+def fit(run: Run) -> dict[str, Any]:
+    """Validate, train, validate again; rank 0 writes final/ and summary.json and prints the report. SIGINT and
+    SIGTERM stop it within seconds (TrainingStopped), and the caller's signal handlers are back when it returns."""
+    from lit_qlora.train.callbacks import StopOnSignal
+
+    stop = next(c for c in run.trainer.callbacks if isinstance(c, StopOnSignal))
+    with stop.signals:
+        return train_and_export(run)
+
+
+def train_and_export(run: Run) -> dict[str, Any]:
+    config, trainer, module = run.config, run.trainer, run.module
+    val_loader = run.data.val_dataloader()
+    if config.start_step == 0:
+        with config.oom(lambda: "in the first validation"):
+            trainer.validate(module, dataloaders=val_loader, verbose=False)
+        module.initial_val_loss = module.val_loss
+    else:
+        module.initial_val_loss = config.initial_val_loss
+    if config.start_step < config.total_steps:
+        with config.oom(lambda: f"at optimizer step {module.step + 1}"):
+            trainer.fit(module, train_dataloaders=run.train_loader)
+    else:  # the last step's checkpoint is written but final/ or summary.json is not: validate and export again
+        load_adapter(module.model, config.resume_from)
+    # The peaks through training (load, first validation, steps), beside the whole run's: what comes after (final
+    # validation, export) should not raise them, and summary.json shows whether it did.
+    # (Lightning moves the module back to the CPU when a fit or validation ends: the strategy knows the device.)
+    device = trainer.strategy.root_device
+    train_peaks = {k.replace("_bytes", "_train_bytes"): v for k, v in peak_memory_stats(device).items()}
+    with config.oom(lambda: "in the final validation"):
+        trainer.validate(module, dataloaders=val_loader, verbose=False)
+    trainer.logger.close()
+
+    # Training's freed activations stay in glibc's heap; export's transient would stack on top of them and set the
+    # run's peak (a QLoRA run peaked above LoRA's this way). Returned to the OS, export fits under training's peak.
+    release_free_memory()
+    adapter = full_lora_state_dict(module.model)  # FSDP: every rank gathers, rank 0 writes
+    if not trainer.is_global_zero:
+        return {}
+    with config.oom(lambda: "while exporting final/"):
+        export_final(module.model, config.out_dir / "final", config.checkpoint_dir, config.adapter_config(), adapter)
+    summary = {**run_summary(run), **train_peaks}
+    atomic_write_text(config.out_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+    print_report(summary, config.out_dir)
+    return summary
+
+
+def run_summary(run: Run) -> dict[str, Any]:
+    """summary.json: the run's losses, steady throughput (after each process's warm-up: its first step, and with
+    --compile any step that compiled), compile time, memory peaks and sizes. Steps, throughput and wall time are
+    the whole run's, a resumed one's included (the checkpoint resumed from counted the part before: run_totals)."""
+    from lit_qlora.train.callbacks import ResumableCheckpoints
+
+    module, history = run.module, run.module.history
+    totals = next(c for c in run.trainer.callbacks if isinstance(c, ResumableCheckpoints)).totals(history)
+    quantized, total = count_linears(module.model)
+    return {
+        "steps": run.config.total_steps,
+        "train_loss": history[-1]["loss"] if history else last_logged_loss(run.config.out_dir),
+        "val_loss": module.val_loss,
+        "initial_val_loss": module.initial_val_loss,
+        "tokens_per_sec": totals["steady_tokens"] / totals["steady_seconds"] if totals["steady_seconds"] else None,
+        "warmup_steps": totals["warmup_steps"],
+        "first_step_seconds": totals["first_step_seconds"],
+        "precision": run.config.precision,
+        "precision_reason": run.config.precision_reason,
+        "compile": run.config.compile,
+        # Validation's and training's compilation, this process's (a resumed run compiles again).
+        "compile_seconds": compile_seconds() if run.config.compile else None,
+        "wall_seconds": totals["wall_seconds"],
+        **peak_memory_stats(run.trainer.strategy.root_device),
+        "quantized_linears": quantized,
+        "total_linears": total,
+        "trainable_params": sum(p.numel() for p in module.model.parameters() if p.requires_grad),
+        "total_params": sum(p.numel() for p in module.model.parameters()),
+        "accumulation": run.config.train.accumulation(run.config.data_ranks),
+        "resumed_from_step": run.config.start_step,
+    }
+
+
+def last_logged_loss(out_dir: Path) -> Optional[float]:
+    """The last training loss in metrics.jsonl: a process that trained no step itself reports its run's."""
+    path = Path(out_dir) / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    return rows[-1]["loss"] if rows else None
