@@ -58,15 +58,20 @@ def run(kind: str, compile: bool, steps: int, out_dir: Path, isa: str, cold: boo
     env = {k: v for k, v in os.environ.items() if k not in AVX2_ENV}
     if isa == "avx2":
         env.update(AVX2_ENV)
+    if compile:
+        env["TORCH_LOGS"] = "recompiles"  # each recompilation and the guard that failed, on stderr
     with tempfile.TemporaryDirectory() as cache:
         if cold:
             env["TORCHINDUCTOR_CACHE_DIR"] = cache
         started = time.perf_counter()
         try:
-            subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL, env=env, timeout=timeout)
-            finished = True
-        except subprocess.TimeoutExpired:
-            finished = False
+            proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                  env=env, timeout=timeout)
+            if proc.returncode:
+                raise RuntimeError(proc.stderr[-3000:])
+            finished, stderr = True, proc.stderr
+        except subprocess.TimeoutExpired as e:
+            finished, stderr = False, (e.stderr or b"").decode(errors="replace")
         wall = time.perf_counter() - started
     metrics = out_dir / "metrics.jsonl"
     rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
@@ -75,6 +80,8 @@ def run(kind: str, compile: bool, steps: int, out_dir: Path, isa: str, cold: boo
               "step_seconds": [round(r["tokens"] / r["tokens_per_sec"], 1) for r in rows],
               "step_compile_seconds": [r.get("compile_seconds") for r in rows],
               "losses": [None if r["loss"] is None else round(r["loss"], 4) for r in rows]}
+    if compile:
+        result["recompiles"] = recompile_causes(stderr)
     steady = [r["tokens_per_sec"] for r in rows[1:] if not r.get("compile_seconds")]
     result["steady_tokens_per_sec"] = round(statistics.median(steady), 1) if steady else None
     if finished:
@@ -82,6 +89,23 @@ def run(kind: str, compile: bool, steps: int, out_dir: Path, isa: str, cold: boo
         result.update(precision=summary.get("precision"), compile_seconds=summary["compile_seconds"],
                       first_step_seconds=round(summary["first_step_seconds"], 1))
     return result
+
+
+def recompile_causes(stderr: str) -> dict[str, int]:
+    """TORCH_LOGS=recompiles' reports, counted by the first guard that failed: a new tensor size (a new sequence
+    length or batch size: dynamo then makes that dimension dynamic), another NF4 weight's metadata (a LoRA or NF4
+    frame first met with another projection's weight shape), the fused-projection arity (q/k/v vs gate/up), other."""
+    causes: dict[str, int] = {}
+    lines = stderr.splitlines()
+    for i, line in enumerate(lines):
+        if "Recompiling function" not in line:
+            continue
+        guard = next((x for x in lines[i + 1 : i + 4] if " - " in x and "/" in x.split(" - ", 1)[1][:8]), "")
+        kind = ("new size" if "size mismatch" in guard or "<=" in guard or "==" in guard and "size()" in guard
+                else "NF4 weight metadata" if "check_metadata" in guard
+                else "fused-projection arity" if "len(modules)" in guard else "other")
+        causes[kind] = causes.get(kind, 0) + 1
+    return causes
 
 
 def main() -> None:

@@ -9,3 +9,21 @@ import os
 # loads it, hence here, before anything imports torch; a user's own GOMP_SPINCOUNT or OMP_WAIT_POLICY wins.
 if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
     os.environ["GOMP_SPINCOUNT"] = "1000"
+
+# Under an ISA cap (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA: lit_qlora.hardware.AVX2_ENV), torch.compile gets an
+# inductor cache of its own: inductor's cache keys do not tell the capped process from the uncapped one, and a
+# compiled SmolLM2-shaped step that reused the uncapped process's cached kernels gave NaN losses (tests/test_compile.py
+# under the cap; the same tests pass with a fresh cache). A user's own TORCHINDUCTOR_CACHE_DIR wins.
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    from lit_qlora.hardware import isa_cap_label
+
+    _cap = isa_cap_label()
+    if _cap:
+        import getpass
+        import tempfile
+
+        try:
+            _user = getpass.getuser()
+        except (KeyError, OSError):  # no name for this uid (some containers)
+            _user = str(os.getuid()) if hasattr(os, "getuid") else "user"
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), f"torchinductor_{_user}_{_cap}")

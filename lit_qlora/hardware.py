@@ -56,6 +56,12 @@ def avx2_capped() -> bool:
                                                       < ONEDNN_ISAS.index("AVX512_CORE"))
 
 
+def isa_cap_label() -> str:
+    """A name for the ISA caps in the environment ("" when uncapped), e.g. "aten-avx2_onednn-AVX2"."""
+    parts = [f"aten-{aten_cap()}" if aten_cap() else "", f"onednn-{onednn_cap()}" if onednn_cap() else ""]
+    return "_".join(p for p in parts if p)
+
+
 def cpu_native_bf16() -> tuple[bool, str]:
     """(whether bf16 matmuls run natively on this CPU as this process sees it, a short why)."""
     import torch

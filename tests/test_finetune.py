@@ -257,7 +257,9 @@ def test_accumulated_step_equals_one_large_batch(tiny_llama_dir, tmp_path):
     a = load_file(str(tmp_path / "a" / "final" / "adapter.safetensors"))
     b = load_file(str(tmp_path / "b" / "final" / "adapter.safetensors"))
     assert a.keys() == b.keys()
-    assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+    # Updates are ~lr = 1e-2; four micro-batches sum in another order than one batch: the largest difference measured
+    # was 0.97e-6 with AVX-512 kernels and 1.05e-6 with AVX2 ones (lm_head's B), a relative 1e-4 of the update.
+    assert all(torch.allclose(a[k], b[k], atol=2e-6) for k in a)
     assert any(not torch.equal(a[k], torch.zeros_like(a[k])) for k in a if k.endswith("lora_B"))
     loss_a = json.loads((tmp_path / "a" / "metrics.jsonl").read_text().splitlines()[0])["loss"]
     loss_b = json.loads((tmp_path / "b" / "metrics.jsonl").read_text().splitlines()[0])["loss"]

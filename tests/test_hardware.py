@@ -113,3 +113,20 @@ print(json.dumps({"capability": torch.backends.cpu.get_cpu_capability(), "auto":
     assert got["auto"][0] == "32-true"
     if hardware.cpu_native_bf16()[0]:  # on this (uncapped) CPU bf16 is native: capped, oneDNN must emulate it
         assert got["bf16"] < got["fp32"], got
+
+
+def test_a_capped_process_gets_an_inductor_cache_of_its_own(tmp_path):
+    """Inductor's cache keys do not tell a capped process from an uncapped one, and a compiled step reusing the
+    uncapped kernels gave NaN losses: `import lit_qlora` points a capped process at its own cache (a user's own
+    TORCHINDUCTOR_CACHE_DIR wins)."""
+    code = "import os, lit_qlora; print(os.environ.get('TORCHINDUCTOR_CACHE_DIR'))"
+    env = {k: v for k, v in __import__("os").environ.items() if k not in (*AVX2_ENV, "TORCHINDUCTOR_CACHE_DIR")}
+
+    def cache_dir(**extra):
+        return subprocess.run([sys.executable, "-c", code], env={**env, **extra}, capture_output=True, text=True,
+                              check=True).stdout.strip()
+
+    assert cache_dir() == "None"  # uncapped: inductor's own default
+    capped = cache_dir(**AVX2_ENV)
+    assert capped.endswith("_aten-avx2_onednn-AVX2") and "torchinductor_" in capped
+    assert cache_dir(**AVX2_ENV, TORCHINDUCTOR_CACHE_DIR=str(tmp_path)) == str(tmp_path)
