@@ -15,9 +15,9 @@ it). --compile true|false is passed to finetune only when given. The peers' pare
 child reads that file, so the peers train on the same tokens whatever their torch (ours trains on other tokens:
 its first loss is not comparable with theirs).
 
-Every side: the same Hugging Face checkpoint in bf16, LoRA r=8, alpha=16, dropout --dropout (default 0.05, the
-presets' value) on the adapters' input on q, k, v, o, gate, up, down and lm_head, torch's fused AdamW (lr 1e-4,
-betas 0.9/0.95, no weight decay; ours keeps its 1-step warmup + cosine schedule, the peers a constant lr: neither
+Every side: the same Hugging Face checkpoint in bf16 (--dtype fp32: fp32, what `--precision auto` picks on an AVX2
+CPU), LoRA r=8, alpha=16, dropout --dropout (default 0.05, the presets' value) on the adapters' input on q, k, v, o,
+gate, up, down and lm_head, torch's fused AdamW (lr 1e-4, betas 0.9/0.95, no weight decay; ours keeps its 1-step warmup + cosine schedule, the peers a constant lr: neither
 changes step time or memory), gradient clipping at 1.0, activation checkpointing per block unless
 --no_checkpointing. Peers: every token a target, tokens/s excludes the first step, peak RSS is the child's VmHWM
 (load included). The peers' first-step losses agree to ~4e-3 at any dropout: LoRA B starts at 0, so the dropout
@@ -75,6 +75,11 @@ def vmhwm_bytes() -> int:
     return int(line.split()[1]) * 1024
 
 
+# --dtype: each side's compute dtype, as its own API names it
+TORCH_DTYPE = {"bf16": "bfloat16", "fp32": "float32"}
+PRECISION = {"bf16": "bf16-true", "fp32": "32-true"}
+
+
 def hf_config(args) -> dict:
     return json.loads((Path(args.checkpoint_dir) / "config.json").read_text())
 
@@ -84,7 +89,7 @@ def peft_model(args, seq: int):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(args.checkpoint_dir, dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(args.checkpoint_dir, dtype=getattr(torch, TORCH_DTYPE[args.dtype]))
     if args.checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=args.dropout, target_modules=HF_TARGETS))
@@ -97,7 +102,7 @@ def litgpt_convert(args) -> Path:
     from litgpt.scripts.convert_hf_checkpoint import convert_hf_checkpoint
 
     src = Path(args.checkpoint_dir).resolve()
-    out = WORK / f"litgpt-{src.name}-{hashlib.sha1(str(src).encode()).hexdigest()[:8]}"
+    out = WORK / f"litgpt-{src.name}-{hashlib.sha1(str(src).encode()).hexdigest()[:8]}-{args.dtype}"
     if (out / "lit_model.pth").is_file():
         return out
     # convert_hf_checkpoint looks the architecture up by name; our random/tiny dirs have none, so register a Llama
@@ -115,7 +120,7 @@ def litgpt_convert(args) -> Path:
     for f in src.glob("*.safetensors*"):  # the converter writes next to its inputs: link them, not copy
         (tmp / f.name).unlink(missing_ok=True)
         (tmp / f.name).symlink_to(f)
-    convert_hf_checkpoint(tmp, model_name=out.name, dtype="bfloat16")
+    convert_hf_checkpoint(tmp, model_name=out.name, dtype=TORCH_DTYPE[args.dtype])
     tmp.rename(out)
     return out
 
@@ -131,7 +136,7 @@ def litgpt_model(args, seq: int):
     config = Config.from_file(out / "model_config.yaml", lora_r=8, lora_alpha=16, lora_dropout=args.dropout,
                               lora_query=True, lora_key=True, lora_value=True, lora_projection=True, lora_mlp=True,
                               lora_head=True)
-    fabric = L.Fabric(accelerator="cpu", devices=1, precision="bf16-true")
+    fabric = L.Fabric(accelerator="cpu", devices=1, precision=PRECISION[args.dtype])
     with fabric.init_module(empty_init=False):
         model = GPT(config)
     mark_only_lora_as_trainable(model)
@@ -170,7 +175,7 @@ def torchtune_model(args, seq: int):
         note += "; tied embedding copied into an untied output"
     if args.quantize:
         note += "; output (lm_head) base stays bf16: torchtune quantizes only the blocks' linears"
-    with training.set_default_dtype(torch.bfloat16), torch.device("cpu"):
+    with training.set_default_dtype(getattr(torch, TORCH_DTYPE[args.dtype])), torch.device("cpu"):
         model = lora_llama3(
             ["q_proj", "k_proj", "v_proj", "output_proj"], apply_lora_to_mlp=True, apply_lora_to_output=True,
             vocab_size=hf["vocab_size"], num_layers=hf["num_hidden_layers"], num_heads=hf["num_attention_heads"],
@@ -241,7 +246,7 @@ def ours_child(args) -> None:
                "--train.micro_batch_size", str(args.batch), "--train.global_batch_size", str(args.batch),
                "--train.max_seq_length", str(args.seq), "--data.packing", "true", "--lora.dropout", str(args.dropout),
                "--train.activation_checkpointing", str(args.checkpointing).lower(), "--train.warmup_steps", "1",
-               "--train.lr", "1e-4", "--lora.r", "8", "--lora.alpha", "16"]
+               "--train.lr", "1e-4", "--lora.r", "8", "--lora.alpha", "16", "--precision", PRECISION[args.dtype]]
         cmd += ["--compile", args.compile] if args.compile else []
         load_before = loadavg()
         proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -320,6 +325,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--no_checkpointing", dest="checkpointing", action="store_false")
+    parser.add_argument("--dtype", choices=list(PRECISION), default="bf16",
+                        help="every side's compute dtype: bf16, or fp32 (what --precision auto picks on an AVX2 CPU)")
     parser.add_argument("--dropout", type=float, default=0.05, help="LoRA dropout on every side (presets: 0.05)")
     parser.add_argument("--compile", choices=["true", "false"], help="ours: passed to `finetune --compile` when given")
     parser.add_argument("--results_dir", type=Path, default=HERE / "results")
@@ -335,7 +342,7 @@ def main() -> None:
     if not args.checkpoint_dir or args.steps < 2:
         parser.error("--checkpoint_dir is required, and --steps >= 2 (tokens/s excludes the first step)")
 
-    common = ["--checkpoint_dir", args.checkpoint_dir, "--dropout", str(args.dropout)]
+    common = ["--checkpoint_dir", args.checkpoint_dir, "--dropout", str(args.dropout), "--dtype", args.dtype]
     common += [] if args.checkpointing else ["--no_checkpointing"]
     ours = ["--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps)]
     ours += ["--compile", args.compile] if args.compile else []
@@ -368,7 +375,8 @@ def record_results(args, started: str, runs: dict[str, list[dict]], skipped: dic
            for s, rs in runs.items() if rs}
     command = " ".join(["python benchmarks/peers.py --checkpoint_dir", args.checkpoint_dir, "--peers", *args.peers,
                         "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps), "--rounds",
-                        str(args.rounds), "--dropout", str(args.dropout)] + (["--quantize"] if args.quantize else [])
+                        str(args.rounds), "--dropout", str(args.dropout), "--dtype", args.dtype]
+                       + (["--quantize"] if args.quantize else [])
                        + ([] if args.checkpointing else ["--no_checkpointing"])
                        + (["--compile", args.compile] if args.compile else []))
     path = args.results_dir / "peers.json"
