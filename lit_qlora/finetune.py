@@ -15,7 +15,7 @@ from typing import Any, Literal, Optional, Union
 
 from lit_qlora.errors import UserError
 from lit_qlora.hardware import PrecisionChoice, choose_precision, cpu_emulates, uses_cuda
-from lit_qlora.train.args import DataArgs, LoRAArgs, TrainArgs, flatten
+from lit_qlora.train.args import DataArgs, LoRAArgs, TrainArgs, data_source, flatten
 
 DEFAULT_CHECKPOINT = Path("checkpoints/SmolLM2-135M-Instruct")
 
@@ -76,6 +76,7 @@ def finetune(
             deleting them, its metrics.jsonl and logs/ first; without it, such an out_dir is refused.
     """
     from lit_qlora.config import require_checkpoint_dir
+    from lit_qlora.data.formats import require_source
     from lit_qlora.data.sft import require_data_file
     from lit_qlora.train.run import fit, setup
     from lit_qlora.train.state import read_state
@@ -85,8 +86,12 @@ def finetune(
         require_checkpoint_dir(checkpoint_dir)
     if data.json_path is not None:
         require_data_file(data.json_path)
+    for source in (data_source(data), data.val_path):
+        if source is not None:
+            require_source(source)
     precision, precision_reason = choose_precision(precision, accelerator)
     compile = compile_choice(compile, accelerator, precision)
+    train.require_valid_validation(data)
     claim_out_dir(Path(out_dir), resume, overwrite)
     resume_from = resolve_resume(resume, Path(out_dir))
     if resume_from is not None:
@@ -131,12 +136,13 @@ def recipe(checkpoint_dir: Path, quantize: str, precision: str, seed: int, lora:
     """The settings that define a run, as JSON (state.json's "run" holds them), with the sha256 of its dataset file:
     the same path with edited rows is other data."""
     from lit_qlora.config import Quantize
-    from lit_qlora.data.sft import dataset_sha256
+    from lit_qlora.data.formats import fingerprint
 
     return {"checkpoint_dir": str(checkpoint_dir), "quantize": Quantize(quantize).value, "precision": precision,
             "seed": seed, "lora": asdict(lora), "train": asdict(train),
             "data": json.loads(json.dumps(asdict(data), default=str)),
-            "data_sha256": dataset_sha256(data.json_path, data.hf_dataset), "ignore_modules": list(ignore_modules or [])}
+            "data_sha256": fingerprint([data_source(data), *([data.val_path] if data.val_path else [])]),
+            "ignore_modules": list(ignore_modules or [])}
 
 
 # What a resume may change: how often it logs and saves, how it spends memory and what it does on a non-finite
@@ -164,7 +170,8 @@ def require_same_recipe(state: dict[str, Any], checkpoint: Path, now: dict[str, 
         if key == "train.max_steps" and value is not None and value >= state.get("step", 0):
             continue
         old = before[key]
-        paths = key in ("checkpoint_dir", "data.json_path") and old is not None and value is not None
+        paths = key in ("checkpoint_dir", "data.json_path", "data.path", "data.val_path") and old is not None \
+            and value is not None
         same = Path(old).resolve() == Path(value).resolve() if paths else old == value  # ./a and a are one file
         if same:
             continue

@@ -307,7 +307,7 @@ def write(tmp_path: Path, name: str, content: str | bytes) -> Path:
 
 
 def test_bad_rows_are_reported_with_row_numbers(tmp_path: Path) -> None:
-    rows = [ROW, {"instruction": "x"}, {"output": "y"}, {"text": "z"}, {"instruction": "x"},
+    rows = [ROW, {"instruction": "x"}, {"output": "y"}, {"title": "z"}, {"instruction": "x"},
             {"messages": [{"role": "user", "content": "hi"}]}, {"messages": [{"role": "bot", "content": "x"}]}, 5]
     path = write(tmp_path, "bad.json", json.dumps(rows))
     with pytest.raises(DataError) as e:
@@ -337,7 +337,7 @@ def test_file_errors(tmp_path: Path) -> None:
             load_json_rows(write(tmp_path, name, content))
     with pytest.raises(DataError, match="does not exist"):
         load_json_rows(tmp_path / "missing.jsonl")
-    with pytest.raises(DataError, match="either --data.json_path or --data.hf_dataset"):
+    with pytest.raises(DataError, match="--data.json_path and --data.hf_dataset each name a dataset: pass one"):
         SFTDataModule(DataArgs(json_path=tmp_path / "x.json", hf_dataset="a/b"), None, 64, 1, 0)
 
 

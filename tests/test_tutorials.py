@@ -52,17 +52,37 @@ def test_fabric_tutorial_trains_nf4_lora_and_its_adapter_reloads_exactly(smollm2
     assert "Lima" in done.stdout
 
 
+def run_finetune_block(marker: str, smollm2_dir: Path, tmp_path: Path) -> subprocess.CompletedProcess:
+    """The bash block of tutorials/finetune.md that mentions `marker`, run as written in `tmp_path` (where the
+    default checkpoint is the real SmolLM2)."""
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "SmolLM2-135M-Instruct").symlink_to(smollm2_dir)
+    (block,) = [b for b in code_blocks("finetune.md", "bash") if marker in b]
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    done = subprocess.run(["bash", "-ec", block], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=1200)
+    assert done.returncode == 0, done.stderr
+    return done
+
+
+@pytest.mark.slow
+def test_other_formats_tutorial_runs_as_written(smollm2_dir, tmp_path):
+    """tutorials/finetune.md, "Other formats and sources": the CSV block as written, columns renamed, its own
+    validation file."""
+    import json
+
+    done = run_finetune_block("data/capitals.csv", smollm2_dir, tmp_path)
+    assert "Data: data/capitals.csv: 4 alpaca rows (detected from their columns)" in done.stdout
+    assert "Data: data/capitals-val.csv: 2 alpaca rows (detected from their columns)" in done.stdout
+    summary = json.loads((tmp_path / "out" / "tutorial" / "capitals" / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["val_loss"] is not None
+
+
 @pytest.mark.slow
 def test_own_data_tutorial_runs_as_written_and_both_losses_fall(smollm2_dir, tmp_path):
     """tutorials/finetune.md, "Your own data": the block as written; what the text says to expect holds."""
     import json
 
-    (tmp_path / "checkpoints").mkdir()
-    (tmp_path / "checkpoints" / "SmolLM2-135M-Instruct").symlink_to(smollm2_dir)
-    (block,) = [b for b in code_blocks("finetune.md", "bash") if "data/mine.jsonl" in b]
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    done = subprocess.run(["bash", "-ec", block], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=1200)
-    assert done.returncode == 0, done.stderr
+    run_finetune_block("data/mine.jsonl", smollm2_dir, tmp_path)
     out = tmp_path / "out" / "tutorial" / "mine"
     summary = json.loads((out / "summary.json").read_text())
     losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]

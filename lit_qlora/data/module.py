@@ -1,5 +1,6 @@
-"""`SFTDataModule`: the data of `litqlora finetune` (local JSON/JSONL, a Hub dataset, or the shipped demo set),
-split into train/validation by seed, batched in the one training order (`lit_qlora.train.sampler`)."""
+"""`SFTDataModule`: the data of `litqlora finetune` (a local file or folder, a Hub dataset, or the shipped demo set,
+in any row format of lit_qlora.data.formats), split into train/validation by seed (or a validation file or split of
+its own), batched in the one training order (`lit_qlora.train.sampler`)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,9 @@ from torch.utils.data import DataLoader
 
 from lit_qlora.data.errors import DataError
 from lit_qlora.data.prompts import get_prompt_style
-from lit_qlora.data.sft import (
-    DEMO_DATASET, Collate, SFTDataset, load_hf_rows, load_json_rows, pack, tokenize_rows,
-)
-from lit_qlora.train.args import DataArgs
+from lit_qlora.data.formats import read_source, rename_columns, to_rows
+from lit_qlora.data.sft import DEMO_DATASET, Collate, SFTDataset, pack, tokenize_rows, validate_rows
+from lit_qlora.train.args import DataArgs, data_source
 from lit_qlora.train.sampler import EpochSampler, MicroBatches, StepSampler
 
 
@@ -54,31 +54,49 @@ class SFTDataModule(L.LightningDataModule):
         if max_seq_length < 2 or micro_batch_size < 1:
             raise DataError(f"max_seq_length must be >= 2 and micro_batch_size >= 1 (got {max_seq_length}, "
                             f"{micro_batch_size}).")
-        if args.json_path is not None and args.hf_dataset is not None:
-            raise DataError("Pass either --data.json_path or --data.hf_dataset, not both.")
+        try:
+            data_source(args)
+        except ValueError as e:
+            raise DataError(str(e)) from None
         self.args, self.tokenizer = args, tokenizer
         self.max_seq_length, self.micro_batch_size, self.seed = max_seq_length, micro_batch_size, seed
         self.style = get_prompt_style(args.prompt_style, tokenizer)
         self.collate = Collate(pad_id_of(tokenizer))
+        self.formats: dict[str, int] = {}  # the formats of the rows read, with their counts
         self.train_set: Optional[SFTDataset] = None
         self.val_set: Optional[SFTDataset] = None
 
     @property
     def source(self) -> str:
-        return self.args.hf_dataset or str(self.args.json_path or DEMO_DATASET)
+        return data_source(self.args) or str(DEMO_DATASET)
 
     def prepare_data(self) -> None:
-        if self.args.hf_dataset:  # download into the datasets cache once (rank 0), setup() reads it
-            load_hf_rows(self.args.hf_dataset)
+        if not Path(self.source).exists():  # a Hub dataset: download it into the cache once (rank 0)
+            read_source(self.source, self.args.subset, self.args.split)
+
+    def read(self, source: str, split: str) -> list[dict]:
+        """The rows of `source`, read by --data.format (auto: each row by its columns), renamed by --data.columns."""
+        rows, lines = read_source(source, self.args.subset, split)
+        rows = rename_columns(rows, self.args.columns, source)
+        if not rows:
+            validate_rows(rows, source, lines)  # says the file holds no rows and what a row looks like
+        rows, counts = to_rows(rows, self.args.format, source, lines)
+        how = "detected from their columns" if self.args.format == "auto" else "as --data.format says"
+        print(f"Data: {source}: {', '.join(f'{n} {fmt}' for fmt, n in counts.items())} rows ({how})")
+        self.formats = {**self.formats, **counts}
+        return validate_rows(rows, source, lines)
 
     def setup(self, stage: Optional[str] = None) -> None:
         if self.train_set is not None:
             return
-        if self.args.hf_dataset:
-            rows = load_hf_rows(self.args.hf_dataset)
+        args = self.args
+        rows = self.read(self.source, args.split)
+        if args.val_path is not None:
+            train_rows, val_rows = rows, self.read(args.val_path, "train" if Path(args.val_path).exists() else args.split)
+        elif isinstance(args.val_split, str):  # a split of the same dataset
+            train_rows, val_rows = rows, self.read(self.source, args.val_split)
         else:
-            rows = load_json_rows(self.args.json_path or DEMO_DATASET)
-        train_rows, val_rows = split_rows(rows, self.args.val_split, self.seed)
+            train_rows, val_rows = split_rows(rows, args.val_split, self.seed)
         train = tokenize_rows(train_rows, self.style, self.tokenizer, self.max_seq_length)
         if self.args.packing:
             train = pack(train, self.max_seq_length)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 from lit_qlora.data.errors import DataError
 from lit_qlora.tokenizer import END_OF_TURN_TOKENS, _compile
@@ -52,6 +52,18 @@ def _tidy(segments: list[Segment]) -> list[Segment]:
     return out
 
 
+def raw_segments(row: Row, tokenizer: Any) -> Optional[list[Segment]]:
+    """The rows no prompt template wraps (None for the others): `text` (continued pre-training: every token trains)
+    and `prompt`/`completion` (the completion trains), each ending with the tokenizer's EOS so the model learns
+    where a document or completion ends."""
+    stop = getattr(tokenizer, "eos_token", None) or ""
+    if "text" in row:
+        return [Segment(row["text"] + stop, True)]
+    if "prompt" in row:
+        return [Segment(row["prompt"], False), Segment(row["completion"] + stop, True)]
+    return None
+
+
 class PromptStyle:
     name = ""
 
@@ -60,7 +72,7 @@ class PromptStyle:
 
     def render(self, row: Row) -> list[Segment]:
         """Segments of a validated row, ending with the last assistant reply (trained) and its stop token."""
-        return _tidy(self.render_messages(row_messages(row)))
+        return raw_segments(row, self.tokenizer) or _tidy(self.render_messages(row_messages(row)))
 
     def render_messages(self, messages: list[dict[str, str]]) -> list[Segment]:
         raise NotImplementedError
@@ -107,7 +119,7 @@ class Alpaca(PromptStyle):
         self.stop = tokenizer.eos_token
 
     def render(self, row: Row) -> list[Segment]:
-        if "messages" in row:
+        if "messages" in row or "text" in row or "prompt" in row:
             return super().render(row)
         if row.get("input"):
             prompt = (f"{self.HEADER_WITH_INPUT}### Instruction:\n{row['instruction']}\n\n"

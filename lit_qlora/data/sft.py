@@ -28,7 +28,8 @@ DEMO_DATASET = Path(str(files("lit_qlora.data").joinpath("demo.jsonl")))
 
 FORMAT_HELP = (
     "Each row must hold `instruction` and `output` strings (optional `input`), or `messages`: a list of "
-    '{"role": "system" | "user" | "assistant", "content": string} with at least one assistant turn.'
+    '{"role": "system" | "user" | "assistant", "content": string} with at least one assistant turn, or `prompt` and '
+    "`completion` strings, or a `text` string (see --data.format; --data.columns renames columns)."
 )
 
 
@@ -42,15 +43,9 @@ def require_data_file(path: Path) -> Path:
     return path
 
 
-def dataset_sha256(json_path: Optional[Path], hf_dataset: Optional[str]) -> Optional[str]:
-    """sha256 of the local file a run's rows come from (the shipped demo set when none is named); None for a Hub
-    dataset or a missing file. Resumable checkpoints record it: rows edited under the same path are another run's
-    data, which a resume must not silently continue with."""
-    path = Path(json_path or DEMO_DATASET)
-    if hf_dataset is not None or not path.is_file():
-        return None
-    stat = path.stat()
-    return _file_sha256(path.resolve(), stat.st_size, stat.st_mtime_ns)
+def file_sha256(path: Path) -> str:
+    stat = Path(path).stat()
+    return _file_sha256(Path(path).resolve(), stat.st_size, stat.st_mtime_ns)
 
 
 @functools.lru_cache(maxsize=4)
@@ -127,6 +122,18 @@ def _row_problems(row: Any) -> list[str]:
         if not any(isinstance(m, dict) and m.get("role") == "assistant" for m in messages):
             problems.append("no assistant message (nothing to train on)")
         return problems
+    if "text" in row or "prompt" in row or "completion" in row:
+        keys = ("text",) if "text" in row else ("prompt", "completion")
+        problems = []
+        for k in keys:
+            value = row.get(k)
+            if k not in row:
+                problems.append(f"missing `{k}`")
+            elif value is None or (isinstance(value, str) and not value.strip()):  # a CSV's empty cell reads as None
+                problems.append(f"empty `{k}`")
+            elif not isinstance(value, str):
+                problems.append(f"`{k}` is not a string")
+        return problems
     if "instruction" not in row and "output" not in row:
         return ["neither `instruction`/`output` nor `messages`"]
     problems = []
@@ -143,6 +150,10 @@ def _row_problems(row: Any) -> list[str]:
 
 
 def _normalize(row: dict) -> dict:
+    if "text" in row:
+        return {"text": row["text"]}
+    if "prompt" in row:
+        return {"prompt": row["prompt"], "completion": row["completion"]}
     if "messages" in row:
         return {"messages": [{"role": m["role"], "content": m["content"]} for m in row["messages"]]}
     return {"instruction": row["instruction"], "input": row.get("input") or "", "output": row["output"]}

@@ -53,6 +53,12 @@ class TrainArgs:
     """Resumable checkpoints to keep (older ones are deleted)."""
     on_nonfinite: Literal["stop", "skip"] = "stop"
     """A non-finite loss stops the run (naming the step), or skips that batch's update."""
+    eval_interval: Optional[int] = None
+    """Validate every N optimizer steps (besides before the first step and after the last), writing val_loss to
+    metrics.jsonl and TensorBoard and the best adapter so far to out_dir/best/."""
+    early_stopping_patience: Optional[int] = None
+    """With eval_interval: stop after K validations in a row without a lower validation loss; final/ is then the
+    best adapter."""
 
     def accumulation(self, world_size: int) -> int:
         per_step = self.micro_batch_size * world_size
@@ -62,6 +68,26 @@ class TrainArgs:
                 f"x devices ({self.micro_batch_size} x {world_size} = {per_step})."
             )
         return self.global_batch_size // per_step
+
+    def require_valid_validation(self, data: DataArgs) -> None:
+        """eval_interval and early_stopping_patience make sense (and `data` holds a validation set for them): a
+        UserError naming the option and the fix if not."""
+        from lit_qlora.errors import UserError
+
+        if self.eval_interval is not None and self.eval_interval < 1:
+            raise UserError(f"--train.eval_interval must be at least 1 (validate every N optimizer steps), got "
+                            f"{self.eval_interval}; leave it out to validate only before and after training.")
+        patience = self.early_stopping_patience
+        if patience is not None and patience < 1:
+            raise UserError(f"--train.early_stopping_patience must be at least 1 (validations without improvement "
+                            f"before stopping), got {patience}; leave it out to train every step.")
+        if patience is not None and self.eval_interval is None:
+            raise UserError("--train.early_stopping_patience counts the validations that --train.eval_interval runs, "
+                            "and none was given: pass --train.eval_interval N too (e.g. 50), or leave out the "
+                            "patience.")
+        if self.eval_interval is not None and data.val_split == 0 and getattr(data, "val_path", None) is None:
+            raise UserError("--train.eval_interval needs validation data, but --data.val_split is 0 (nothing held "
+                            "out): pass --data.val_split 0.05 (or any fraction > 0), or leave out eval_interval.")
 
 
 def total_steps_for(train: TrainArgs, num_samples: int) -> int:
@@ -74,19 +100,45 @@ def total_steps_for(train: TrainArgs, num_samples: int) -> int:
 
 @dataclass
 class DataArgs:
+    path: Optional[str] = None
+    """The dataset: a local file (.json, .jsonl, .csv, .parquet, .arrow), a folder (of such files, or one written by
+    `datasets`' save_to_disk), or a Hugging Face Hub dataset name. Default: the demo set shipped with lit-qlora."""
+    subset: Optional[str] = None
+    """The Hub dataset's configuration (subset), e.g. `main`."""
+    split: str = "train"
+    """The split to train on (Hub datasets and saved dataset dicts; a single file is its own `train` split)."""
+    val_path: Optional[str] = None
+    """A validation set of its own (same kinds as --data.path), instead of holding rows out with val_split."""
+    format: Literal["auto", "alpaca", "messages", "sharegpt", "prompt_completion", "text"] = "auto"
+    """Row format: alpaca (instruction, optional input, output), messages (role/content turns), sharegpt
+    (conversations of from/value), prompt_completion (prompt, completion), text (continued pre-training: every
+    token trains); auto detects it from the columns and says which."""
+    columns: Optional[dict[str, str]] = None
+    """Rename columns before reading rows, e.g. {question: instruction, answer: output}."""
     json_path: Optional[Path] = None
-    """A local dataset: JSON (a list of rows) or JSONL (one row per line). Rows hold `instruction`, optional
-    `input` and `output`, or `messages` (role system/user/assistant). Default: the demo set shipped with lit-qlora."""
+    """Kept for older recipes: the same as --data.path with a JSON / JSONL file."""
     hf_dataset: Optional[str] = None
-    """A Hugging Face Hub dataset name (its `train` split), instead of json_path; needs network or the local cache."""
+    """Kept for older recipes: the same as --data.path with a Hub dataset name."""
     prompt_style: Literal["alpaca", "chatml", "llama3", "chat_template"] = "alpaca"
     """How rows become text: alpaca, chatml, llama3, or chat_template (the checkpoint's own chat template)."""
-    val_split: float = 0.1
-    """Fraction of rows held out for validation (at least one row when > 0; 0 disables validation)."""
+    val_split: Union[float, str] = 0.1
+    """Fraction of rows held out for validation (at least one row when > 0; 0 disables validation), or the name of
+    the dataset's validation split (e.g. `validation`, `test`)."""
     packing: bool = False
     """Pack several training samples into each max_seq_length sequence (fewer padding tokens)."""
     num_workers: int = 0
     """DataLoader worker processes (0: load in the training process)."""
+
+
+def data_source(data: DataArgs) -> Optional[str]:
+    """The one dataset option that is set (--data.path, or the older --data.json_path / --data.hf_dataset); None:
+    the shipped demo set. Two given is an error."""
+    given = {name: value for name, value in (("path", data.path), ("json_path", data.json_path),
+                                               ("hf_dataset", data.hf_dataset)) if value is not None}
+    if len(given) > 1:
+        raise ValueError(f"--data.{' and --data.'.join(given)} each name a dataset: pass one of them (--data.path "
+                         "takes files, folders and Hub names alike).")
+    return str(next(iter(given.values()))) if given else None
 
 
 def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -46,6 +46,9 @@ class FinetuneModule(L.LightningModule):
         self.history: list[dict[str, Any]] = []
         self.val_loss: Optional[float] = None
         self.initial_val_loss: Optional[float] = None  # before the run's first step (a resumed run: from its checkpoint)
+        # --train.eval_interval: what the validations during training decided (lit_qlora.train.validation), which
+        # each checkpoint records; None without it.
+        self.validation_record: Optional[Any] = None
         self._val = [0.0, 0]
         self._last_step_end: Optional[float] = None
         # --compile: the blocks are compiled once the model is laid out (configure_model); each step's row counts
@@ -234,9 +237,13 @@ class FinetuneModule(L.LightningModule):
         self._val[0] += self.micro_loss_sum(batch).item()
         self._val[1] += target_count(batch["labels"])
 
-    def on_validation_epoch_end(self) -> None:
+    def reduced_val_loss(self) -> float:
+        """The validation loss of the batches seen since `on_validation_epoch_start`, token-weighted over all ranks."""
         totals = self.trainer.strategy.reduce(torch.tensor(self._val, device=self.device, dtype=torch.float64),
                                               reduce_op="sum")
-        self.val_loss = (totals[0] / totals[1].clamp(min=1)).item()
+        return (totals[0] / totals[1].clamp(min=1)).item()
+
+    def on_validation_epoch_end(self) -> None:
+        self.val_loss = self.reduced_val_loss()
         # Every rank holds the same reduced value: sync_dist only tells Lightning so (it averages equal numbers).
         self.log_dict({TAGS["val_loss"]: self.val_loss, "step": float(self.step)}, sync_dist=True)

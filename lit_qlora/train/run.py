@@ -133,6 +133,7 @@ def setup(checkpoint_dir: Path, out_dir: Path, quantize: str, precision: str, se
         from lit_qlora.train.module import FinetuneModule
         from lit_qlora.train.progress import StepProgressBar, quiet_lightning
         from lit_qlora.train.tensorboard import RunTensorBoardLogger
+        from lit_qlora.train.validation import PeriodicValidation, ValidationRecord
 
     started = time.perf_counter()
     if precision == "auto" or precision_reason is None:
@@ -141,6 +142,7 @@ def setup(checkpoint_dir: Path, out_dir: Path, quantize: str, precision: str, se
     world_size = devices * num_nodes
     strategy_arg = build_strategy(strategy, world_size, tensor_parallel)  # checks the sizes before any loading
     train.accumulation(world_size // tensor_parallel)  # checks that the global batch divides
+    train.require_valid_validation(data)
     L.seed_everything(seed, verbose=False)
     ensure_default_checkpoint(checkpoint_dir)
     dm = SFTDataModule(data, Tokenizer(checkpoint_dir), train.max_seq_length, train.micro_batch_size, seed)
@@ -162,6 +164,10 @@ def setup(checkpoint_dir: Path, out_dir: Path, quantize: str, precision: str, se
     # before its grace runs out.
     callbacks = [HeapRelease(), MetricsLog(out_dir, config.start_step, train.log_interval), StopOnSignal(checkpoints),
                  checkpoints, StepProgressBar(train.log_interval)]
+    if train.eval_interval is not None:  # before StopOnSignal and checkpoints: a step's checkpoint records its outcome
+        callbacks.insert(2, PeriodicValidation(out_dir, dm.val_dataloader(), train.eval_interval,
+                                               train.early_stopping_patience, total_steps, config.adapter_config(),
+                                               ValidationRecord.from_state(resume_state), checkpoints))
     # Our plugin quantizes (QLoRA) and, under 16-mixed, keeps the base fp16 and scales the loss (QLoRA and LoRA).
     nf4 = config.quantize is Quantize.NF4
     plugin = NF4Precision(precision, config.ignore_modules, config.nf4_shards, quantize=nf4) \
@@ -185,6 +191,8 @@ def setup(checkpoint_dir: Path, out_dir: Path, quantize: str, precision: str, se
     n_ckpt = train.activation_checkpointing
     model.checkpoint_blocks = model.config.n_layer if n_ckpt is True else int(n_ckpt or 0)
     module = FinetuneModule(model, train, total_steps, config.start_step, compile=compile)
+    periodic = periodic_validation(callbacks)
+    module.validation_record = periodic.record if periodic else None
     keep_frozen_out_of_ddp(module)
     out_dir.mkdir(parents=True, exist_ok=True)
     # The ranks of one tensor-parallel group (consecutive global ranks) take the same samples.
@@ -204,15 +212,21 @@ def fit(run: Run) -> dict[str, Any]:
 
 
 def train_and_export(run: Run) -> dict[str, Any]:
+    from lit_qlora.train.validation import write_val_row
+
     config, trainer, module = run.config, run.trainer, run.module
+    periodic = periodic_validation(trainer.callbacks)
     val_loader = run.data.val_dataloader()
     if config.start_step == 0:
         with config.oom(lambda: "in the first validation"):
             trainer.validate(module, dataloaders=val_loader, verbose=False)
         module.initial_val_loss = module.val_loss
+        if periodic:
+            write_val_row(config.out_dir, 0, module.val_loss, trainer.is_global_zero)
     else:
         module.initial_val_loss = config.initial_val_loss
-    if config.start_step < config.total_steps:
+    stopped_early = periodic.record.stopped_early if periodic else None  # a resume of a run that stopped early
+    if config.start_step < config.total_steps and stopped_early is None:
         with config.oom(lambda: f"at optimizer step {module.step + 1}"):
             trainer.fit(module, train_dataloaders=run.train_loader)
     else:  # the last step's checkpoint is written but final/ or summary.json is not: validate and export again
@@ -222,8 +236,15 @@ def train_and_export(run: Run) -> dict[str, Any]:
     # (Lightning moves the module back to the CPU when a fit or validation ends: the strategy knows the device.)
     device = trainer.strategy.root_device
     train_peaks = {k.replace("_bytes", "_train_bytes"): v for k, v in peak_memory_stats(device).items()}
-    with config.oom(lambda: "in the final validation"):
-        trainer.validate(module, dataloaders=val_loader, verbose=False)
+    if periodic and periodic.record.stopped_early is not None:
+        # Stopped early: the run's result is the best adapter, validated when it was saved.
+        load_adapter(module.model, config.out_dir / "best")
+        module.val_loss = periodic.record.best_val_loss
+    else:
+        with config.oom(lambda: "in the final validation"):
+            trainer.validate(module, dataloaders=val_loader, verbose=False)
+        if periodic:
+            periodic.record_validation(trainer, module, config.total_steps, module.val_loss)
     trainer.logger.close()
 
     # Training's freed activations stay in glibc's heap; export's transient would stack on top of them and set the
@@ -232,12 +253,28 @@ def train_and_export(run: Run) -> dict[str, Any]:
     adapter = full_lora_state_dict(module.model)  # FSDP: every rank gathers, rank 0 writes
     if not trainer.is_global_zero:
         return {}
+    adapter_config = {**config.adapter_config(), **(best_fields(periodic.record) if periodic else {})}
     with config.oom(lambda: "while exporting final/"):
-        export_final(module.model, config.out_dir / "final", config.checkpoint_dir, config.adapter_config(), adapter)
-    summary = {**run_summary(run), **train_peaks}
+        export_final(module.model, config.out_dir / "final", config.checkpoint_dir, adapter_config, adapter)
+    summary = {**run_summary(run), **(best_fields(periodic.record) if periodic else {}), **train_peaks}
     atomic_write_text(config.out_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
     print_report(summary, config.out_dir)
     return summary
+
+
+def periodic_validation(callbacks: list[Any]) -> Any:
+    """The run's PeriodicValidation callback (--train.eval_interval), or None."""
+    from lit_qlora.train.validation import PeriodicValidation
+
+    return next((c for c in callbacks if isinstance(c, PeriodicValidation)), None)
+
+
+def best_fields(record: Any) -> dict[str, Any]:
+    """What final/adapter_config.json and summary.json say of the validations during training: the best step and
+    its loss (out_dir/best/ holds that adapter), and the step early stopping ended training at (final/ is then the
+    best adapter), or null."""
+    return {"best_step": record.best_step, "best_val_loss": record.best_val_loss,
+            "stopped_early": record.stopped_early is not None, "stopped_at_step": record.stopped_early}
 
 
 def run_summary(run: Run) -> dict[str, Any]:
@@ -277,4 +314,5 @@ def last_logged_loss(out_dir: Path) -> Optional[float]:
     """The last training loss in metrics.jsonl: a process that trained no step itself reports its run's."""
     path = Path(out_dir) / "metrics.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    rows = [row for row in rows if "loss" in row]  # not the validations' rows (--train.eval_interval)
     return rows[-1]["loss"] if rows else None
