@@ -84,9 +84,10 @@ def finetune(
     # Input a user can get wrong, checked before setup() spends seconds importing the training stack.
     if Path(checkpoint_dir) != DEFAULT_CHECKPOINT:
         require_checkpoint_dir(checkpoint_dir)
+    data_source(data)  # one dataset option at most
     if data.json_path is not None:
         require_data_file(data.json_path)
-    for source in (data_source(data), data.val_path):
+    for source in (data.path, data.val_path):
         if source is not None:
             require_source(source)
     precision, precision_reason = choose_precision(precision, accelerator)
@@ -193,7 +194,9 @@ def finished_summary(out_dir: Path, state: dict[str, Any], max_steps: Optional[i
     that step's), after saying so; None when there is still something to do: train on, or export (a run killed
     while exporting has its last checkpoint but no final/ or summary.json yet)."""
     summary_file, final = out_dir / "summary.json", out_dir / "final"
-    if state.get("step") != state.get("total_steps") or not final.is_dir() or not summary_file.is_file():
+    # A run stopped early (--train.early_stopping_patience) ended at that step: its last.
+    last_step = state.get("validation", {}).get("stopped_early") or state.get("total_steps")
+    if state.get("step") != last_step or not final.is_dir() or not summary_file.is_file():
         return None
     if max_steps is not None and max_steps != state["total_steps"]:  # asked to train longer
         return None
@@ -205,9 +208,10 @@ def finished_summary(out_dir: Path, state: dict[str, Any], max_steps: Optional[i
     # trained longer (a larger --train.max_steps) and killed while exporting still has the shorter run's pair.
     if not isinstance(summary, dict) or summary.get("steps") != state["step"]:
         return None
-    print(f"{out_dir} is already complete: {state['step']} of {state['total_steps']} steps trained, the adapter and "
-          f"exports are in {final}/, the results in {summary_file}. Nothing was changed; to train longer, pass a larger "
-          "--train.max_steps, or start a new run in another --out_dir.")
+    stopped = f" (stopped early at step {last_step})" if last_step != state["total_steps"] else ""
+    print(f"{out_dir} is already complete{stopped}: {state['step']} of {state['total_steps']} steps trained, the "
+          f"adapter and exports are in {final}/, the results in {summary_file}. Nothing was changed; to train longer, "
+          "pass a larger --train.max_steps, or start a new run in another --out_dir.")
     return summary
 
 

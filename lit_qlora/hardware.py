@@ -3,7 +3,7 @@ x86 CPU behave like an AVX2-only one (tests, benchmarks, and a user reproducing 
 
 Without native bf16 a CPU emulates bf16 (and fp16) matmuls in oneDNN: on a 2-core AVX2-only EPYC a 1024x576x1536
 linear ran at 43 GFLOPS in fp32, 7.7 in bf16, 9.1 in fp16, and the SmolLM2 QLoRA preset at 4.7 tok/s in bf16-true
-against 59 in 32-true (benchmarks/README.md, "AVX2"). A GPU without bf16 (T4, V100: compute capability < 8.0) has
+against 59 in 32-true (benchmarks/README.md, "Every CPU"). A GPU without bf16 (T4, V100: compute capability < 8.0) has
 fp16 tensor cores: fp16 compute with fp32 adapters and dynamic loss scaling (`16-mixed`) is what its users expect.
 
 torch is imported inside the functions: the CLI reads `PrecisionChoice` to build `--help` without loading torch.
@@ -22,7 +22,6 @@ PrecisionChoice = Literal["auto", "bf16-true", "16-mixed", "16-true", "32-true"]
 ONEDNN_ISAS = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI",
                "AVX512_CORE_BF16", "AVX10_1_512", "AVX512_CORE_FP16", "AVX10_1_512_AMX", "AVX512_CORE_AMX",
                "AVX10_1_512_AMX_FP16", "AVX512_CORE_AMX_FP16", "ALL")
-FIRST_NATIVE_BF16 = ONEDNN_ISAS.index("AVX512_CORE_BF16")
 
 AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 """The environment that caps a newer x86 CPU at AVX2, as many laptops and cloud VMs are: ATen's vectorized kernels
@@ -48,12 +47,26 @@ def aten_cap() -> str | None:
     return value or None
 
 
+def onednn_capped_below(level: str) -> bool:
+    """Whether ONEDNN_MAX_CPU_ISA caps oneDNN below `level` (one of ONEDNN_ISAS)."""
+    cap = onednn_cap()
+    return cap in ONEDNN_ISAS and ONEDNN_ISAS.index(cap) < ONEDNN_ISAS.index(level)
+
+
+def aten_capped_below_avx512() -> bool:
+    return aten_cap() in ("avx2", "default", "no_avx")
+
+
 def avx2_capped() -> bool:
     """Whether the environment caps this process below AVX-512 (ATen or oneDNN)."""
-    aten = aten_cap()
-    cap = onednn_cap()
-    return aten in ("avx2", "default", "no_avx") or (cap in ONEDNN_ISAS and ONEDNN_ISAS.index(cap)
-                                                      < ONEDNN_ISAS.index("AVX512_CORE"))
+    return aten_capped_below_avx512() or onednn_capped_below("AVX512_CORE")
+
+
+def cpu_flags() -> dict[str, bool]:
+    """The CPU's own feature flags as torch reads them (whatever the caps)."""
+    import torch
+
+    return torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
 
 
 def isa_cap_label() -> str:
@@ -64,16 +77,12 @@ def isa_cap_label() -> str:
 
 def cpu_native_bf16() -> tuple[bool, str]:
     """(whether bf16 matmuls run natively on this CPU as this process sees it, a short why)."""
-    import torch
-
-    caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
-    flags = [name for name in ("amx_bf16", "avx512_bf16") if caps.get(name)]
+    flags = [name for name, present in cpu_flags().items() if name in ("amx_bf16", "avx512_bf16") and present]
     if not flags:
         return False, "this CPU has no native bf16 (no AVX512-BF16 or AMX)"
-    cap = onednn_cap()
-    if cap in ONEDNN_ISAS and ONEDNN_ISAS.index(cap) < FIRST_NATIVE_BF16:
-        return False, f"{onednn_cap_variable()}={cap} caps this CPU below native bf16"
-    if aten_cap() in ("avx2", "default", "no_avx"):
+    if onednn_capped_below("AVX512_CORE_BF16"):
+        return False, f"{onednn_cap_variable()}={onednn_cap()} caps this CPU below native bf16"
+    if aten_capped_below_avx512():
         return False, f"ATEN_CPU_CAPABILITY={aten_cap()} caps this CPU below native bf16"
     return True, f"this CPU has native bf16 ({'/'.join(flags)})"
 
@@ -85,9 +94,7 @@ def cpu_emulates(precision: str) -> str | None:
     if precision == "bf16-true":
         native, why = cpu_native_bf16()
         return None if native else why
-    import torch
-
-    caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
+    caps = cpu_flags()
     if (caps.get("amx_fp16") or caps.get("avx512_fp16")) and not avx2_capped():
         return None
     return "this CPU has no native fp16 (no AVX512-FP16 or AMX-FP16)"

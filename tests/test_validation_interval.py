@@ -125,18 +125,28 @@ def test_early_stopping_stops_after_patience_validations_without_improvement(tin
     assert expected_stop is not None and expected_stop < 20, rows  # the learning rate did make it rise
     assert rows[-1]["step"] == expected_stop  # nothing validated after the stop...
     assert max(r["step"] for r in metrics_rows(out)) == expected_stop  # ...nor trained
-    assert (summary["stopped_early"], summary["stopped_at_step"]) == (True, expected_stop)
+    assert (summary["stopped_early"], summary["stopped_at_step"], summary["steps"]) == (True, expected_stop,
+                                                                                       expected_stop)
     assert (summary["best_step"], summary["best_val_loss"], summary["val_loss"]) == (best["step"], best["val_loss"],
                                                                                      best["val_loss"])
     assert same_tensors(out / "final", out / "best")
     assert same_tensors(out / "final", out / "checkpoints" / f"step-{best['step']:06d}")
     state = json.loads((out / "checkpoints" / f"step-{expected_stop:06d}" / "state.json").read_text())
     assert state["validation"]["stopped_early"] == expected_stop
-    # A resume of the stopped run exports again without training on.
+    # A resume of the stopped run says it is complete and changes nothing.
+    before = (out / "summary.json").read_text()
+    again = run(tiny_llama_dir, out, small_data(tmp_path), resume="auto", lr=1.0, eval_interval=2,
+                early_stopping_patience=2, save_interval=2, keep_last=20)
+    assert (out / "summary.json").read_text() == before and again == json.loads(before)
+    assert max(r["step"] for r in metrics_rows(out)) == expected_stop
+    assert (again["best_step"], again["stopped_at_step"]) == (best["step"], expected_stop)
+    assert same_tensors(out / "final", out / "best")
+    # A run killed while exporting after the stop (summary.json gone) exports again without training on.
+    (out / "summary.json").unlink()
     again = run(tiny_llama_dir, out, small_data(tmp_path), resume="auto", lr=1.0, eval_interval=2,
                 early_stopping_patience=2, save_interval=2, keep_last=20)
     assert max(r["step"] for r in metrics_rows(out)) == expected_stop
-    assert (again["best_step"], again["stopped_at_step"]) == (best["step"], expected_stop)
+    assert (again["steps"], again["stopped_at_step"]) == (expected_stop, expected_stop)
     assert same_tensors(out / "final", out / "best")
 
 
@@ -153,3 +163,17 @@ def test_bad_validation_options_are_refused_before_anything_loads(tmp_path, trai
         finetune(out_dir=tmp_path / "out", accelerator="cpu", data=data, precision="32-true",
                  train=TrainArgs(**train_kw))
     assert not (tmp_path / "out").exists()  # refused before any output (or model load)
+
+
+def test_a_validation_row_is_not_written_twice_for_one_step(tmp_path):
+    """A run killed after its final validation's row, before final/, validates that step again when resumed."""
+    import json as _json
+
+    from lit_qlora.train.validation import write_val_row
+
+    write_val_row(tmp_path, 0, 2.5, True)
+    write_val_row(tmp_path, 5, 2.0, True)
+    write_val_row(tmp_path, 5, 2.0, True)  # the resumed run's repeat
+    write_val_row(tmp_path, 5, 2.0, False)  # other ranks never write
+    rows = [_json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows == [{"step": 0, "val_loss": 2.5}, {"step": 5, "val_loss": 2.0}]

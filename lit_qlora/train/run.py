@@ -257,6 +257,8 @@ def train_and_export(run: Run) -> dict[str, Any]:
     with config.oom(lambda: "while exporting final/"):
         export_final(module.model, config.out_dir / "final", config.checkpoint_dir, adapter_config, adapter)
     summary = {**run_summary(run), **(best_fields(periodic.record) if periodic else {}), **train_peaks}
+    if summary.get("stopped_at_step") is not None:  # the steps trained (and checkpointed) before the stop
+        summary["steps"] = summary["stopped_at_step"]
     atomic_write_text(config.out_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
     print_report(summary, config.out_dir)
     return summary

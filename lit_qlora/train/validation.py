@@ -129,10 +129,18 @@ class PeriodicValidation(Callback):
 
 
 def write_val_row(out_dir: Path, step: int, val_loss: float, global_zero: bool) -> None:
-    """metrics.jsonl's row for a validation: {"step": S, "val_loss": L} (a training row has "loss" instead)."""
-    if global_zero:
-        with open(Path(out_dir) / "metrics.jsonl", "a") as f:
-            f.write(json.dumps({"step": step, "val_loss": val_loss}) + "\n")
+    """metrics.jsonl's row for a validation: {"step": S, "val_loss": L} (a training row has "loss" instead). A run
+    killed after its final validation's row but before final/ validates again when resumed: the step's row is then
+    already the file's last, and is not written twice."""
+    if not global_zero:
+        return
+    path = Path(out_dir) / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.is_file() else []
+    last = json.loads(lines[-1]) if lines and lines[-1].strip() else {}
+    if last.get("step") == step and "val_loss" in last:
+        return
+    with open(path, "a") as f:
+        f.write(json.dumps({"step": step, "val_loss": val_loss}) + "\n")
 
 
 def save_best(out_dir: Path, model: torch.nn.Module, adapter_config: dict[str, Any],
