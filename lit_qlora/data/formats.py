@@ -84,7 +84,7 @@ def _load(source: str, load, hub: bool = False) -> list[dict]:
             raise DataError(
                 f"Cannot load the Hugging Face dataset {source!r}: the Hub cannot be reached (offline?) and it is not "
                 "in the local cache. Download it where there is network (it is cached), or pass a local file or "
-                "folder with --data.path."
+                "folder with --data.path (or the older --data.json_path)."
             ) from e
         raise DataError(f"Cannot read the dataset {source!r}: {message[:500]}") from e
 

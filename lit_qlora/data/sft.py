@@ -188,20 +188,11 @@ def load_json_rows(path: Path) -> list[dict]:
 
 
 def load_hf_rows(name: str, split: str = "train") -> list[dict]:
-    """Rows of a Hugging Face Hub dataset (downloaded and cached by `datasets`)."""
-    try:
-        import datasets
-    except ImportError:
-        raise DataError("--data.hf_dataset needs the `datasets` package: pip install datasets") from None
-    try:
-        rows = datasets.load_dataset(name, split=split).to_list()
-    except Exception as e:  # offline, unknown name, no such split, ...
-        if isinstance(e, ConnectionError) or "offline" in f"{type(e).__name__} {e}".lower():
-            raise DataError(
-                f"Cannot load the Hugging Face dataset {name!r}: the Hub cannot be reached (offline?) and it is not "
-                "in the local cache; pass a local file with --data.json_path instead."
-            ) from e
-        raise DataError(f"Cannot load the Hugging Face dataset {name!r} (split {split!r}): {e}") from e
+    """Rows of a Hugging Face Hub dataset (downloaded and cached by `datasets`), read as `--data.path NAME` reads them
+    (lit_qlora.data.formats: one Hub path, one offline error)."""
+    from lit_qlora.data.formats import read_source
+
+    rows, _ = read_source(name, None, split)
     return validate_rows(rows, f"Hugging Face dataset {name!r}")
 
 
