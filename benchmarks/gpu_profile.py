@@ -2,6 +2,12 @@
 fused AdamW) of a preset's shape with random weights built on the GPU, profiled with torch.profiler (CPU and CUDA).
 
     python benchmarks/gpu_profile.py --preset SmolLM2-135M --quantize nf4 --batch 4 --seq 512 [--dropout 0.05]
+        [--compile] [--save_dense] [--no_replay]
+
+--compile compiles each block as `--compile true` does (the warm-up steps are not timed); --save_dense keeps each
+NF4 weight's dense copy from the checkpointed recompute for its backward (LIT_QLORA_NF4_SAVE_DENSE=1) instead of
+dequantizing again; --no_replay runs CUDA's LoRA dropout as nn.Dropout (mask and dropped copy kept) instead of
+drawing the mask again in backward (LIT_QLORA_DROPOUT_REPLAY=0). LIT_QLORA_NF4_TRITON=0 in the environment runs the PyTorch dequantize (the "before" profile).
 
 Prints the step's wall time after warm-up, tokens/s, torch.cuda's allocated/reserved peaks of the step, and the top
 ops by self CUDA time and by self CPU time (a CPU-bound step shows up as CPU time far above CUDA time).
@@ -35,7 +41,15 @@ def main() -> None:
     parser.add_argument("--no_checkpointing", dest="checkpointing", action="store_false")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--rows", type=int, default=15)
+    parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--save_dense", action="store_true")
+    parser.add_argument("--no_replay", dest="replay", action="store_false")
+    parser.add_argument("--no_profile", dest="profile", action="store_false")
     args = parser.parse_args()
+    if args.save_dense:
+        os.environ["LIT_QLORA_NF4_SAVE_DENSE"] = "1"
+    if not args.replay:
+        os.environ["LIT_QLORA_DROPOUT_REPLAY"] = "0"
 
     torch.manual_seed(0)
     with torch.device("cuda"):  # built and quantized on the GPU: an 8B shape in seconds
@@ -43,6 +57,10 @@ def main() -> None:
     apply_lora(model, r=8, alpha=16, dropout=args.dropout, targets="all", dtype=torch.bfloat16)
     model.checkpoint_blocks = model.config.n_layer if args.checkpointing else 0
     model.train()
+    if args.compile:
+        from lit_qlora.compile import compile_blocks
+
+        compile_blocks(model)
     train = TrainArgs(max_steps=2, micro_batch_size=args.batch, global_batch_size=args.batch, max_seq_length=args.seq)
     module = FinetuneModule(model, train, total_steps=2)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -56,8 +74,11 @@ def main() -> None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
+    t0 = time.perf_counter()
     step()
+    step()  # a second warm-up: the first step's optimizer state, compile's second graph set
     torch.cuda.synchronize()
+    warmup = time.perf_counter() - t0
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     for _ in range(args.steps):
@@ -65,12 +86,16 @@ def main() -> None:
     torch.cuda.synchronize()
     wall = (time.perf_counter() - t0) / args.steps
     row = {"preset": args.preset, "quantize": args.quantize, "batch": args.batch, "seq": args.seq,
-           "dropout": args.dropout, "checkpointing": args.checkpointing, "step_seconds": round(wall, 4),
+           "dropout": args.dropout, "checkpointing": args.checkpointing, "compile": args.compile,
+           "save_dense": args.save_dense, "replay": args.replay, "triton": os.environ.get("LIT_QLORA_NF4_TRITON", "1") != "0",
+           "warmup_seconds": round(warmup, 2), "step_seconds": round(wall, 4),
            "tokens_per_sec": round(ids.numel() / wall, 1),
            "peak_allocated_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3),
            "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 3),
            "device": torch.cuda.get_device_name()}
     print(json.dumps(row), flush=True)
+    if not args.profile:
+        return
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()

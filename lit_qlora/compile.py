@@ -6,11 +6,13 @@ shapes, the same compiled graphs.
 checkpointing (forward_hidden calls the compiled block inside `torch.utils.checkpoint`), LoRA, FSDP2 and tensor
 parallelism (the blocks are compiled after they are sharded) and DDP (which wraps the whole module).
 
-The NF4 matmul and the CPU LoRA dropout (raw-pointer C kernels) are `torch.compiler.disable`d: dynamo graph-breaks
-there and runs them eagerly, and inductor compiles the elementwise chains between them (RMSNorm, RoPE, the
-residual and LoRA adds, SwiGLU). Each LoRA layer's `forward` then becomes a frame of its own, compiled once per
-weight shape (NF4 metadata is guarded exactly) and grad mode: a block of 7 adapters needs more than dynamo's
-default 8 entries per code object, hence RECOMPILE_LIMIT.
+The NF4 linear is traced, not a graph break: its dense weight comes from the custom op `lit_qlora::nf4_dequantize`
+(nf4/ops.py; the Triton kernel on CUDA, the C kernel on CPU), so with CUDA's dropout a block is ONE graph (NF4
+projections, LoRA, dropout, RMSNorm, RoPE, attention, SwiGLU) and backward re-dequantizes instead of saving dense
+weights. On CPU the LoRA dropout (a raw-pointer C kernel drawing a host seed) stays `torch.compiler.disable`d: with
+dropout > 0 each LoRA layer's dropout is a graph break there, and the LoRA layer's `forward` a frame of its own,
+compiled once per weight shape and grad mode: a block of 7 adapters needs more than dynamo's default 8 entries per
+code object, hence RECOMPILE_LIMIT.
 
 Shapes: the first call compiles for its exact shapes; the first recompilation for another shape (a packed run's
 validation, an unpacked run's next batch) marks the changed dimensions dynamic, so later shapes reuse it.

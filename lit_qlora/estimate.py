@@ -133,20 +133,12 @@ def resident_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -
 
 @contextmanager
 def _gpu_nf4_paths() -> Iterator[None]:
-    """What a GPU allocates for an NF4 matmul: a fresh dense slice per call instead of the CPU's scratch buffer.
-    (Its PyTorch dequantization also makes ~1 MiB of index temporaries per 256 KiB chunk, which the C kernel the
-    fake step stands in with does not: left out, as it would take thousands of fake ops per weight.)"""
-    import os
+    """What a GPU allocates for an NF4 matmul: the whole weight dense (one Triton launch) in a buffer reused across
+    calls, grown to the largest weight: the CPU's scratch buffer, on fake CPU tensors, stands in for it."""
+    from lit_qlora.nf4 import linear
 
-    saved = os.environ.get("LIT_QLORA_NF4_SCRATCH")
-    os.environ["LIT_QLORA_NF4_SCRATCH"] = "0"
-    try:
+    with _patched(linear, "whole_weight", lambda weight: True):
         yield
-    finally:
-        if saved is None:
-            del os.environ["LIT_QLORA_NF4_SCRATCH"]
-        else:
-            os.environ["LIT_QLORA_NF4_SCRATCH"] = saved
 
 
 def _cuda_dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
@@ -220,6 +212,7 @@ def trace_step(config: Config, quantize: Quantize, precision: Precision, lora: L
             stack.enter_context(_gpu_nf4_paths())
             stack.enter_context(_patched(torch.nn.functional, "dropout", _cuda_dropout))
             stack.enter_context(_patched(lora_dropout, "hash_dropout_applies", lambda x: False))
+            stack.enter_context(_patched(lora_dropout, "replayed_dropout_applies", lambda x: True))
         with trace:
             for _ in range(2):
                 for _ in range(min(accumulation, 2)):  # a second micro-batch runs with the gradients present

@@ -12,7 +12,7 @@ drawn per adapter in module order, as the unfused path draws them). Without drop
 are one matmul of x against the stacked A's.
 
 Where the fusion does not apply, each module runs its own forward (`fusion_plan` says when: tensor-parallel
-layers, DTensor weights, mixed NF4/dense or dtypes, trainable base weights, autocast, dropout off the CPU, an NF4
+layers, DTensor weights, torch.compile, mixed NF4/dense or dtypes, trainable base weights, autocast, dropout off the CPU, an NF4
 stack past `DENSE_CHUNK_ELEMS`).
 """
 
@@ -69,8 +69,8 @@ def _base_kind(weights: Sequence[torch.Tensor], x: torch.Tensor) -> Optional[str
 
 def fusion_plan(x: torch.Tensor, modules: Sequence[nn.Module]) -> Optional[FusionPlan]:
     """How `modules` (linears of the same input) run as one matmul, or None where each must run its own forward."""
-    if len(modules) < 2 or torch.is_autocast_enabled(x.device.type):
-        return None
+    if len(modules) < 2 or torch.is_autocast_enabled(x.device.type) or torch.compiler.is_compiling():
+        return None  # compiled: each projection is traced (inductor fuses what it can), no graph break
     if not all(_fusable_module(m) for m in modules):
         return None
     kind = _base_kind([m.weight for m in modules], x)

@@ -75,8 +75,11 @@ class LoRALinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = frozen_linear(x, self.weight, self.bias)
         a, b = self.lora_A.to(x.dtype), self.lora_B.to(x.dtype)
-        if self.training and isinstance(self.lora_dropout, nn.Dropout) and lora_dropout.hash_dropout_applies(x):
-            return out + dropped_lora(x, a, b, self.scale, self.lora_dropout.p)  # no per-element RNG, no mask kept
+        if self.training and isinstance(self.lora_dropout, nn.Dropout):
+            if lora_dropout.hash_dropout_applies(x):
+                return out + dropped_lora(x, a, b, self.scale, self.lora_dropout.p)  # no per-element RNG, no mask kept
+            if lora_dropout.replayed_dropout_applies(x):  # the mask is drawn again in backward, not kept
+                return out + (lora_dropout.replayed_dropout_down(x, a, self.lora_dropout.p) @ b.T) * self.scale
         return out + (self.lora_dropout(x) @ a.T @ b.T) * self.scale
 
     def lora_factors(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,7 +8,8 @@ lanes at a time by the C kernel beside the NF4 ones (PyTorch ops where it is una
   neighbours keep anyway) and the r-wide ``x A^T``; torch would keep the mask and the dropped copy of x;
 - activation checkpointing's recompute draws the same seed (it restores the RNG state), and a resumed run
   repeats exactly (the RNG state is checkpointed);
-- other devices keep ``nn.Dropout`` (CUDA's dropout is one fused kernel).
+- on CUDA, eagerly, the mask is drawn again in backward from the generator state saved in forward
+  (`_ReplayedDropoutDown`): x is kept, not the dropped copy and the mask; compiled code keeps ``nn.Dropout``.
 The dropped copy of x is itself never written where it can be avoided (`down`, `down_backward`): one C kernel
 pass hashes, scales and multiplies by A for every adapter of one input, and backward's pass makes the A gradients
 and adds the input gradient in place. Writing the copy, page faults on its fresh memory included, had made
@@ -17,6 +18,7 @@ dropout 0.05 cost 13.5% of a SmolLM2 4x512 step; 6% now (`benchmarks/dropout_ab.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import deque
 from typing import Callable, Optional
@@ -216,9 +218,68 @@ class _DroppedDown(torch.autograd.Function):
 def dropped_down(x: torch.Tensor, a: torch.Tensor, dropout: torch.nn.Module) -> torch.Tensor:
     """``dropout(x) @ a^T``, the r-wide half of a LoRA term, as the layer's `dropout` module would drop x: in
     training on CPU with the hash mask in one kernel pass (`down`), else with the module itself."""
-    if dropout.training and isinstance(dropout, torch.nn.Dropout) and dropout.p > 0 and hash_dropout_applies(x):
-        return _DroppedDown.apply(x, a, dropout.p, draw_seed(x))
+    if dropout.training and isinstance(dropout, torch.nn.Dropout) and dropout.p > 0:
+        if hash_dropout_applies(x):
+            return _DroppedDown.apply(x, a, dropout.p, draw_seed(x))
+        if replayed_dropout_applies(x):
+            return replayed_dropout_down(x, a, dropout.p)
     return dropout(x) @ a.T
+
+
+class _ReplayedDropoutDown(torch.autograd.Function):
+    """``dropout(x) @ a^T`` that saves x and the generator's state, not the dropped copy and its mask: backward draws
+    the same mask again (the same kernel from the same Philox/Mersenne state gives the same values). nn.Dropout then
+    matmul keeps both (3 bytes per bf16 element, per adapter); x is often kept anyway, once for q, k and v, which
+    read the same input. On an 8B QLoRA step (2x2048) that is 248 MiB less at the peak, the recompute of a block."""
+
+    @staticmethod
+    def forward(ctx, x, a, p: float):
+        gen = _default_generator(x.device)
+        ctx.state, ctx.p = gen.get_state(), p
+        ctx.save_for_backward(x, a)
+        return _dropped(x, _keep_mask(x, p, gen), p) @ a.T
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, a = ctx.saved_tensors
+        gen = torch.Generator(device=x.device)
+        gen.set_state(ctx.state)
+        keep = _keep_mask(x, ctx.p, gen)
+        # One x-sized temporary at a time beside the 1-byte mask: the dropped copy, then the input gradient.
+        dropped = _dropped(x, keep, ctx.p)
+        grad_a = grad.reshape(-1, grad.shape[-1]).T @ dropped.reshape(-1, x.shape[-1])
+        del dropped
+        grad_x = _dropped(grad @ a, keep, ctx.p, inplace=True) if ctx.needs_input_grad[0] else None
+        return grad_x, grad_a, None
+
+
+def _default_generator(device: torch.device) -> torch.Generator:
+    if device.type == "cuda":
+        return torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+    return torch.default_generator
+
+
+def _keep_mask(x: torch.Tensor, p: float, gen: torch.Generator) -> torch.Tensor:
+    """1 where an element of x is kept (probability 1 - p), else 0: uint8, drawn from `gen`."""
+    return torch.empty_like(x, dtype=torch.uint8).bernoulli_(1.0 - p, generator=gen)
+
+
+def _dropped(t: torch.Tensor, keep: torch.Tensor, p: float, inplace: bool = False) -> torch.Tensor:
+    """``t * keep / (1 - p)`` in t's dtype, as nn.Dropout scales (into t when `inplace`)."""
+    return (t.mul_(keep) if inplace else t * keep).mul_(1.0 / (1.0 - p))
+
+
+def replayed_dropout_applies(x: torch.Tensor) -> bool:
+    """Whether LoRA dropout on `x` saves the RNG state instead of its mask: CUDA tensors, eagerly (compiled code
+    keeps nn.Dropout, which inductor fuses into the block's kernels). `litqlora estimate --device cuda` patches it."""
+    if x.device.type != "cuda" or torch.compiler.is_compiling():
+        return False
+    return os.environ.get("LIT_QLORA_DROPOUT_REPLAY", "1") != "0"  # 0: nn.Dropout (for A/B measurements)
+
+
+def replayed_dropout_down(x: torch.Tensor, a: torch.Tensor, p: float) -> torch.Tensor:
+    """``dropout(x, p) @ a^T`` in training, keeping no mask (`_ReplayedDropoutDown`)."""
+    return _ReplayedDropoutDown.apply(x, a, p)
 
 
 def hash_dropout_applies(x: torch.Tensor) -> bool:

@@ -2,9 +2,21 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+
+# The Triton NF4 kernel runs on CPU tensors under Triton's interpreter (tests/test_nf4_triton.py). Read when the
+# kernel is defined, so set before anything imports it; a GPU machine (tests/test_cuda.py) runs it compiled.
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+if not _has_cuda():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

@@ -108,3 +108,56 @@ def test_finetune_on_cuda_trains_and_reports_cuda_memory(tiny_dir, tmp_path, qua
         assert (final / name).is_file(), name
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 8 and all(r["loss"] is not None for r in rows)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", [(4096, 1024), (192, 576), (100, 192), (14336 // 7, 4096)])
+def test_triton_kernel_equals_torchao_on_the_gpu(shape, dtype):
+    from lit_qlora.nf4 import triton as kernel
+
+    w = torch.randn(shape, generator=torch.Generator().manual_seed(2)).to(dtype).cuda()
+    t = quantize_nf4(w)
+    want = t.get_original_weight()
+    assert torch.equal(kernel.dequantize(t), want)
+    assert torch.equal(dequantize_nf4(t, torch.float32), want.float())
+    rows = (64, 128) if shape[0] >= 128 else (0, 64)
+    assert torch.equal(dequantize_nf4(t, rows=rows), want[rows[0] : rows[1]])
+
+
+def test_custom_op_on_the_gpu_is_the_triton_kernel():
+    from lit_qlora.nf4.ops import dequantize_op
+
+    t = quantize_nf4(torch.randn(1024, 512, device="cuda").to(torch.bfloat16))
+    got = dequantize_op(t, torch.bfloat16)
+    assert got.is_cuda and torch.equal(got, t.get_original_weight())
+    torch.library.opcheck(torch.ops.lit_qlora.nf4_dequantize.default,
+                          (t.quantized_data, t.quantized_scalers, t.quantization_factor, t.scaler_mean, t.nf4,
+                           t.block_size, t.scaler_block_size, 1024, 512, torch.bfloat16))
+
+
+def test_compiled_qlora_block_on_the_gpu_is_one_graph_and_two_steps_match_eager():
+    from lit_qlora.compile import compile_blocks
+
+    ids = torch.randint(0, CONFIG.vocab_size, (2, 64), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    losses = {}
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = random_base(CONFIG, "nf4", torch.bfloat16)
+        apply_lora(model, 4, 8, 0.0, dtype=torch.bfloat16)
+        model = model.cuda().train()
+        if compiled:
+            torch._dynamo.reset()
+            cos, sin = model.rope(torch.arange(64, device="cuda"), torch.bfloat16)
+            x = torch.randn(2, 64, CONFIG.n_embd, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            explained = torch._dynamo.explain(model.blocks[0])(x, cos, sin)
+            assert explained.graph_count == 1 and explained.graph_break_count == 0
+            compile_blocks(model)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        losses[compiled] = []
+        for _ in range(2):
+            loss = lm_loss_sum(model, ids, ids) / ids.numel()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses[compiled].append(loss.item())
+    assert losses[True] == pytest.approx(losses[False], rel=2e-2)

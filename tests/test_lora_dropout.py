@@ -253,3 +253,63 @@ def test_a_recompute_that_takes_another_path_computes_afresh():
     first = run(7)
     assert torch.equal(run(8), lora_dropout._down(x, a, [8], 0.2)[0])  # another seed: not the stashed product
     assert not torch.equal(first, run(8))
+
+
+# The GPU's path (replayed mask), exercised on CPU tensors: it is device-generic, only the choice is CUDA-only.
+
+
+def _replay_reference(x: torch.Tensor, a: torch.Tensor, p: float, state: torch.Tensor):
+    gen = torch.Generator()
+    gen.set_state(state)
+    keep = torch.empty_like(x, dtype=torch.uint8).bernoulli_(1 - p, generator=gen)
+    return x * keep / (1 - p) @ a.T, keep
+
+
+def test_replayed_dropout_equals_the_same_mask_through_autograd_and_drops_p():
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(4, 300, 64, generator=gen, requires_grad=True)
+    a = torch.randn(8, 64, generator=gen, requires_grad=True)
+    state = torch.get_rng_state()
+    h = lora_dropout.replayed_dropout_down(x, a, 0.1)
+    xr, ar = x.detach().clone().requires_grad_(), a.detach().clone().requires_grad_()
+    want, keep = _replay_reference(xr, ar, 0.1, state)
+    assert torch.allclose(h, want, atol=1e-5)
+    assert abs(keep.float().mean().item() - 0.9) < 0.004  # 76,800 draws: 4 sigma is 0.0043
+    g = torch.randn(h.shape, generator=gen)
+    h.backward(g)
+    want.backward(g)
+    assert torch.allclose(x.grad, xr.grad, atol=1e-5) and torch.allclose(a.grad, ar.grad, rtol=1e-5, atol=1e-4)
+
+
+def test_replayed_dropout_saves_the_input_and_no_mask():
+    x = torch.randn(2, 256, 64, dtype=torch.bfloat16, requires_grad=True)
+    a = torch.randn(8, 64, dtype=torch.bfloat16, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        h = lora_dropout.replayed_dropout_down(x, a, 0.05)
+    assert [t.data_ptr() for t in saved] == [x.data_ptr(), a.data_ptr()]  # nn.Dropout: + mask + dropped copy
+    h.float().sum().backward()
+    assert x.grad is not None and a.grad is not None
+
+
+def test_replayed_dropout_under_checkpointing_equals_no_checkpointing(monkeypatch):
+    monkeypatch.setattr(lora_dropout, "hash_dropout_applies", lambda x: False)
+    monkeypatch.setattr(lora_dropout, "replayed_dropout_applies", lambda x: True)  # as on a GPU
+    layer = LoRALinear(nn.Linear(64, 48, bias=False), r=4, alpha=8, dropout=0.2)
+    nn.init.normal_(layer.lora_B, std=0.1)
+    x = torch.randn(3, 20, 64, generator=torch.Generator().manual_seed(1))
+    grads = []
+    for use_checkpoint in (False, True):
+        torch.manual_seed(5)
+        xi = x.clone().requires_grad_()
+        y = checkpoint(layer, xi, use_reentrant=False) if use_checkpoint else layer(xi)
+        y.square().sum().backward()
+        grads.append((xi.grad.clone(), layer.lora_A.grad.clone(), layer.lora_B.grad.clone()))
+        layer.zero_grad()
+    for plain, checkpointed in zip(*grads):
+        assert torch.equal(plain, checkpointed)
+    torch.manual_seed(5)
+    state = torch.get_rng_state()
+    want, _ = _replay_reference(x, layer.lora_A.detach(), 0.2, state)
+    got = layer(x) - torch.nn.functional.linear(x, layer.weight)
+    assert torch.allclose(got, want @ layer.lora_B.detach().T * layer.scale, atol=1e-5)

@@ -347,8 +347,9 @@ def test_validation_and_training_share_one_scratch_buffer(monkeypatch):
     x2 = x.detach().clone().requires_grad_()
     F.linear(x2, dense).square().sum().backward()
     assert torch.equal(y, F.linear(x2.detach(), dense)) and torch.equal(x.grad, x2.grad)
-    assert list(lin._scratch.buffers) == [torch.bfloat16]
-    assert not lin._scratch.buffers[torch.bfloat16].is_inference()
+    key = (torch.device("cpu"), torch.bfloat16)
+    assert list(lin._scratch.buffers) == [key]
+    assert not lin._scratch.buffers[key].is_inference()
 
 
 class _ToyQLoRA(torch.nn.Module):

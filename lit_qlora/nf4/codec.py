@@ -12,8 +12,9 @@ state-dict handling keep working); only the hot paths are ours (CPU numbers: ben
 * ``rows=`` dequantizes a block-aligned slice of rows, which :mod:`lit_qlora.nf4.linear` uses to keep the
   dense copy of a large weight (an lm_head) small.
 
-On CPU the work runs in the C kernels of :mod:`lit_qlora.nf4.native`; on other devices, or without a
-compiler, in the PyTorch ops of :mod:`lit_qlora.nf4.reference` (the same computation).
+On CPU the work runs in the C kernels of :mod:`lit_qlora.nf4.native`; dequantization on CUDA in the Triton kernel
+of :mod:`lit_qlora.nf4.triton`; elsewhere, or without a compiler or Triton, in the PyTorch ops of
+:mod:`lit_qlora.nf4.reference` (the same computation).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import SubclassTens
 
 from lit_qlora.nf4.layout import check_layout, nf4_layout, row_blocks, rows_per_chunk
 from lit_qlora.nf4.native import dequantize_blocks, native_error, native_lib, quantize_blocks, use_native
+from lit_qlora.nf4.ops import triton_available
 from lit_qlora.nf4.reference import (quant_chunk_elems, SUPPORTED_DTYPES, dequantize_eager, dequantize_scalers,
                                   double_quantize, level_table, quantize_eager)
 
@@ -173,6 +175,13 @@ def dequantize_nf4(
     result = out if out is not None else torch.empty(shape, dtype=dtype, device=device)
     if device.type == "cpu" and (dtype == t.dtype or dtype == torch.float32) and use_native(t.dtype):
         dequantize_blocks(t.quantized_data, block_scales(t), t.nf4, t.dtype, result.view(-1), blocks)
+        return result
+    if device.type == "cuda" and triton_available():  # one launch: lit_qlora/nf4/triton.py
+        from lit_qlora.nf4 import triton as kernel
+
+        kernel.dequantize_into(t.quantized_data, t.quantized_scalers, t.quantization_factor, t.scaler_mean, t.nf4,
+                               t.block_size, t.scaler_block_size, result.view(-1),
+                               0 if blocks is None else blocks[0] * t.block_size)
         return result
     qdata, scales = t.quantized_data, block_scales(t, blocks)
     if blocks is not None:

@@ -11,12 +11,22 @@ many tokens through a wide weight, it dequantizes the weight whole instead.)
 On CPU the dense slice is written into a per-thread scratch buffer reused across calls: a fresh multi-MB
 allocation costs more in page faults (~2.5 GB/s on small VMs) than the dequantization itself
 (benchmarks/results/nf4_kernels.md). ``LIT_QLORA_NF4_SCRATCH=0`` turns the buffer off.
+
+On CUDA (with Triton) a weight is dequantized whole, one kernel launch (:mod:`lit_qlora.nf4.triton`), into a
+per-device buffer (one per process) the size of the largest weight: no slices, no fresh allocation per call.
+
+Under ``torch.compile`` the NF4 linear is traced, not a graph break: the dense weight comes from the custom op
+``lit_qlora::nf4_dequantize`` (:mod:`lit_qlora.nf4.ops`), whole, and inductor plans its memory.
+``LIT_QLORA_NF4_SAVE_DENSE=1`` (a benchmark switch) saves the dense weight for backward instead of the NF4 one: with
+activation checkpointing, the recompute's dense weights are kept for the block's backward (speed against memory,
+benchmarks/README "GPU").
 """
 
 from __future__ import annotations
 
 import os
 import threading
+import types
 from typing import Optional, Sequence
 
 import torch
@@ -26,11 +36,13 @@ from torchao.quantization import NF4Tensor
 
 from lit_qlora.nf4.codec import dequantize_nf4, is_nf4
 from lit_qlora.nf4.layout import row_slices
+from lit_qlora.nf4.ops import dequantize_op, triton_available
 from lit_qlora.nf4.reference import SUPPORTED_DTYPES
 
 DENSE_CHUNK_ELEMS = 1 << 23
 
 _scratch = threading.local()
+_cuda_scratch = types.SimpleNamespace()
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -40,32 +52,53 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
+def whole_weight(weight: NF4Tensor) -> bool:
+    """Whether the weight is dequantized whole: under torch.compile (the op), and on CUDA with Triton (one launch)."""
+    return torch.compiler.is_compiling() or (weight.quantized_data.device.type == "cuda" and triton_available())
+
+
 def _row_slices(weight: NF4Tensor) -> list[tuple[int, int]]:
+    if whole_weight(weight):
+        return [(0, weight.shape[0])]
     return row_slices(weight, DENSE_CHUNK_ELEMS)
 
 
+def _save_dense() -> bool:
+    return os.environ.get("LIT_QLORA_NF4_SAVE_DENSE", "0") == "1"
+
+
 def _scratch_matrix(rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> Optional[torch.Tensor]:
-    """A (rows, cols) matrix in this thread's CPU scratch buffer (grown when too small), valid until the next call
-    on this thread; None where no scratch buffer is used (other devices, ``LIT_QLORA_NF4_SCRATCH=0``)."""
-    if device.type != "cpu" or os.environ.get("LIT_QLORA_NF4_SCRATCH", "1") == "0":
+    """A (rows, cols) matrix in this thread's scratch buffer for ``device`` (CPU, or CUDA with Triton; grown when too
+    small), valid until the next call on this thread; None where no scratch buffer is used (other devices,
+    ``LIT_QLORA_NF4_SCRATCH=0``, the dense weight saved for backward)."""
+    if device.type not in ("cpu", "cuda") or (device.type == "cuda" and not triton_available()):
         return None
-    buffers = getattr(_scratch, "buffers", None)
+    if os.environ.get("LIT_QLORA_NF4_SCRATCH", "1") == "0" or (device.type == "cuda" and _save_dense()):
+        return None
+    # One CUDA buffer per process, not per thread: CUDA's backward runs on autograd's device thread, and a buffer
+    # per thread doubled it (measured: +224 MiB, not 112, at 8B). The stream orders its uses.
+    holder = _scratch if device.type == "cpu" else _cuda_scratch
+    buffers = getattr(holder, "buffers", None)
     if buffers is None:
-        buffers = _scratch.buffers = {}
+        buffers = holder.buffers = {}
     numel = rows * cols
-    buf = buffers.get(dtype)
+    key = (device, dtype)
+    buf = buffers.get(key)
     if buf is None or buf.numel() < numel:
-        buffers.pop(dtype, None)
+        buffers.pop(key, None)
         # Made outside inference_mode even under it (validation, generation): an inference tensor could not be
         # written by training later, and a second buffer per mode had held up to 32 MB through every training
         # step after the first validation.
         with torch.inference_mode(False):
-            buf = buffers[dtype] = torch.empty(numel, dtype=dtype)
+            buf = buffers[key] = torch.empty(numel, dtype=dtype, device=device)
     return buf[:numel].view(rows, cols)
 
 
-def _dense_rows(weight: NF4Tensor, dtype: torch.dtype, start: int, stop: int) -> torch.Tensor:
-    """Rows ``start:stop`` of the dequantized weight, valid only until the next call on this thread."""
+def _dense_rows(weight: NF4Tensor, dtype: torch.dtype, start: int, stop: int, recompute: int = 0) -> torch.Tensor:
+    """Rows ``start:stop`` of the dequantized weight, valid only until the next call on this thread (a fresh tensor
+    under torch.compile, where it comes from the custom op: ``recompute`` names the call site, see nf4/ops.py)."""
+    if torch.compiler.is_compiling():
+        return dequantize_op(weight, dtype, recompute)
     rows = None if (start, stop) == (0, weight.shape[0]) else (start, stop)
     out = _scratch_matrix(stop - start, weight.shape[1], dtype, weight.quantized_data.device)
     return dequantize_nf4(weight, dtype, out=out, rows=rows)
@@ -75,6 +108,8 @@ def dense_stack(weights: Sequence[NF4Tensor], dtype: torch.dtype) -> torch.Tenso
     """The NF4 weights dequantized and stacked along dim 0 (one matmul's weight for several projections of the
     same input), in the scratch buffer on CPU: valid only until the next call on this thread. The caller keeps
     the stack within ``DENSE_CHUNK_ELEMS``, the bound every dense copy of a weight here keeps."""
+    if torch.compiler.is_compiling():
+        return torch.cat([dequantize_op(w, dtype) for w in weights])
     total = sum(w.shape[0] for w in weights)
     cols, device = weights[0].shape[1], weights[0].quantized_data.device
     out = _scratch_matrix(total, cols, dtype, device)
@@ -94,11 +129,15 @@ class NF4Linear(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weight: NF4Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         dtype = _compute_dtype(x)
         dtype = dtype if dtype in SUPPORTED_DTYPES else x.dtype
-        ctx.save_for_backward(weight)
         ctx.has_bias = bias is not None
+        ctx.dense = False
         slices = _row_slices(weight)
         if len(slices) == 1:
-            return F.linear(x, _dense_rows(weight, dtype, 0, weight.shape[0]), bias)
+            dense = _dense_rows(weight, dtype, 0, weight.shape[0])
+            ctx.dense = _save_dense() and not torch.compiler.is_compiling()
+            ctx.save_for_backward(dense if ctx.dense else weight)
+            return F.linear(x, dense, bias)
+        ctx.save_for_backward(weight)
         x = x.to(dtype)
         y = x.new_empty(*x.shape[:-1], weight.shape[0])
         for start, stop in slices:
@@ -110,7 +149,9 @@ class NF4Linear(torch.autograd.Function):
     def backward(ctx, grad_output: torch.Tensor):
         (weight,) = ctx.saved_tensors
         grad_x = grad_bias = None
-        if ctx.needs_input_grad[0]:
+        if ctx.needs_input_grad[0] and ctx.dense:
+            grad_x = grad_output @ weight.to(grad_output.dtype)
+        elif ctx.needs_input_grad[0]:
             dtype = grad_output.dtype
             slices = _row_slices(weight)
             # Sliced, the partial products need an fp32 sum of grad_x's size: when that is larger than the whole
@@ -119,7 +160,7 @@ class NF4Linear(torch.autograd.Function):
             if len(slices) == 1 or tokens * 4 >= weight.shape[0] * dtype.itemsize:
                 slices = [(0, weight.shape[0])]
             if len(slices) == 1:
-                grad_x = grad_output @ _dense_rows(weight, dtype, 0, weight.shape[0])
+                grad_x = grad_output @ _dense_rows(weight, dtype, 0, weight.shape[0], recompute=1)
             else:
                 # The slices contract over different rows: their bf16 partial products are summed in fp32.
                 grad_x = torch.zeros(*grad_output.shape[:-1], weight.shape[1], dtype=torch.float32,
@@ -132,12 +173,11 @@ class NF4Linear(torch.autograd.Function):
         return grad_x, None, grad_bias
 
 
-@torch.compiler.disable
 def nf4_linear(x: torch.Tensor, weight: NF4Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``F.linear(x, dequantize_nf4(weight).to(x.dtype), bias)``; gradients flow to ``x`` and ``bias`` only.
 
-    Under autocast the weight is dequantized straight to the autocast dtype. Under ``torch.compile`` this is a
-    graph break (the kernels write through raw pointers, which dynamo cannot trace): it runs eagerly.
+    Under autocast the weight is dequantized straight to the autocast dtype. Under ``torch.compile`` it is traced
+    (the dense weight from the custom op ``lit_qlora::nf4_dequantize``), no graph break.
     """
     return NF4Linear.apply(x, weight, bias)
 
