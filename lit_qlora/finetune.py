@@ -16,6 +16,7 @@ from typing import Any, Literal, Optional, Union
 from lit_qlora.errors import UserError
 from lit_qlora.hardware import PrecisionChoice, choose_precision, cpu_emulates, uses_cuda
 from lit_qlora.train.args import DataArgs, LoRAArgs, TrainArgs, data_source, flatten
+from lit_qlora.train.loggers import LoggerName, require_loggers
 
 DEFAULT_CHECKPOINT = Path("checkpoints/SmolLM2-135M-Instruct")
 
@@ -39,6 +40,7 @@ def finetune(
     ignore_modules: Optional[list[str]] = None,
     compile: Union[bool, Literal["force"]] = False,
     overwrite: bool = False,
+    logger: Union[LoggerName, list[LoggerName]] = "tensorboard",
 ) -> dict[str, Any]:
     """Fine-tune a LoRA adapter on a frozen base: NF4 (QLoRA, the default) or plain (LoRA, the baseline).
 
@@ -73,7 +75,11 @@ def finetune(
             A resume may change it. Refused on a CPU that emulates the precision's matmuls (bf16 without
             AVX512-BF16/AMX: minutes per step for nothing); `force` compiles anyway.
         overwrite: Start a new run (no --resume) in an out_dir that holds another run's checkpoints or results,
-            deleting them, its metrics.jsonl and logs/ first; without it, such an out_dir is refused.
+            deleting them, its metrics.jsonl and logs first; without it, such an out_dir is refused.
+        logger: Where the scalars (and the settings as hyperparameters) go besides metrics.jsonl, one or several
+            (--logger '[tensorboard,csv]'): tensorboard (out_dir/logs), csv (out_dir/csv/metrics.csv), wandb
+            (offline in out_dir/wandb unless you are logged in; pip install wandb) or mlflow (out_dir/mlruns unless
+            MLFLOW_TRACKING_URI is set; pip install mlflow).
     """
     from lit_qlora.config import require_checkpoint_dir
     from lit_qlora.data.formats import require_source
@@ -90,6 +96,7 @@ def finetune(
     for source in (data.path, data.val_path):
         if source is not None:
             require_source(source)
+    loggers = require_loggers(logger)
     precision, precision_reason = choose_precision(precision, accelerator)
     compile = compile_choice(compile, accelerator, precision)
     train.require_valid_validation(data)
@@ -108,7 +115,7 @@ def finetune(
                      accelerator=accelerator, devices=devices, num_nodes=num_nodes, strategy=strategy,
                      tensor_parallel=tensor_parallel, nf4_shards=nf4_shards, resume=resume_from or False, lora=lora,
                      train=train, data=data, ignore_modules=ignore_modules, compile=compile,
-                     precision_reason=precision_reason))
+                     precision_reason=precision_reason, logger=loggers))
 
 
 COMPILE_EMULATED = (
@@ -260,7 +267,7 @@ def claim_out_dir(out_dir: Path, resume: Union[bool, str, Path], overwrite: bool
             "true to delete that run's checkpoints and results and start over.")
     if not first_process():  # the others start once the first has begun writing its own logs/ (Lightning's launcher)
         return
-    for name in (*RUN_RESULTS, "metrics.jsonl", "logs"):
+    for name in (*RUN_RESULTS, "metrics.jsonl", "logs", "csv", "wandb", "mlruns", "samples.jsonl"):
         path = out_dir / name
         if path.exists():
             # Renamed aside before deleting: a kill halfway leaves no partial checkpoint that --resume auto would take.

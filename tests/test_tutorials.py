@@ -88,3 +88,17 @@ def test_own_data_tutorial_runs_as_written_and_both_losses_fall(smollm2_dir, tmp
     losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(losses) == 6 and losses[-1] < losses[0] - 3  # "train loss per step 10.05 ... 3.23"
     assert summary["val_loss"] < summary["initial_val_loss"] - 0.5  # "validation 7.58 -> 6.04"
+
+
+@pytest.mark.slow
+def test_one_example_per_format_tutorial_runs_as_written(smollm2_dir, tmp_path):
+    """tutorials/finetune.md, "One example per format": five files, five formats detected, two steps on each."""
+    import json
+
+    done = run_finetune_block("data/alpaca.json", smollm2_dir, tmp_path)
+    for file, fmt in (("alpaca.json", "alpaca"), ("messages.jsonl", "messages"), ("sharegpt.json", "sharegpt"),
+                      ("completions.parquet", "prompt_completion"), ("notes.jsonl", "text")):
+        assert f"Data: data/{file}: 6 {fmt} rows (detected from their columns)" in done.stdout, done.stdout[-2000:]
+        summary = json.loads((tmp_path / "out" / "tutorial" / "formats" / file.split(".")[0] / "summary.json")
+                             .read_text())
+        assert summary["steps"] == 2 and summary["val_loss"] is not None

@@ -56,6 +56,11 @@ class TrainArgs:
     eval_interval: Optional[int] = None
     """Validate every N optimizer steps (besides before the first step and after the last), writing val_loss to
     metrics.jsonl and TensorBoard and the best adapter so far to out_dir/best/."""
+    eval_prompt: Optional[str] = None
+    """With eval_interval: the prompt whose reply (greedy, up to 48 tokens) is generated at every validation and
+    logged (the console, out_dir/samples.jsonl, TensorBoard's TEXT tab). Default: the first validation row's prompt
+    (a held-out row; for plain text, its first 32 tokens). Given here, it goes through the chat template. Not
+    with tensor parallelism (decoding there has no KV cache for the local heads)."""
     early_stopping_patience: Optional[int] = None
     """With eval_interval: stop after K validations in a row without a lower validation loss; final/ is then the
     best adapter."""
@@ -81,6 +86,10 @@ class TrainArgs:
         if patience is not None and patience < 1:
             raise UserError(f"--train.early_stopping_patience must be at least 1 (validations without improvement "
                             f"before stopping), got {patience}; leave it out to train every step.")
+        if self.eval_prompt is not None and (self.eval_interval is None or not self.eval_prompt.strip()):
+            raise UserError("--train.eval_prompt is the prompt answered at each validation that --train.eval_interval "
+                            "runs: pass --train.eval_interval N too, and a non-empty prompt (or leave it out: the "
+                            "first validation row's prompt is used).")
         if patience is not None and self.eval_interval is None:
             raise UserError("--train.early_stopping_patience counts the validations that --train.eval_interval runs, "
                             "and none was given: pass --train.eval_interval N too (e.g. 50), or leave out the "

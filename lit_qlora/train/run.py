@@ -12,7 +12,7 @@ import time
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
@@ -117,9 +117,11 @@ class Run:
 def setup(checkpoint_dir: Path, out_dir: Path, quantize: str, precision: str, seed: int, accelerator: str,
           devices: int, num_nodes: int, strategy: str, tensor_parallel: int, nf4_shards: Optional[int],
           resume: Union[bool, str, Path], lora: LoRAArgs, train: TrainArgs, data: DataArgs,
-          ignore_modules: Optional[list[str]], compile: bool = False, precision_reason: Optional[str] = None) -> Run:
+          ignore_modules: Optional[list[str]], compile: bool = False, precision_reason: Optional[str] = None,
+          logger: Sequence[str] = ("tensorboard",)) -> Run:
     """Check the settings, load the data and the base (NF4 unless quantize=none), add LoRA, build the Trainer.
-    `precision` may be auto (resolved here); `precision_reason` says why it is what it is (summary.json)."""
+    `precision` may be auto (resolved here); `precision_reason` says why it is what it is (summary.json); `logger`
+    names the loggers besides metrics.jsonl (lit_qlora.train.loggers)."""
     # Lightning (and what builds on it) loads here, without transformers, matplotlib and scipy, which torchmetrics
     # would import only because they are installed (lit_qlora.train.lean_imports).
     from lit_qlora.train.lean_imports import lean_imports
@@ -132,8 +134,9 @@ def setup(checkpoint_dir: Path, out_dir: Path, quantize: str, precision: str, se
         from lit_qlora.train.callbacks import HeapRelease, MetricsLog, ResumableCheckpoints, StopOnSignal
         from lit_qlora.train.module import FinetuneModule
         from lit_qlora.train.progress import StepProgressBar, quiet_lightning
-        from lit_qlora.train.tensorboard import RunTensorBoardLogger
-        from lit_qlora.train.validation import PeriodicValidation, ValidationRecord
+        from lit_qlora.train.loggers import build_loggers, log_settings
+        from lit_qlora.train.validation import (PeriodicValidation, ValidationRecord, drop_samples_after,
+                                                sample_prompt_ids)
 
     started = time.perf_counter()
     if precision == "auto" or precision_reason is None:
@@ -165,23 +168,27 @@ def setup(checkpoint_dir: Path, out_dir: Path, quantize: str, precision: str, se
     callbacks = [HeapRelease(), MetricsLog(out_dir, config.start_step, train.log_interval), StopOnSignal(checkpoints),
                  checkpoints, StepProgressBar(train.log_interval)]
     if train.eval_interval is not None:  # before StopOnSignal and checkpoints: a step's checkpoint records its outcome
+        # The sample reply decodes with the KV cache, which tensor-parallel attention (local heads) does not have.
+        sample = None if tensor_parallel > 1 else (sample_prompt_ids(train.eval_prompt, dm.val_set, dm.tokenizer),
+                                                   dm.tokenizer)
         callbacks.insert(2, PeriodicValidation(out_dir, dm.val_dataloader(), train.eval_interval,
                                                train.early_stopping_patience, total_steps, config.adapter_config(),
-                                               ValidationRecord.from_state(resume_state), checkpoints))
+                                               ValidationRecord.from_state(resume_state), checkpoints, sample))
     # Our plugin quantizes (QLoRA) and, under 16-mixed, keeps the base fp16 and scales the loss (QLoRA and LoRA).
     nf4 = config.quantize is Quantize.NF4
     plugin = NF4Precision(precision, config.ignore_modules, config.nf4_shards, quantize=nf4) \
         if nf4 or precision in MIXED_PRECISIONS else None
     quiet_lightning()
-    logger = RunTensorBoardLogger(out_dir, config.start_step)
+    loggers = build_loggers(logger, out_dir, config.start_step)
     trainer = L.Trainer(
         accelerator=accelerator, devices=devices, num_nodes=num_nodes, strategy=strategy_arg,
         precision=None if plugin else precision, plugins=[plugin] if plugin else None, callbacks=callbacks,
-        logger=logger, log_every_n_steps=train.log_interval, max_epochs=1, enable_checkpointing=False,
+        logger=loggers, log_every_n_steps=train.log_interval, max_epochs=1, enable_checkpointing=False,
         num_sanity_val_steps=0, use_distributed_sampler=False, enable_model_summary=False,
     )
     if trainer.is_global_zero:  # known from here on; rank_zero_only learns the rank only when the strategy starts
-        logger.log_settings(config.as_json())
+        log_settings(loggers, config.as_json())
+        drop_samples_after(out_dir, config.start_step)
     # The Trainer knows this process's rank before any process group exists: tensor parallelism loads its shard.
     with config.oom(lambda: "while loading the base model"):
         shard = TensorParallelShard(trainer.global_rank % tensor_parallel, tensor_parallel) if tensor_parallel > 1 else None
@@ -212,6 +219,7 @@ def fit(run: Run) -> dict[str, Any]:
 
 
 def train_and_export(run: Run) -> dict[str, Any]:
+    from lit_qlora.train.loggers import close_loggers
     from lit_qlora.train.validation import write_val_row
 
     config, trainer, module = run.config, run.trainer, run.module
@@ -223,6 +231,7 @@ def train_and_export(run: Run) -> dict[str, Any]:
         module.initial_val_loss = module.val_loss
         if periodic:
             write_val_row(config.out_dir, 0, module.val_loss, trainer.is_global_zero)
+            periodic.log_sample(trainer, module, 0)
     else:
         module.initial_val_loss = config.initial_val_loss
     stopped_early = periodic.record.stopped_early if periodic else None  # a resume of a run that stopped early
@@ -245,7 +254,8 @@ def train_and_export(run: Run) -> dict[str, Any]:
             trainer.validate(module, dataloaders=val_loader, verbose=False)
         if periodic:
             periodic.record_validation(trainer, module, config.total_steps, module.val_loss)
-    trainer.logger.close()
+            periodic.log_sample(trainer, module, config.total_steps)
+    close_loggers(trainer.loggers)
 
     # Training's freed activations stay in glibc's heap; export's transient would stack on top of them and set the
     # run's peak (a QLoRA run peaked above LoRA's this way). Returned to the OS, export fits under training's peak.

@@ -19,9 +19,11 @@ from lightning.pytorch.callbacks import Callback
 from lit_qlora.checkpoint import atomic_write_text, remove_path, replace_dir
 from lit_qlora.lora import full_lora_state_dict, save_adapter
 from lit_qlora.parallel.distributed import reshard
+from lit_qlora.train.loggers import log_scalars
 from lit_qlora.train.tensorboard import TAGS
 
-BEST_DIR, BEST_FILE = "best", "best.json"
+BEST_DIR, BEST_FILE, SAMPLES_FILE = "best", "best.json", "samples.jsonl"
+SAMPLE_TOKENS = 48  # a reply's length at most: a glance at what the adapter does, seconds on a CPU
 
 
 @dataclass
@@ -89,10 +91,12 @@ class PeriodicValidation(Callback):
     run's state). An early stop saves a checkpoint at its step, so a resume knows the run ended there."""
 
     def __init__(self, out_dir: Path, val_loader: Any, interval: int, patience: Optional[int], total_steps: int,
-                 adapter_config: dict[str, Any], record: ValidationRecord, checkpoints: Any) -> None:
+                 adapter_config: dict[str, Any], record: ValidationRecord, checkpoints: Any,
+                 sample_prompt: Optional[tuple[list[int], Any]] = None) -> None:
         self.out_dir, self.val_loader, self.interval, self.patience = Path(out_dir), val_loader, interval, patience
         self.total_steps, self.adapter_config, self.record = total_steps, adapter_config, record
         self.checkpoints = checkpoints  # ResumableCheckpoints
+        self.sample_prompt = sample_prompt  # (prompt ids, tokenizer): a reply logged at each validation
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -110,8 +114,9 @@ class PeriodicValidation(Callback):
         for callback in others:
             callback.on_validation_end(trainer, pl_module)  # the progress line "Validation at step S/T: loss L"
         if trainer.is_global_zero:
-            trainer.logger.log_metrics({TAGS["val_loss"]: pl_module.val_loss}, step=step)
+            log_scalars(trainer.loggers, {TAGS["val_loss"]: pl_module.val_loss}, step)
         self.record_validation(trainer, pl_module, step, pl_module.val_loss)
+        self.log_sample(trainer, pl_module, step)
         if self.patience is not None and self.record.since_best >= self.patience:
             self.record.stopped_early = step
             trainer.should_stop = True
@@ -126,6 +131,71 @@ class PeriodicValidation(Callback):
             if trainer.is_global_zero:
                 save_best(self.out_dir, pl_module.model, self.adapter_config, adapter, step, val_loss)
             trainer.strategy.barrier()
+
+
+    def log_sample(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
+        """The reply to the sample prompt (greedy, SAMPLE_TOKENS at most) with the adapter as trained so far: printed,
+        appended to out_dir/samples.jsonl and logged as text to TensorBoard. Every rank generates (FSDP and tensor
+        parallelism need all of them for a forward; greedy decoding gives each the same reply), rank 0 logs; the
+        random number generators and train/eval modes are restored, as after a validation."""
+        if self.sample_prompt is None:
+            return
+        from lit_qlora.sampling import generate
+
+        ids, tokenizer = self.sample_prompt
+        model = pl_module.model
+        modes = {m: m.training for m in model.modules()}
+        devices = [pl_module.device] if pl_module.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices), torch.compiler.set_stance("force_eager"):
+            model.eval()
+            try:
+                reply = tokenizer.decode(list(generate(model, ids, SAMPLE_TOKENS, stop_ids=tokenizer.eos_ids)))
+            finally:
+                for m, training in modes.items():
+                    m.train(training)
+                reshard(model)
+        if not trainer.is_global_zero:
+            return
+        pl_module.print(f"Sample at step {step}: {reply.strip()!r}")
+        append_sample(self.out_dir, step, tokenizer.decode(ids), reply)
+        for logger in trainer.loggers:
+            if hasattr(logger.experiment, "add_text"):  # TensorBoard
+                logger.experiment.add_text("val/sample", reply, global_step=step)
+
+
+def append_sample(out_dir: Path, step: int, prompt: str, reply: str) -> None:
+    """samples.jsonl's row; a step already there (a resumed run validating it again) is written once."""
+    path = Path(out_dir) / SAMPLES_FILE
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    if any(r["step"] == step for r in rows):
+        return
+    with open(path, "a") as f:
+        f.write(json.dumps({"step": step, "prompt": prompt, "reply": reply}) + "\n")
+
+
+def drop_samples_after(out_dir: Path, step: int) -> None:
+    """A resumed run trains the steps after its checkpoint again: their samples go."""
+    path = Path(out_dir) / SAMPLES_FILE
+    if step and path.is_file():
+        rows = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+        atomic_write_text(path, "".join(line + "\n" for line in rows))
+
+
+def sample_prompt_ids(prompt: Optional[str], val_set: Any, tokenizer: Any) -> list[int]:
+    """--train.eval_prompt through the chat template (as `litqlora generate` formats a prompt), else the first
+    validation row up to its reply: the tokens before its first trained one (plain text trains on every token:
+    its first 32 tokens, half of it at most)."""
+    from lit_qlora.data.sft import IGNORE_INDEX
+
+    if prompt is not None:
+        if tokenizer.has_chat_template:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+            return tokenizer.encode(text, bos=False)
+        return tokenizer.encode(prompt)
+    sample = val_set[0]
+    trained = (sample.labels != IGNORE_INDEX).nonzero()
+    start = int(trained[0]) if len(trained) else len(sample.input_ids)
+    return sample.input_ids[: start or max(1, min(32, len(sample.input_ids) // 2))].tolist()
 
 
 def write_val_row(out_dir: Path, step: int, val_loss: float, global_zero: bool) -> None:
