@@ -37,6 +37,7 @@ def commands() -> dict[str, Command]:
     # when the command runs (after main() has quieted the loggers: torchao logs warnings while it is imported).
     # Names of heavy types in its annotations stay text (`from __future__ import annotations`), never imported in
     # an `if TYPE_CHECKING:` block: jsonargparse executes those blocks when it reads a signature.
+    from lit_qlora.deploy.gguf_export import export_gguf_command
     from lit_qlora.download import download
     from lit_qlora.estimate import estimate
     from lit_qlora.eval.compare import compare
@@ -54,6 +55,7 @@ def commands() -> dict[str, Command]:
         "generate": generate_command,
         "merge": merge,
         "export_peft": export_peft,
+        "export_gguf": export_gguf_command,
         "evaluate": evaluate,
         "compare": compare,
     }

@@ -137,9 +137,10 @@ def write_peft_adapter(model: nn.Module, acfg: dict, out_dir: Path, base_name: s
 
 
 def export_final(model: nn.Module, final_dir: Path, checkpoint_dir: Path, adapter_config: dict,
-                 adapter: Optional[dict[str, torch.Tensor]] = None) -> None:
+                 adapter: Optional[dict[str, torch.Tensor]] = None, gguf: Optional[str] = None) -> None:
     """A fine-tune's final/: adapter.safetensors (+ adapter_config.json), merged/ (Hugging Face, bf16) and peft/,
-    streamed from the trained model. `adapter`: its tensors when already gathered (`full_lora_state_dict`).
+    streamed from the trained model. `adapter`: its tensors when already gathered (`full_lora_state_dict`). `gguf`:
+    a GGUF type (--export.gguf): model-<type>.gguf and an Ollama Modelfile too (lit_qlora.deploy.gguf_export).
 
     final/ is complete or absent: it is built as .final.tmp beside it and swapped in by renames when whole
     (`replace_dir`), so a run killed while exporting leaves no half-written final/ that a user could take for a
@@ -165,4 +166,8 @@ def export_final(model: nn.Module, final_dir: Path, checkpoint_dir: Path, adapte
     save_hf_checkpoint(staging / "merged", export_config(model, True), hf_tensor_specs(model, torch.bfloat16),
                        tokenizer_dir=Path(checkpoint_dir), dtype=torch.bfloat16)
     write_peft_adapter(model, adapter_config, staging / "peft", str(Path(checkpoint_dir).resolve()))
+    if gguf:
+        from lit_qlora.deploy.gguf_export import write_gguf
+
+        write_gguf(model, Path(checkpoint_dir), staging / f"model-{gguf}.gguf", gguf)
     replace_dir(staging, final_dir)  # a re-export replaces an older final/ as a whole too

@@ -15,7 +15,7 @@ from typing import Any, Literal, Optional, Union
 
 from lit_qlora.errors import UserError
 from lit_qlora.hardware import PrecisionChoice, choose_precision, cpu_emulates, uses_cuda
-from lit_qlora.train.args import DataArgs, LoRAArgs, TrainArgs, data_source, flatten
+from lit_qlora.train.args import DataArgs, ExportArgs, LoRAArgs, TrainArgs, data_source, flatten
 from lit_qlora.train.loggers import LoggerName, require_loggers
 
 DEFAULT_CHECKPOINT = Path("checkpoints/SmolLM2-135M-Instruct")
@@ -41,6 +41,7 @@ def finetune(
     compile: Union[bool, Literal["force"]] = False,
     overwrite: bool = False,
     logger: Union[LoggerName, list[LoggerName]] = "tensorboard",
+    export: ExportArgs = ExportArgs(),
 ) -> dict[str, Any]:
     """Fine-tune a LoRA adapter on a frozen base: NF4 (QLoRA, the default) or plain (LoRA, the baseline).
 
@@ -80,6 +81,7 @@ def finetune(
             (--logger '[tensorboard,csv]'): tensorboard (out_dir/logs), csv (out_dir/csv/metrics.csv), wandb
             (offline in out_dir/wandb unless you are logged in; pip install wandb) or mlflow (out_dir/mlruns unless
             MLFLOW_TRACKING_URI is set; pip install mlflow).
+        export: More exports of the fine-tune beside final/'s adapter, merged model and PEFT adapter.
     """
     from lit_qlora.config import require_checkpoint_dir
     from lit_qlora.data.formats import require_source
@@ -97,6 +99,10 @@ def finetune(
         if source is not None:
             require_source(source)
     loggers = require_loggers(logger)
+    if export.gguf and Path(checkpoint_dir).is_dir():  # (the default checkpoint, not yet converted: after training)
+        from lit_qlora.deploy.gguf_export import require_exportable
+
+        require_exportable(Path(checkpoint_dir))
     precision, precision_reason = choose_precision(precision, accelerator)
     compile = compile_choice(compile, accelerator, precision)
     train.require_valid_validation(data)
@@ -115,7 +121,7 @@ def finetune(
                      accelerator=accelerator, devices=devices, num_nodes=num_nodes, strategy=strategy,
                      tensor_parallel=tensor_parallel, nf4_shards=nf4_shards, resume=resume_from or False, lora=lora,
                      train=train, data=data, ignore_modules=ignore_modules, compile=compile,
-                     precision_reason=precision_reason, logger=loggers))
+                     precision_reason=precision_reason, logger=loggers, gguf=export.gguf))
 
 
 COMPILE_EMULATED = (

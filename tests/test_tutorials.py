@@ -102,3 +102,16 @@ def test_one_example_per_format_tutorial_runs_as_written(smollm2_dir, tmp_path):
         summary = json.loads((tmp_path / "out" / "tutorial" / "formats" / file.split(".")[0] / "summary.json")
                              .read_text())
         assert summary["steps"] == 2 and summary["val_loss"] is not None
+
+
+@pytest.mark.slow
+def test_deploy_tutorial_gguf_block_runs_as_written(smollm2_dir, tmp_path):
+    """tutorials/deploy.md, "GGUF": train, export at q8_0, read back, and the answer the text promises."""
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "SmolLM2-135M-Instruct").symlink_to(smollm2_dir)
+    (block,) = [b for b in code_blocks("deploy.md", "bash") if "export_gguf" in b]
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    done = subprocess.run(["bash", "-ec", block], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=1200)
+    assert done.returncode == 0, done.stderr
+    assert 'FROM ./smollm2-q8_0.gguf\nPARAMETER stop "<|im_end|>"' in done.stdout
+    assert "Paris" in done.stdout.splitlines()[-1]

@@ -108,6 +108,14 @@ def total_steps_for(train: TrainArgs, num_samples: int) -> int:
 
 
 @dataclass
+class ExportArgs:
+    gguf: Optional[Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"]] = None
+    """Also write final/model-<type>.gguf (the adapter merged, for llama.cpp, Ollama and LM Studio) and
+    final/Modelfile, as `litqlora export_gguf --dtype <type>` would; the base's family and tokenizer are checked
+    before training starts."""
+
+
+@dataclass
 class DataArgs:
     path: Optional[str] = None
     """The dataset: a local file (.json, .jsonl, .csv, .parquet, .arrow), a folder (of such files, or one written by

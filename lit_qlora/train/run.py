@@ -112,13 +112,14 @@ class Run:
     data: Any  # lit_qlora.data.module.SFTDataModule
     train_loader: Any  # torch.utils.data.DataLoader
     started: float  # perf_counter() at the start: this process's part of summary.json's wall_seconds
+    gguf: Optional[str] = None  # --export.gguf: the GGUF type written to final/ too
 
 
 def setup(checkpoint_dir: Path, out_dir: Path, quantize: str, precision: str, seed: int, accelerator: str,
           devices: int, num_nodes: int, strategy: str, tensor_parallel: int, nf4_shards: Optional[int],
           resume: Union[bool, str, Path], lora: LoRAArgs, train: TrainArgs, data: DataArgs,
           ignore_modules: Optional[list[str]], compile: bool = False, precision_reason: Optional[str] = None,
-          logger: Sequence[str] = ("tensorboard",)) -> Run:
+          logger: Sequence[str] = ("tensorboard",), gguf: Optional[str] = None) -> Run:
     """Check the settings, load the data and the base (NF4 unless quantize=none), add LoRA, build the Trainer.
     `precision` may be auto (resolved here); `precision_reason` says why it is what it is (summary.json); `logger`
     names the loggers besides metrics.jsonl (lit_qlora.train.loggers)."""
@@ -205,7 +206,7 @@ def setup(checkpoint_dir: Path, out_dir: Path, quantize: str, precision: str, se
     # The ranks of one tensor-parallel group (consecutive global ranks) take the same samples.
     loader = dm.step_dataloader(train.global_batch_size, config.start_step, total_steps,
                                 trainer.global_rank // tensor_parallel, config.data_ranks)
-    return Run(config, trainer, module, dm, loader, started)
+    return Run(config, trainer, module, dm, loader, started, gguf)
 
 
 def fit(run: Run) -> dict[str, Any]:
@@ -265,8 +266,11 @@ def train_and_export(run: Run) -> dict[str, Any]:
         return {}
     adapter_config = {**config.adapter_config(), **(best_fields(periodic.record) if periodic else {})}
     with config.oom(lambda: "while exporting final/"):
-        export_final(module.model, config.out_dir / "final", config.checkpoint_dir, adapter_config, adapter)
+        export_final(module.model, config.out_dir / "final", config.checkpoint_dir, adapter_config, adapter,
+                     gguf=run.gguf)
     summary = {**run_summary(run), **(best_fields(periodic.record) if periodic else {}), **train_peaks}
+    if run.gguf:
+        summary["gguf"] = str(config.out_dir / "final" / f"model-{run.gguf}.gguf")
     if summary.get("stopped_at_step") is not None:  # the steps trained (and checkpointed) before the stop
         summary["steps"] = summary["stopped_at_step"]
     atomic_write_text(config.out_dir / "summary.json", json.dumps(summary, indent=2) + "\n")

@@ -1,0 +1,1 @@
+"""After training: GGUF export for llama.cpp and Ollama."""

@@ -1,0 +1,321 @@
+"""`litqlora export_gguf`: a model, a LoRA adapter merged on the fly, as one GGUF file for llama.cpp, and an Ollama
+`Modelfile` beside it.
+
+What llama.cpp reads, written the way its own converter writes it (gguf_import.py reads the same layout back):
+
+* tensor names `token_embd`, `blk.N.attn_q`, ..., `output`; numpy's (out, in) arrays, which the writer stores with
+  ggml's fastest-first dimensions; llama's q/k rows permuted into the adjacent pairs its rope kernel rotates
+  (qwen2/qwen3 keep Hugging Face's halves: llama.cpp runs them with NEOX rope);
+* the family's metadata (`{arch}.block_count`, heads, kv heads, rope base, RMSNorm epsilon, context length) and
+  Llama 3.x's rope scaling as llama.cpp stores it, a `rope_freqs` tensor of per-frequency divisors;
+* the tokenizer: byte-level BPE (Llama 3, Qwen, SmolLM2) as `gpt2` with its merges and the name of its split
+  regex (`tokenizer.ggml.pre`), special and added tokens typed as control or user-defined, BOS/EOS/pad ids and
+  the chat template.
+
+Norms and biases stay F32 (llama.cpp's convention); a weight whose rows do not split into the quantization's 32-value
+blocks is written F16 (`litqlora` says which). Weights are produced one tensor at a time (merged in fp32 from the
+base the adapter trained against: dequant(NF4(W)) for QLoRA), so the file is written without the merged model ever
+existing whole.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+# torch, numpy and gguf are imported inside the functions: the CLI imports this module to build --help.
+
+GGUFType = Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"]
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_BLOCK_NAMES = {
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+}
+_TOP_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+_NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4  # llama.cpp's token types
+# general.file_type, what llama.cpp reports as the model's type (gguf.LlamaFileType's values)
+FILE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q8_0": 7, "q5_0": 8, "q5_1": 9, "bf16": 32}
+
+
+class GGUFExportError(ValueError):
+    pass
+
+
+def gguf_name(hf_name: str) -> str:
+    """`model.layers.3.self_attn.q_proj.weight` -> `blk.3.attn_q.weight` (the inverse of gguf_import.hf_name)."""
+    base, _, suffix = hf_name.rpartition(".")
+    if base in _TOP_NAMES:
+        return f"{_TOP_NAMES[base]}.{suffix}"
+    parts = base.split(".", 3)
+    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in _BLOCK_NAMES:
+        return f"blk.{parts[2]}.{_BLOCK_NAMES[parts[3]]}.{suffix}"
+    raise GGUFExportError(f"no GGUF name for the weight {hf_name}")
+
+
+def permute_rope_rows(w, n_heads: int):
+    """HF's rotate-halves q/k rows -> llama.cpp's adjacent pairs (gguf_import.unpermute_rope_rows undoes it)."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, 2, rows // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def architecture(config) -> str:
+    arch = ARCHITECTURES.get(config.model_type)
+    if arch is None:
+        raise GGUFExportError(
+            f"export_gguf writes {', '.join(sorted(ARCHITECTURES))} models; this checkpoint is "
+            f"{config.model_type!r}. Use the merged Hugging Face export (out_dir/final/merged) with llama.cpp's own "
+            "convert_hf_to_gguf.py for other families.")
+    return arch
+
+
+def tokenizer_metadata(checkpoint_dir: Path) -> dict[str, Any]:
+    """The GGUF tokenizer fields of the checkpoint's tokenizer.json (byte-level BPE only), checked before writing."""
+    from lit_qlora.gguf_import import _DIGIT_SPLIT_PRE, _SPLITS
+    from lit_qlora.tokenizer import Tokenizer
+
+    tok = Tokenizer(checkpoint_dir)
+    data = json.loads((Path(checkpoint_dir) / "tokenizer.json").read_text(encoding="utf-8"))
+    model = data.get("model", {})
+    if model.get("type") != "BPE" or model.get("byte_fallback"):
+        raise GGUFExportError(
+            f"{checkpoint_dir}/tokenizer.json is a {'SentencePiece (byte-fallback) ' if model.get('byte_fallback') else ''}"
+            f"{model.get('type')} tokenizer; export_gguf writes byte-level BPE tokenizers (Llama 3, Qwen, SmolLM2) so "
+            "far. Use llama.cpp's convert_hf_to_gguf.py on out_dir/final/merged for this model.")
+    pre = _pre_tokenizer_name(data.get("pre_tokenizer") or {}, _SPLITS, _DIGIT_SPLIT_PRE)
+    vocab = dict(model["vocab"])
+    added = {t["content"]: t for t in data.get("added_tokens", [])}
+    for text, entry in added.items():
+        vocab[text] = entry["id"]
+    size = max(vocab.values()) + 1
+    tokens = [f"[PAD{i}]" for i in range(size)]
+    types = [_USER_DEFINED] * size  # ids no vocabulary entry names (padding rows) are inert user-defined tokens
+    for text, index in vocab.items():
+        tokens[index] = text
+        entry = added.get(text)
+        types[index] = _NORMAL if entry is None else _CONTROL if entry.get("special") else _USER_DEFINED
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    fields = {"model": "gpt2", "pre": pre, "tokens": tokens, "types": types, "merges": merges,
+              "bos": tok.bos_id, "eos": tok.eos_id, "add_bos": tok.add_bos, "chat_template": tok.chat_template,
+              "eos_ids": tok.eos_ids, "pad": _pad_id(checkpoint_dir, tok)}
+    return fields
+
+
+def _pre_tokenizer_name(pre: dict[str, Any], splits: dict[str, str], digit_split: tuple[str, ...]) -> str:
+    steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
+    kinds = [s.get("type") for s in steps]
+    if kinds == ["ByteLevel"] and steps[0].get("use_regex", True):
+        return "gpt2"
+    if kinds == ["Digits", "ByteLevel"] and steps[0].get("individual_digits"):
+        return digit_split[0]  # "smollm": digits one by one, then GPT-2's regex
+    if kinds[:1] == ["Split"]:
+        regex = (steps[0].get("pattern") or {}).get("Regex")
+        for name in ("llama-bpe", "qwen2"):
+            if regex == splits[name]:
+                return name
+    raise GGUFExportError(
+        f"the tokenizer's pre-tokenizer ({', '.join(map(str, kinds))}) is not one export_gguf can name for llama.cpp "
+        "(GPT-2, SmolLM2/StarCoder digits, Llama 3 and Qwen2 splits are). Use llama.cpp's convert_hf_to_gguf.py.")
+
+
+def _pad_id(checkpoint_dir: Path, tok) -> Optional[int]:
+    config = json.loads((Path(checkpoint_dir) / "tokenizer_config.json").read_text()) \
+        if (Path(checkpoint_dir) / "tokenizer_config.json").is_file() else {}
+    pad = config.get("pad_token")
+    pad = pad.get("content") if isinstance(pad, dict) else pad
+    return tok.token_to_id(pad) if pad else None
+
+
+def export_gguf(checkpoint_dir: Path, out: Path, adapter_dir: Optional[Path] = None, dtype: GGUFType = "f16",
+                quantize: Optional[Literal["nf4", "none"]] = None) -> Path:
+    """Write `out` (GGUF) and a Modelfile beside it for the checkpoint, with the adapter merged when given; returns
+    the GGUF path. See the module docstring."""
+    from lit_qlora.loading import load_model
+
+    checkpoint_dir = Path(checkpoint_dir)
+    require_exportable(checkpoint_dir)  # every refusal before anything loads or is written
+    model = load_model(checkpoint_dir, quantize, "32-true" if quantize == "none" or adapter_dir is None else None,
+                       adapter_dir=adapter_dir)
+    return write_gguf(model, checkpoint_dir, out, dtype, merged=adapter_dir is not None)
+
+
+def require_exportable(checkpoint_dir: Path) -> dict[str, Any]:
+    """The checkpoint's GGUF tokenizer fields; a GGUFExportError when export_gguf cannot write this model."""
+    from lit_qlora.config import Config
+
+    architecture(Config.from_checkpoint(checkpoint_dir))
+    return tokenizer_metadata(checkpoint_dir)
+
+
+def write_gguf(model, checkpoint_dir: Path, out: Path, dtype: GGUFType = "f16", merged: bool = True) -> Path:
+    """`model` (a LoRA model: its adapters merged on the fly, one tensor at a time, in fp32) as the GGUF file `out`,
+    the tokenizer and chat template from `checkpoint_dir`, and an Ollama Modelfile beside it."""
+    import gguf
+    import torch
+
+    from lit_qlora.checkpoint import remove_path
+    from lit_qlora.export import export_config, hf_tensor_specs
+
+    out = Path(out)
+    config = export_config(model, merged=merged)
+    arch = architecture(config)
+    tokenizer = tokenizer_metadata(Path(checkpoint_dir))
+    specs = hf_tensor_specs(model, torch.float32, merge=merged)
+    qtype = getattr(gguf.GGMLQuantizationType, dtype.upper())
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+
+    def storage(spec) -> Any:
+        if len(spec.shape) == 1 or dtype == "f32":
+            return gguf.GGMLQuantizationType.F32
+        if spec.shape[-1] % block:
+            return gguf.GGMLQuantizationType.F16  # the rows do not split into the quantization's blocks
+        return qtype
+
+    tmp = out.with_name(f".{out.name}.tmp")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    writer = gguf.GGUFWriter(tmp, arch)
+    try:
+        _write_metadata(writer, config, arch, tokenizer, Path(checkpoint_dir).name, dtype)
+        tensors = []  # (gguf name, spec or array, storage type, heads to permute)
+        for spec in specs:
+            name = gguf_name(spec.name)
+            heads = config.n_head if ".attn_q." in name else config.n_query_groups if ".attn_k." in name else None
+            tensors.append((name, spec, storage(spec), heads if arch == "llama" else None))
+        rope = _rope_freqs(config)
+        if rope is not None:
+            tensors.append(("rope_freqs.weight", rope, gguf.GGMLQuantizationType.F32, None))
+        for name, spec, kind, _ in tensors:
+            _add_tensor_info(writer, name, tuple(spec.shape), kind)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for name, spec, kind, heads in tensors:
+            values = spec.produce().reshape(spec.shape).float().numpy() if hasattr(spec, "produce") else spec
+            if heads is not None:
+                values = permute_rope_rows(values, heads)
+            writer.write_tensor_data(_encode(values, kind))
+        writer.close()
+        tmp.replace(out)
+    except BaseException:
+        writer.close()
+        remove_path(tmp)
+        raise
+    write_modelfile(out, tokenizer)
+    return out
+
+
+def _add_tensor_info(writer, name: str, shape: tuple[int, ...], kind) -> None:
+    """The tensor's header entry, its bytes known before any is produced (the file is written in one pass)."""
+    import gguf
+    import numpy as np
+
+    block, size = gguf.GGML_QUANT_SIZES[kind]
+    numel = int(np.prod(shape))
+    nbytes = numel // block * size
+    if kind in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+        writer.add_tensor_info(name, shape, np.dtype(np.float32 if size == 4 else np.float16), nbytes, raw_dtype=kind)
+    elif kind == gguf.GGMLQuantizationType.BF16:
+        writer.add_tensor_info(name, shape, np.dtype(np.uint16), nbytes, raw_dtype=kind)
+    else:  # block quantizations: the writer takes the row's byte length and derives the value count
+        writer.add_tensor_info(name, (*shape[:-1], shape[-1] // block * size), np.dtype(np.uint8), nbytes,
+                               raw_dtype=kind)
+
+
+def _encode(values, kind):
+    import gguf
+    import numpy as np
+
+    if kind == gguf.GGMLQuantizationType.F32:
+        return np.ascontiguousarray(values, dtype=np.float32)
+    if kind == gguf.GGMLQuantizationType.F16:
+        return np.ascontiguousarray(values, dtype=np.float16)
+    return gguf.quants.quantize(np.ascontiguousarray(values, dtype=np.float32), kind)
+
+
+def _rope_freqs(config):
+    """Llama 3.x rope scaling as llama.cpp stores it: the divisor of each inverse frequency (None without it)."""
+    import numpy as np
+
+    from lit_qlora.config import rope_inv_freq
+
+    scaling = config.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind in (None, "default"):
+        return None
+    if kind != "llama3":
+        raise GGUFExportError(f"rope scaling {kind!r}: export_gguf writes Llama 3 scaling (and none) so far.")
+    plain = rope_inv_freq(config.replace(rope_scaling=None)).double()
+    scaled = rope_inv_freq(config).double()
+    return (plain / scaled).float().numpy().astype(np.float32)
+
+
+def _write_metadata(writer, config, arch: str, tok: dict[str, Any], name: str, file_type: str) -> None:
+    writer.add_name(name)
+    writer.add_context_length(config.max_seq_length)
+    writer.add_embedding_length(config.n_embd)
+    writer.add_block_count(config.n_layer)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.n_head)
+    writer.add_head_count_kv(config.n_query_groups)
+    writer.add_rope_freq_base(float(config.rope_base))
+    writer.add_layer_norm_rms_eps(float(config.norm_eps))
+    writer.add_rope_dimension_count(config.head_dim)
+    if config.head_dim * config.n_head != config.n_embd:
+        writer.add_key_length(config.head_dim)
+        writer.add_value_length(config.head_dim)
+    writer.add_vocab_size(config.vocab_size)
+    scaling = config.rope_scaling or {}
+    if scaling.get("original_max_position_embeddings"):
+        writer.add_rope_scaling_orig_ctx_len(int(scaling["original_max_position_embeddings"]))
+    writer.add_file_type(int(FILE_TYPES[file_type]))
+    writer.add_tokenizer_model(tok["model"])
+    writer.add_tokenizer_pre(tok["pre"])
+    writer.add_token_list(tok["tokens"])
+    writer.add_token_types(tok["types"])
+    writer.add_token_merges(tok["merges"])
+    for key, add in (("bos", writer.add_bos_token_id), ("eos", writer.add_eos_token_id),
+                     ("pad", writer.add_pad_token_id)):
+        if tok[key] is not None:
+            add(int(tok[key]))
+    writer.add_add_bos_token(bool(tok["add_bos"]))
+    if tok["chat_template"]:
+        writer.add_chat_template(tok["chat_template"])
+
+
+def write_modelfile(gguf_path: Path, tok: dict[str, Any]) -> Path:
+    """An Ollama Modelfile beside the GGUF file (`ollama create NAME -f Modelfile`). The GGUF carries the chat
+    template, which Ollama reads from it; the stop tokens are listed here so a reply ends at end-of-turn."""
+    from lit_qlora.checkpoint import atomic_write_text
+
+    stops = [tok["tokens"][i] for i in tok["eos_ids"] if i is not None and i < len(tok["tokens"])]
+    lines = [f"FROM ./{gguf_path.name}", *(f"PARAMETER stop {json.dumps(s)}" for s in dict.fromkeys(stops))]
+    path = gguf_path.with_name("Modelfile")
+    atomic_write_text(path, "\n".join(lines) + "\n")
+    return path
+
+
+def export_gguf_command(
+    checkpoint_dir: Path,
+    out: Path,
+    adapter_dir: Optional[Path] = None,
+    dtype: GGUFType = "f16",
+    quantize: Optional[Literal["nf4", "none"]] = None,
+) -> str:
+    """Write a GGUF file for llama.cpp, Ollama and LM Studio (and an Ollama Modelfile beside it).
+
+    Args:
+        checkpoint_dir: The base model's Hugging Face directory.
+        out: The .gguf file to write (replaced whole when complete; a failed export leaves none).
+        adapter_dir: A fine-tune's out_dir or final/ directory: its adapter is merged into the weights on the fly.
+        dtype: f32, f16 or bf16 weights, or llama.cpp's block quantizations q8_0, q4_0, q4_1, q5_0, q5_1 (norms
+            stay f32; a weight whose rows do not split into 32-value blocks is written f16).
+        quantize: The base the adapter is merged into: nf4 = dequant(NF4(W)), what QLoRA trained against; none =
+            W. Default: what the adapter trained with.
+    """
+    path = export_gguf(checkpoint_dir, out, adapter_dir, dtype, quantize)
+    print(f"Wrote {path} and {path.with_name('Modelfile')} (ollama create NAME -f {path.with_name('Modelfile')})",
+          file=sys.stderr)
+    return str(path)
