@@ -37,6 +37,7 @@ def commands() -> dict[str, Command]:
     # when the command runs (after main() has quieted the loggers: torchao logs warnings while it is imported).
     # Names of heavy types in its annotations stay text (`from __future__ import annotations`), never imported in
     # an `if TYPE_CHECKING:` block: jsonargparse executes those blocks when it reads a signature.
+    from lit_qlora.deploy.chat import chat_command
     from lit_qlora.deploy.gguf_export import export_gguf_command
     from lit_qlora.download import download
     from lit_qlora.estimate import estimate
@@ -53,6 +54,7 @@ def commands() -> dict[str, Command]:
         "download": download,
         "convert_gguf": convert_gguf_command,
         "generate": generate_command,
+        "chat": chat_command,
         "merge": merge,
         "export_peft": export_peft,
         "export_gguf": export_gguf_command,

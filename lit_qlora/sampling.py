@@ -9,7 +9,10 @@ import torch
 from lit_qlora.model import Transformer
 
 
-def sample(logits: torch.Tensor, temperature: float, top_k: Optional[int], generator: torch.Generator) -> int:
+def sample(logits: torch.Tensor, temperature: float, top_k: Optional[int], generator: torch.Generator,
+           top_p: Optional[float] = None) -> int:
+    """Greedy at temperature 0; else a draw among the top_k most likely tokens and, with top_p, the smallest set of
+    most likely tokens whose probabilities sum to at least top_p (nucleus sampling; the most likely always stays)."""
     if temperature <= 0:
         return int(torch.argmax(logits).item())
     logits = logits.float() / temperature
@@ -17,6 +20,10 @@ def sample(logits: torch.Tensor, temperature: float, top_k: Optional[int], gener
         kth = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
+    if top_p is not None and top_p < 1:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        outside = sorted_probs.cumsum(0) - sorted_probs >= top_p  # the mass before a token already reaches top_p
+        probs = probs.scatter(0, order[outside], 0.0)
     return int(torch.multinomial(probs, 1, generator=generator).item())
 
 

@@ -1,0 +1,156 @@
+"""`litqlora chat`: a multi-turn conversation in the terminal with a base model or a fine-tune.
+
+Each turn renders the whole conversation through the checkpoint's chat template, as training rendered it, and the
+model computes only what is new: the KV cache holds the tokens of the turns before (the prompt's longest prefix
+already in the cache is kept, the rest is computed), so a long conversation does not get slower turn by turn.
+Replies stream as they are generated. `/reset` starts over, `/quit` (or Ctrl-D) ends.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Iterator, Literal, Optional
+
+from lit_qlora.hardware import PrecisionChoice
+
+# torch and the model are imported inside the functions: the CLI imports this module to build --help.
+
+COMMANDS = "/reset starts a new conversation, /quit (or Ctrl-D) ends it"
+
+
+class ChatSession:
+    """One conversation: its messages, and the model's KV cache of the tokens computed so far."""
+
+    def __init__(self, model, tokenizer, system: Optional[str] = None, seed: int = 1234) -> None:
+        import torch
+
+        if not tokenizer.has_chat_template:
+            raise ValueError(f"{tokenizer.checkpoint_dir} has no chat template (tokenizer_config.json "
+                             "chat_template): chat needs one to know how turns are written. Use `litqlora generate` "
+                             "for single prompts with this model.")
+        self.model, self.tokenizer, self.system = model, tokenizer, system
+        self.device = next(model.parameters()).device
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.max_len = model.config.max_seq_length
+        self.fed: list[int] = []  # the tokens whose keys and values are in the cache, in order
+        self.messages: list[dict[str, str]] = []
+        self.reset()
+
+    def reset(self) -> None:
+        self.messages = [{"role": "system", "content": self.system}] if self.system else []
+        self.fed = []
+        self.model.set_kv_cache(batch_size=1, max_len=self.max_len, device=self.device)
+
+    def close(self) -> None:
+        self.model.clear_kv_cache()
+
+    def _forward(self, ids: list[int]):
+        """Logits of the last of `ids`, fed after the cached tokens."""
+        import torch
+
+        start = len(self.fed)
+        pos = torch.arange(start, start + len(ids), device=self.device)
+        logits = self.model(torch.tensor([ids], device=self.device), input_pos=pos)[0, -1]
+        self.fed += ids
+        return logits
+
+    def reply(self, text: str, max_new_tokens: int = 256, temperature: float = 0.0, top_k: Optional[int] = None,
+              top_p: Optional[float] = None) -> Iterator[str]:
+        """Stream the reply to the user's `text` as decoded text pieces; the turn is kept in the conversation."""
+        import torch
+
+        from lit_qlora.sampling import sample
+
+        tok = self.tokenizer
+        messages = self.messages + [{"role": "user", "content": text}]
+        prompt = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True), bos=False)
+        if len(prompt) + max_new_tokens > self.max_len:
+            raise ValueError(f"the conversation is {len(prompt)} tokens, and with {max_new_tokens} more it passes the "
+                             f"model's context of {self.max_len}: /reset starts a new one.")
+        keep = 0
+        while keep < min(len(self.fed), len(prompt) - 1) and self.fed[keep] == prompt[keep]:
+            keep += 1
+        self.fed = self.fed[:keep]  # positions from here on are written again (later ones are masked by causality)
+        out: list[int] = []
+        shown = ""
+        with torch.inference_mode():
+            logits = self._forward(prompt[keep:])
+            for _ in range(max_new_tokens):
+                token = sample(logits, temperature, top_k, self.generator, top_p)
+                if token in tok.eos_ids:
+                    break
+                out.append(token)
+                text_so_far = tok.decode(out)
+                if not text_so_far.endswith("\ufffd"):  # a multi-byte character spans tokens: wait for its end
+                    yield text_so_far[len(shown):]
+                    shown = text_so_far
+                logits = self._forward([token])
+        reply = tok.decode(out)
+        if len(reply) > len(shown):
+            yield reply[len(shown):]
+        self.messages = messages + [{"role": "assistant", "content": reply.strip()}]
+
+
+def chat_command(
+    checkpoint_dir: Optional[Path] = None,
+    adapter_dir: Optional[Path] = None,
+    quantize: Optional[Literal["nf4", "none"]] = None,
+    precision: PrecisionChoice = "auto",
+    system: Optional[str] = None,
+    temperature: float = 0.7,
+    top_p: Optional[float] = 0.9,
+    top_k: Optional[int] = None,
+    max_new_tokens: int = 256,
+    seed: int = 1234,
+) -> None:
+    """Chat with a model in the terminal, several turns, replies streamed (/reset starts over, /quit ends).
+
+    Args:
+        checkpoint_dir: Hugging Face model directory with a chat template; default: the bundled SmolLM2-135M-Instruct.
+        adapter_dir: A fine-tune's out_dir (or its final/): chat with the adapter applied.
+        quantize: nf4 or none for the base; default: what the adapter trained with, else none.
+        precision: auto (bf16 where the device computes it natively, else fp32 on a CPU and fp16 on a GPU),
+            bf16-true, 16-true or 32-true.
+        system: A system message that opens every conversation.
+        temperature: 0 is greedy (the same reply every time); higher is more varied.
+        top_p: Sample from the most likely tokens that make up this much probability (nucleus sampling).
+        top_k: Sample among the k most likely tokens only.
+        max_new_tokens: Longest reply, in tokens.
+        seed: Seed of the sampler (a conversation repeats with the same inputs).
+    """
+    from lit_qlora.finetune import DEFAULT_CHECKPOINT, ensure_default_checkpoint
+    from lit_qlora.loading import load_model
+    from lit_qlora.tokenizer import Tokenizer
+
+    checkpoint_dir = Path(checkpoint_dir or DEFAULT_CHECKPOINT)
+    ensure_default_checkpoint(checkpoint_dir)
+    model = load_model(checkpoint_dir, quantize, precision, adapter_dir)
+    session = ChatSession(model, Tokenizer(checkpoint_dir), system, seed)
+    interactive = sys.stdin.isatty()
+    print(f"Chatting with {checkpoint_dir}{f' + {adapter_dir}' if adapter_dir else ''}: {COMMANDS}.", flush=True)
+    try:
+        while True:
+            if interactive:
+                print("> ", end="", flush=True)
+            line = sys.stdin.readline()
+            if not line:
+                break
+            text = line.strip()
+            if text in ("/quit", "/exit"):
+                break
+            if text == "/reset":
+                session.reset()
+                print("(new conversation)", flush=True)
+                continue
+            if not text:
+                continue
+            try:
+                for piece in session.reply(text, max_new_tokens, temperature, top_k, top_p):
+                    print(piece, end="", flush=True)
+            except ValueError as e:
+                print(f"({e})", flush=True)
+                continue
+            print(flush=True)
+    finally:
+        session.close()
