@@ -39,6 +39,7 @@ def commands() -> dict[str, Command]:
     # an `if TYPE_CHECKING:` block: jsonargparse executes those blocks when it reads a signature.
     from lit_qlora.deploy.chat import chat_command
     from lit_qlora.deploy.gguf_export import export_gguf_command
+    from lit_qlora.deploy.serve import serve_command
     from lit_qlora.download import download
     from lit_qlora.estimate import estimate
     from lit_qlora.eval.compare import compare
@@ -55,6 +56,7 @@ def commands() -> dict[str, Command]:
         "convert_gguf": convert_gguf_command,
         "generate": generate_command,
         "chat": chat_command,
+        "serve": serve_command,
         "merge": merge,
         "export_peft": export_peft,
         "export_gguf": export_gguf_command,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterator, Optional, Sequence
+from typing import Iterable, Iterator, Optional, Sequence
 
 import torch
 
@@ -36,6 +36,7 @@ def generate(
     top_k: Optional[int] = None,
     stop_ids: Sequence[int] = (),
     seed: int = 1234,
+    top_p: Optional[float] = None,
 ) -> Iterator[int]:
     """Yield new token ids one by one; stops after `max_new_tokens` or at a stop id (which is not yielded)."""
     device = next(model.parameters()).device
@@ -49,7 +50,7 @@ def generate(
         input_pos = torch.arange(len(prompt), device=device)
         for _ in range(max_len - len(prompt)):
             logits = model(idx, input_pos=input_pos)[0, -1]
-            token = sample(logits, temperature, top_k, generator)
+            token = sample(logits, temperature, top_k, generator, top_p)
             if token in stop_ids:
                 return
             yield token
@@ -57,3 +58,19 @@ def generate(
             input_pos = input_pos[-1:] + 1
     finally:
         model.clear_kv_cache()
+
+
+def decoded_pieces(tokenizer, tokens: Iterable[int]) -> Iterator[str]:
+    """The text of `tokens` as they come, piece by piece (a multi-byte character that spans tokens waits for its
+    last one): what a streamed reply shows."""
+    ids: list[int] = []
+    shown = ""
+    for token in tokens:
+        ids.append(token)
+        text = tokenizer.decode(ids)
+        if not text.endswith("\ufffd"):
+            yield text[len(shown):]
+            shown = text
+    text = tokenizer.decode(ids)
+    if len(text) > len(shown):
+        yield text[len(shown):]

@@ -105,13 +105,19 @@ def test_one_example_per_format_tutorial_runs_as_written(smollm2_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_deploy_tutorial_gguf_block_runs_as_written(smollm2_dir, tmp_path):
-    """tutorials/deploy.md, "GGUF": train, export at q8_0, read back, and the answer the text promises."""
+def test_deploy_tutorial_runs_as_written(smollm2_dir, tmp_path):
+    """tutorials/deploy.md, every block in order: train and export to GGUF at q8_0 and read it back (the answer the
+    text promises), chat through a pipe, serve and call the server with the `openai` client."""
     (tmp_path / "checkpoints").mkdir()
     (tmp_path / "checkpoints" / "SmolLM2-135M-Instruct").symlink_to(smollm2_dir)
-    (block,) = [b for b in code_blocks("deploy.md", "bash") if "export_gguf" in b]
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    done = subprocess.run(["bash", "-ec", block], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=1200)
-    assert done.returncode == 0, done.stderr
-    assert 'FROM ./smollm2-q8_0.gguf\nPARAMETER stop "<|im_end|>"' in done.stdout
-    assert "Paris" in done.stdout.splitlines()[-1]
+    gguf, chat, serve = (subprocess.run(["bash", "-ec", block], capture_output=True, text=True, env=env, cwd=tmp_path,
+                                        timeout=1200) for block in code_blocks("deploy.md", "bash"))
+    assert gguf.returncode == 0, gguf.stderr
+    assert 'FROM ./smollm2-q8_0.gguf\nPARAMETER stop "<|im_end|>"' in gguf.stdout
+    assert "Paris" in gguf.stdout.splitlines()[-1]
+    assert chat.returncode == 0 and "(new conversation)" in chat.stdout, chat.stderr
+    assert serve.returncode == 0, serve.stderr
+    replies = [line for line in serve.stdout.splitlines() if not line.startswith(("INFO", "20"))]
+    assert "Paris" in replies[-2] and replies[-1].strip()  # the first reply, then the streamed one
+    assert serve.stdout.count('"POST /v1/chat/completions HTTP/1.1" 200 OK') == 2

@@ -51,16 +51,15 @@ class ChatSession:
 
         start = len(self.fed)
         pos = torch.arange(start, start + len(ids), device=self.device)
-        logits = self.model(torch.tensor([ids], device=self.device), input_pos=pos)[0, -1]
+        with torch.inference_mode():  # here, not around the generator: a mode entered there leaks at every yield
+            logits = self.model(torch.tensor([ids], device=self.device), input_pos=pos)[0, -1]
         self.fed += ids
         return logits
 
     def reply(self, text: str, max_new_tokens: int = 256, temperature: float = 0.0, top_k: Optional[int] = None,
               top_p: Optional[float] = None) -> Iterator[str]:
         """Stream the reply to the user's `text` as decoded text pieces; the turn is kept in the conversation."""
-        import torch
-
-        from lit_qlora.sampling import sample
+        from lit_qlora.sampling import decoded_pieces, sample
 
         tok = self.tokenizer
         messages = self.messages + [{"role": "user", "content": text}]
@@ -72,24 +71,21 @@ class ChatSession:
         while keep < min(len(self.fed), len(prompt) - 1) and self.fed[keep] == prompt[keep]:
             keep += 1
         self.fed = self.fed[:keep]  # positions from here on are written again (later ones are masked by causality)
-        out: list[int] = []
-        shown = ""
-        with torch.inference_mode():
+
+        def tokens() -> Iterator[int]:
             logits = self._forward(prompt[keep:])
             for _ in range(max_new_tokens):
                 token = sample(logits, temperature, top_k, self.generator, top_p)
                 if token in tok.eos_ids:
-                    break
-                out.append(token)
-                text_so_far = tok.decode(out)
-                if not text_so_far.endswith("\ufffd"):  # a multi-byte character spans tokens: wait for its end
-                    yield text_so_far[len(shown):]
-                    shown = text_so_far
+                    return
+                yield token
                 logits = self._forward([token])
-        reply = tok.decode(out)
-        if len(reply) > len(shown):
-            yield reply[len(shown):]
-        self.messages = messages + [{"role": "assistant", "content": reply.strip()}]
+
+        pieces = []
+        for piece in decoded_pieces(tok, tokens()):
+            pieces.append(piece)
+            yield piece
+        self.messages = messages + [{"role": "assistant", "content": "".join(pieces).strip()}]
 
 
 def chat_command(

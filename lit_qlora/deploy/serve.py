@@ -1,0 +1,96 @@
+"""`litqlora serve`: an OpenAI-compatible server for a model or a fine-tune, built on LitServe (Lightning's server)
+and its OpenAI spec.
+
+* `POST /v1/chat/completions`, streamed (server-sent events) or not, through the checkpoint's chat template;
+  `temperature`, `top_p` and `max_tokens`/`max_completion_tokens` are honoured;
+* `GET /v1/models` lists the one model;
+* 127.0.0.1 unless `--host` says otherwise; `--api_key` (or LIT_QLORA_API_KEY) makes every /v1 route require
+  `Authorization: Bearer KEY`, what the OpenAI clients send (401 otherwise);
+* a malformed body gets a 4xx JSON error (the OpenAI spec's request model validates it) and the server goes on;
+* one worker answers one request at a time from a queue: concurrent requests never share a batch or a KV cache.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+from lit_qlora.hardware import PrecisionChoice
+
+# litserve, torch and the model are imported inside the functions: the CLI imports this module to build --help.
+
+
+def build_server(checkpoint_dir: Path, adapter_dir: Optional[Path] = None, quantize: Optional[str] = None,
+                 precision: str = "auto", api_key: Optional[str] = None, max_new_tokens: int = 512,
+                 model_name: Optional[str] = None):
+    import litserve as ls
+    from litserve.specs.openai import OpenAISpec
+
+    from lit_qlora.deploy.litserve_api import BearerToken, ChatAPI
+
+    name = model_name or (Path(adapter_dir).name if adapter_dir else Path(checkpoint_dir).name)
+    api = ChatAPI(Path(checkpoint_dir), adapter_dir, quantize, precision, max_new_tokens, spec=OpenAISpec())
+    middlewares = [(BearerToken, {"api_key": api_key})] if api_key else None
+    server = ls.LitServer(api, accelerator="auto", devices=1, workers_per_device=1, timeout=600,
+                          middlewares=middlewares)
+    created = int(time.time())
+
+    def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": created,
+                                            "owned_by": "lit-qlora"}]}
+
+    server.app.add_api_route("/v1/models", models, methods=["GET"])
+    return server
+
+
+def serve_command(
+    checkpoint_dir: Optional[Path] = None,
+    adapter_dir: Optional[Path] = None,
+    quantize: Optional[Literal["nf4", "none"]] = None,
+    precision: PrecisionChoice = "auto",
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: Optional[str] = None,
+    max_new_tokens: int = 512,
+    model_name: Optional[str] = None,
+) -> None:
+    """Serve a model over the OpenAI API (/v1/chat/completions, streamed or not; /v1/models), with LitServe.
+
+    Args:
+        checkpoint_dir: Hugging Face model directory with a chat template; default: the bundled SmolLM2-135M-Instruct.
+        adapter_dir: A fine-tune's out_dir (or its final/): serve the model with its adapter.
+        quantize: nf4 or none for the base; default: what the adapter trained with, else none.
+        precision: auto (bf16 where the device computes it natively, else fp32 on a CPU and fp16 on a GPU),
+            bf16-true, 16-true or 32-true.
+        host: Interface to listen on; 127.0.0.1 (this machine only) by default, 0.0.0.0 for every interface.
+        port: TCP port.
+        api_key: Require `Authorization: Bearer API_KEY` on /v1 routes (default: LIT_QLORA_API_KEY, else none).
+        max_new_tokens: A reply's length when the request gives no max_tokens, and the most it may ask for.
+        model_name: The model id /v1/models lists (default: the adapter's or checkpoint's directory name).
+    """
+    from lit_qlora.finetune import DEFAULT_CHECKPOINT, ensure_default_checkpoint
+
+    checkpoint_dir = Path(checkpoint_dir or DEFAULT_CHECKPOINT)
+    ensure_default_checkpoint(checkpoint_dir)
+    server = build_server(checkpoint_dir, adapter_dir, quantize, precision,
+                          api_key or os.environ.get("LIT_QLORA_API_KEY"), max_new_tokens, model_name)
+    print(f"Serving {checkpoint_dir}{f' + {adapter_dir}' if adapter_dir else ''} on http://{host}:{port}/v1",
+          flush=True)
+    # SIGTERM (kill, a service manager) shuts down as Ctrl-C does: LitServe stops its worker processes on
+    # KeyboardInterrupt, and on a bare SIGTERM would leave them running.
+    main_pid = os.getpid()
+    signal.signal(signal.SIGTERM, lambda signum, frame: _interrupt(main_pid))
+    try:
+        server.run(host=host, port=port, generate_client_file=False, num_api_servers=1)
+    except KeyboardInterrupt:
+        pass
+
+
+def _interrupt(main_pid: int) -> None:
+    if os.getpid() == main_pid:
+        raise KeyboardInterrupt
+    sys.exit(0)  # a forked server process (uvicorn re-raises the signal once it has shut down): quietly
