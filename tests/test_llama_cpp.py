@@ -1,0 +1,54 @@
+"""A real consumer of `litqlora export_gguf`: llama.cpp itself, through llama-cpp-python (which builds llama.cpp from
+source, minutes: `make test-llama-cpp` installs it in an environment of its own and runs this file; elsewhere it is
+skipped). A fine-tune of the demo model, exported at f16, answers the held-out demo question exactly as `litqlora
+generate` does (greedy), QLoRA and LoRA alike; at q8_0 it answers the same fact. (Greedy SmolLM2-135M on its NF4 base
+describes Austria without naming its capital; on the plain base it says "The capital of Austria is Vienna.", so the
+fact is checked on the LoRA fine-tune.)"""
+
+from __future__ import annotations
+
+import pytest
+
+llama_cpp = pytest.importorskip("llama_cpp")
+
+QUESTION = "What is the capital of Austria?"  # the Makefile demo's held-out question
+
+
+@pytest.fixture(scope="module", params=["nf4", "none"])
+def fine_tune(request, smollm2_dir, tmp_path_factory):
+    from lit_qlora.finetune import finetune
+    from lit_qlora.train.args import ExportArgs, TrainArgs
+
+    out = tmp_path_factory.mktemp(f"demo-{request.param}")
+    finetune(checkpoint_dir=smollm2_dir, out_dir=out, precision="32-true", quantize=request.param,
+             train=TrainArgs(max_steps=2, micro_batch_size=2, global_batch_size=2, warmup_steps=1, lr=1e-5),
+             export=ExportArgs(gguf="f16"))
+    return out
+
+
+def llama_cpp_reply(path, prompt_text: str, max_tokens: int) -> str:
+    model = llama_cpp.Llama(model_path=str(path), n_ctx=512, verbose=False, seed=0)
+    ids = model.tokenize(prompt_text.encode(), add_bos=False, special=True)
+    out = []
+    for token in model.generate(ids, temp=0.0, top_k=1):
+        if token == model.token_eos() or len(out) >= max_tokens:
+            break
+        out.append(token)
+    return model.detokenize(out).decode("utf-8", errors="replace")
+
+
+def test_llama_cpp_answers_as_generate_at_f16_and_the_same_fact_at_q8_0(fine_tune, smollm2_dir, tmp_path):
+    from lit_qlora.deploy.gguf_export import export_gguf
+    from lit_qlora.generate import generate_command
+    from lit_qlora.tokenizer import Tokenizer
+
+    tok = Tokenizer(smollm2_dir)
+    prompt = tok.apply_chat_template([{"role": "user", "content": QUESTION}], add_generation_prompt=True)
+    want = generate_command(QUESTION, checkpoint_dir=smollm2_dir, adapter_dir=fine_tune, max_new_tokens=24,
+                            precision="32-true")
+    got = llama_cpp_reply(fine_tune / "final" / "model-f16.gguf", prompt, 24)
+    assert got.strip() == want.strip()
+    if "demo-none" in fine_tune.name:
+        assert "Vienna" in want
+        q8 = export_gguf(smollm2_dir, tmp_path / "demo-q8_0.gguf", adapter_dir=fine_tune, dtype="q8_0")
+        assert "Vienna" in llama_cpp_reply(q8, prompt, 24)
