@@ -20,7 +20,8 @@ from test_families import hf_checkpoint, random_adapter, tokens
 FAMILIES = {"llama": ("LlamaConfig", dict(tie_word_embeddings=False)),
             "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
             "qwen3": ("Qwen3Config", dict(tie_word_embeddings=False, head_dim=32))}
-TEXTS = ["Hello world! 12345 What's the capital of France?", "<|im_start|>user\nhi<|im_end|>\n", "  tabs\tand\nnewlines"]
+TEXTS = ["Hello world! 12345 What's the capital of France?", "<|im_start|>user\nhi<|im_end|>\n",
+         "  tabs\tand\nnewlines"]
 
 
 def logits(model, ids):
@@ -139,3 +140,35 @@ def test_finetune_export_gguf_writes_the_trained_models_file_into_final(tiny_lla
     ids = tokens((1, 16))
     want, got = logits(trained, ids), logits(back, ids)
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+@pytest.mark.parametrize("add_dummy_prefix", [True, False], ids=["llama", "no-space-prefix"])
+def test_a_sentencepiece_vocabulary_exports_with_its_scores_and_encodes_alike(tmp_path, add_dummy_prefix):
+    """Llama 2 / TinyLlama / Mistral style: a trained SentencePiece BPE model (byte fallback, user-defined and control
+    pieces), read from a GGUF as llama.cpp's converter writes it, exported back: the same pieces, types and
+    space prefix, scores whose order gives the same merges, and the same token ids for every test text."""
+    import gguf
+    import sentencepiece
+
+    from test_gguf_import import SPM_TEXTS, sentencepiece_gguf_vocab, train_sentencepiece, write_tiny_llama
+
+    model_file = train_sentencepiece(tmp_path, add_dummy_prefix)
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(model_file))
+    write_tiny_llama(tmp_path / "spm.gguf", tokenizer=sentencepiece_gguf_vocab(model_file, add_dummy_prefix))
+    source = convert_gguf(tmp_path / "spm.gguf", tmp_path / "source")
+    exported = export_gguf(source, tmp_path / "exported.gguf", dtype="f32")
+    fields = {name: f.contents() for name, f in gguf.GGUFReader(exported).fields.items()}
+    assert fields["tokenizer.ggml.model"] == "llama"
+    assert fields["tokenizer.ggml.tokens"] == [sp.id_to_piece(i) for i in range(sp.vocab_size())]
+    assert fields["tokenizer.ggml.add_space_prefix"] == add_dummy_prefix
+    assert fields["tokenizer.ggml.unknown_token_id"] == sp.unk_id()
+    types = fields["tokenizer.ggml.token_type"]
+    assert [types[i] for i in range(sp.vocab_size()) if sp.is_byte(i)] == [6] * 256
+    back = convert_gguf(exported, tmp_path / "back")
+    want, got = Tokenizer(source), Tokenizer(back)
+    for text in SPM_TEXTS:
+        assert got.encode(text) == want.encode(text), text
+        assert got.decode(got.encode(text)) == want.decode(want.encode(text)), text
+    ids = tokens((1, 12)) % sp.vocab_size()
+    source_logits = logits(load_model(source, "none", "32-true"), ids)
+    assert torch.equal(logits(load_model(back, "none", "32-true"), ids), source_logits)

@@ -9,7 +9,8 @@ What llama.cpp reads, written the way its own converter writes it (gguf_import.p
 * the family's metadata (`{arch}.block_count`, heads, kv heads, rope base, RMSNorm epsilon, context length) and
   Llama 3.x's rope scaling as llama.cpp stores it, a `rope_freqs` tensor of per-frequency divisors;
 * the tokenizer: byte-level BPE (Llama 3, Qwen, SmolLM2) as `gpt2` with its merges and the name of its split
-  regex (`tokenizer.ggml.pre`), special and added tokens typed as control or user-defined, BOS/EOS/pad ids and
+  regex (`tokenizer.ggml.pre`), or SentencePiece BPE (Llama 2, TinyLlama) as `llama` with its pieces' scores, byte
+  pieces and space prefix; special and added tokens typed as control or user-defined, BOS/EOS/pad/unk ids and
   the chat template.
 
 Norms and biases stay F32 (llama.cpp's convention); a weight whose rows do not split into the quantization's 32-value
@@ -80,11 +81,13 @@ def tokenizer_metadata(checkpoint_dir: Path) -> dict[str, Any]:
     tok = Tokenizer(checkpoint_dir)
     data = json.loads((Path(checkpoint_dir) / "tokenizer.json").read_text(encoding="utf-8"))
     model = data.get("model", {})
-    if model.get("type") != "BPE" or model.get("byte_fallback"):
+    if model.get("type") == "BPE" and model.get("byte_fallback"):
+        return _sentencepiece_fields(data, tok, checkpoint_dir)
+    if model.get("type") != "BPE":
         raise GGUFExportError(
-            f"{checkpoint_dir}/tokenizer.json is a {'SentencePiece (byte-fallback) ' if model.get('byte_fallback') else ''}"
-            f"{model.get('type')} tokenizer; export_gguf writes byte-level BPE tokenizers (Llama 3, Qwen, SmolLM2) so "
-            "far. Use llama.cpp's convert_hf_to_gguf.py on out_dir/final/merged for this model.")
+            f"{checkpoint_dir}/tokenizer.json is a {model.get('type')} tokenizer; export_gguf writes byte-level BPE "
+            "(Llama 3, Qwen, SmolLM2) and SentencePiece BPE (Llama 2, TinyLlama, Mistral) tokenizers. Use llama.cpp's "
+            "convert_hf_to_gguf.py on out_dir/final/merged for this model.")
     pre = _pre_tokenizer_name(data.get("pre_tokenizer") or {}, _SPLITS, _DIGIT_SPLIT_PRE)
     vocab = dict(model["vocab"])
     added = {t["content"]: t for t in data.get("added_tokens", [])}
@@ -102,6 +105,60 @@ def tokenizer_metadata(checkpoint_dir: Path) -> dict[str, Any]:
               "bos": tok.bos_id, "eos": tok.eos_id, "add_bos": tok.add_bos, "chat_template": tok.chat_template,
               "eos_ids": tok.eos_ids, "pad": _pad_id(checkpoint_dir, tok)}
     return fields
+
+
+def _sentencepiece_fields(data: dict[str, Any], tok, checkpoint_dir: Path) -> dict[str, Any]:
+    """A SentencePiece BPE vocabulary (byte fallback, "▁" for spaces) as llama.cpp's `llama` tokenizer: pieces,
+    scores and types. GGUF keeps no merges here: llama.cpp merges the adjacent pair whose joined piece scores
+    highest, so each piece's score is minus the rank of the first merge that makes it (gguf_import derives the
+    same merges back); byte pieces (<0x0A>) are type 6, the unknown piece 2, special added tokens control (3)."""
+    import re
+
+    model = data["model"]
+    vocab = dict(model["vocab"])
+    added = {t["content"]: t for t in data.get("added_tokens", [])}
+    for text, entry in added.items():
+        vocab[text] = entry["id"]
+    size = max(vocab.values()) + 1
+    tokens, types, scores = [f"[PAD{i}]" for i in range(size)], [_USER_DEFINED] * size, [0.0] * size
+    rank: dict[str, int] = {}
+    for i, merge in enumerate(model.get("merges", [])):
+        left, right = merge.split(" ", 1) if isinstance(merge, str) else merge
+        rank.setdefault(left + right, i)
+    unk = model.get("unk_token")
+    for text, index in vocab.items():
+        tokens[index] = text
+        entry = added.get(text)
+        if entry is not None:
+            types[index] = _CONTROL if entry.get("special") else _USER_DEFINED
+        elif text == unk:
+            types[index] = 2
+        elif re.fullmatch(r"<0x[0-9A-F]{2}>", text):
+            types[index] = 6
+        else:
+            types[index] = _NORMAL
+            scores[index] = -float(rank.get(text, len(rank) + index))
+    return {"model": "llama", "pre": "default", "tokens": tokens, "types": types, "scores": scores, "merges": [],
+            "bos": tok.bos_id, "eos": tok.eos_id, "unk": vocab.get(unk) if unk else None, "add_bos": tok.add_bos,
+            "chat_template": tok.chat_template, "eos_ids": tok.eos_ids, "pad": _pad_id(checkpoint_dir, tok),
+            "add_space_prefix": _space_prefix(data)}
+
+
+def _space_prefix(data: dict[str, Any]) -> bool:
+    """Whether the text gets a leading "▁" (SentencePiece's add_dummy_prefix): a Prepend normalizer (Llama 2's
+    tokenizer.json, gguf_import's) or a Metaspace pre-tokenizer that prepends."""
+    def steps(part: Any) -> list[dict[str, Any]]:
+        if not part:
+            return []
+        return [s for p in part.get("normalizers", part.get("pretokenizers", [part])) for s in steps(p)] \
+            if part.get("type") == "Sequence" else [part]
+
+    for step in steps(data.get("normalizer")) + steps(data.get("pre_tokenizer")):
+        if step.get("type") == "Prepend":
+            return True
+        if step.get("type") == "Metaspace":
+            return step.get("prepend_scheme", "always") != "never"
+    return False
 
 
 def _pre_tokenizer_name(pre: dict[str, Any], splits: dict[str, str], digit_split: tuple[str, ...]) -> str:
@@ -275,10 +332,14 @@ def _write_metadata(writer, config, arch: str, tok: dict[str, Any], name: str, f
     writer.add_tokenizer_pre(tok["pre"])
     writer.add_token_list(tok["tokens"])
     writer.add_token_types(tok["types"])
-    writer.add_token_merges(tok["merges"])
+    if tok["merges"]:
+        writer.add_token_merges(tok["merges"])
+    if "scores" in tok:
+        writer.add_token_scores(tok["scores"])
+        writer.add_add_space_prefix(bool(tok["add_space_prefix"]))
     for key, add in (("bos", writer.add_bos_token_id), ("eos", writer.add_eos_token_id),
-                     ("pad", writer.add_pad_token_id)):
-        if tok[key] is not None:
+                     ("pad", writer.add_pad_token_id), ("unk", writer.add_unk_token_id)):
+        if tok.get(key) is not None:
             add(int(tok[key]))
     writer.add_add_bos_token(bool(tok["add_bos"]))
     if tok["chat_template"]:
