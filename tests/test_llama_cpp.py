@@ -52,3 +52,24 @@ def test_llama_cpp_answers_as_generate_at_f16_and_the_same_fact_at_q8_0(fine_tun
         assert "Vienna" in want
         q8 = export_gguf(smollm2_dir, tmp_path / "demo-q8_0.gguf", adapter_dir=fine_tune, dtype="q8_0")
         assert "Vienna" in llama_cpp_reply(q8, prompt, 24)
+
+
+@pytest.mark.parametrize("add_dummy_prefix", [True, False], ids=["llama", "no-space-prefix"])
+def test_llama_cpp_tokenizes_an_exported_sentencepiece_vocabulary_as_we_do(tmp_path, add_dummy_prefix):
+    """llama.cpp's own SentencePiece tokenizer, on our export of a trained SentencePiece BPE vocabulary: the same ids
+    as lit-qlora's tokenizer (and as llama.cpp on the converter-style GGUF it came from) for every test text."""
+    from lit_qlora.deploy.gguf_export import export_gguf
+    from lit_qlora.gguf_import import convert_gguf
+    from lit_qlora.tokenizer import Tokenizer
+    from test_gguf_import import SPM_TEXTS, sentencepiece_gguf_vocab, train_sentencepiece, write_tiny_llama
+
+    model_file = train_sentencepiece(tmp_path, add_dummy_prefix)
+    write_tiny_llama(tmp_path / "spm.gguf", tokenizer=sentencepiece_gguf_vocab(model_file, add_dummy_prefix))
+    source = convert_gguf(tmp_path / "spm.gguf", tmp_path / "source")
+    ours = Tokenizer(source)
+    exported = llama_cpp.Llama(model_path=str(export_gguf(source, tmp_path / "exported.gguf", dtype="f32")),
+                               vocab_only=True, verbose=False)
+    original = llama_cpp.Llama(model_path=str(tmp_path / "spm.gguf"), vocab_only=True, verbose=False)
+    for text in SPM_TEXTS:
+        ids = exported.tokenize(text.encode(), add_bos=True, special=True)
+        assert ids == ours.encode(text) == original.tokenize(text.encode(), add_bos=True, special=True), text
