@@ -56,11 +56,7 @@ def generate_command(
 
     tokenizer = Tokenizer(checkpoint_dir)
     model = load_model(checkpoint_dir, quantize, precision, adapter_dir)
-    if chat_template and tokenizer.has_chat_template:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
-        ids = tokenizer.encode(text, bos=False)
-    else:
-        ids = tokenizer.encode(prompt)
+    ids = tokenizer.encode_prompt(prompt) if chat_template else tokenizer.encode(prompt)
 
     def reply(label: str = "") -> str:
         sys.stdout.write(label)
@@ -77,19 +73,14 @@ def generate_command(
 def stream_reply(model: Transformer, tokenizer: Tokenizer, ids: list[int], max_new_tokens: int, temperature: float,
                  top_k: Optional[int], seed: int) -> str:
     """Print the reply to stdout as it is generated; returns it."""
-    from lit_qlora.sampling import generate
+    from lit_qlora.sampling import decoded_pieces, generate
 
-    out: list[int] = []
-    printed = ""
-    for token in generate(model, ids, max_new_tokens, temperature, top_k, tokenizer.eos_ids, seed):
-        out.append(token)
-        # Decode the whole reply each time: multi-byte characters span tokens.
-        text = tokenizer.decode(out)
-        if not text.endswith("\ufffd"):
-            sys.stdout.write(text[len(printed):])
-            sys.stdout.flush()
-            printed = text
-    reply = tokenizer.decode(out)
-    sys.stdout.write(reply[len(printed):] + "\n")
+    pieces = []
+    for piece in decoded_pieces(tokenizer, generate(model, ids, max_new_tokens, temperature, top_k, tokenizer.eos_ids,
+                                                    seed)):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+        pieces.append(piece)
+    sys.stdout.write("\n")
     sys.stdout.flush()
-    return reply
+    return "".join(pieces)

@@ -102,6 +102,18 @@ class Tokenizer:
             ids.append(self.eos_id)
         return ids
 
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Token ids of `messages` through the chat template, ending where the assistant's reply starts (the
+        template writes any BOS itself)."""
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt=True), bos=False)
+
+    def encode_prompt(self, prompt: str) -> list[int]:
+        """A user's prompt as a model should answer it: one user turn through the chat template when the checkpoint
+        has one, else the text itself."""
+        if self.has_chat_template:
+            return self.encode_chat([{"role": "user", "content": prompt}])
+        return self.encode(prompt)
+
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         if hasattr(ids, "tolist"):  # a tensor or numpy array
             ids = ids.tolist()

@@ -63,7 +63,7 @@ class ChatSession:
 
         tok = self.tokenizer
         messages = self.messages + [{"role": "user", "content": text}]
-        prompt = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True), bos=False)
+        prompt = tok.encode_chat(messages)
         if len(prompt) + max_new_tokens > self.max_len:
             raise ValueError(f"the conversation is {len(prompt)} tokens, and with {max_new_tokens} more it passes the "
                              f"model's context of {self.max_len}: /reset starts a new one.")

@@ -74,7 +74,8 @@ def architecture(config) -> str:
 
 
 def tokenizer_metadata(checkpoint_dir: Path) -> dict[str, Any]:
-    """The GGUF tokenizer fields of the checkpoint's tokenizer.json (byte-level BPE only), checked before writing."""
+    """The GGUF tokenizer fields of the checkpoint's tokenizer.json (byte-level or SentencePiece BPE), checked before
+    writing."""
     from lit_qlora.gguf_import import _DIGIT_SPLIT_PRE, _SPLITS
     from lit_qlora.tokenizer import Tokenizer
 
@@ -89,22 +90,32 @@ def tokenizer_metadata(checkpoint_dir: Path) -> dict[str, Any]:
             "(Llama 3, Qwen, SmolLM2) and SentencePiece BPE (Llama 2, TinyLlama, Mistral) tokenizers. Use llama.cpp's "
             "convert_hf_to_gguf.py on out_dir/final/merged for this model.")
     pre = _pre_tokenizer_name(data.get("pre_tokenizer") or {}, _SPLITS, _DIGIT_SPLIT_PRE)
-    vocab = dict(model["vocab"])
-    added = {t["content"]: t for t in data.get("added_tokens", [])}
-    for text, entry in added.items():
-        vocab[text] = entry["id"]
-    size = max(vocab.values()) + 1
-    tokens = [f"[PAD{i}]" for i in range(size)]
-    types = [_USER_DEFINED] * size  # ids no vocabulary entry names (padding rows) are inert user-defined tokens
+    vocab, added, tokens, types = _vocabulary(data)
     for text, index in vocab.items():
-        tokens[index] = text
-        entry = added.get(text)
-        types[index] = _NORMAL if entry is None else _CONTROL if entry.get("special") else _USER_DEFINED
+        if text not in added:
+            types[index] = _NORMAL
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
     fields = {"model": "gpt2", "pre": pre, "tokens": tokens, "types": types, "merges": merges,
               "bos": tok.bos_id, "eos": tok.eos_id, "add_bos": tok.add_bos, "chat_template": tok.chat_template,
               "eos_ids": tok.eos_ids, "pad": _pad_id(checkpoint_dir, tok)}
     return fields
+
+
+def _vocabulary(data: dict[str, Any]) -> tuple[dict[str, int], dict[str, Any], list[str], list[int]]:
+    """tokenizer.json's vocabulary with its added tokens: (piece -> id, added tokens by content, the pieces by id, their
+    types so far). Added tokens are typed control (special) or user-defined; ids no entry names (padding rows) get
+    an inert user-defined placeholder; the callers type the model's own pieces."""
+    vocab = dict(data["model"]["vocab"])
+    added = {t["content"]: t for t in data.get("added_tokens", [])}
+    for text, entry in added.items():
+        vocab[text] = entry["id"]
+    size = max(vocab.values()) + 1
+    tokens, types = [f"[PAD{i}]" for i in range(size)], [_USER_DEFINED] * size
+    for text, index in vocab.items():
+        tokens[index] = text
+        if text in added:
+            types[index] = _CONTROL if added[text].get("special") else _USER_DEFINED
+    return vocab, added, tokens, types
 
 
 def _sentencepiece_fields(data: dict[str, Any], tok, checkpoint_dir: Path) -> dict[str, Any]:
@@ -115,23 +126,17 @@ def _sentencepiece_fields(data: dict[str, Any], tok, checkpoint_dir: Path) -> di
     import re
 
     model = data["model"]
-    vocab = dict(model["vocab"])
-    added = {t["content"]: t for t in data.get("added_tokens", [])}
-    for text, entry in added.items():
-        vocab[text] = entry["id"]
-    size = max(vocab.values()) + 1
-    tokens, types, scores = [f"[PAD{i}]" for i in range(size)], [_USER_DEFINED] * size, [0.0] * size
+    vocab, added, tokens, types = _vocabulary(data)
+    scores = [0.0] * len(tokens)
     rank: dict[str, int] = {}
     for i, merge in enumerate(model.get("merges", [])):
         left, right = merge.split(" ", 1) if isinstance(merge, str) else merge
         rank.setdefault(left + right, i)
     unk = model.get("unk_token")
     for text, index in vocab.items():
-        tokens[index] = text
-        entry = added.get(text)
-        if entry is not None:
-            types[index] = _CONTROL if entry.get("special") else _USER_DEFINED
-        elif text == unk:
+        if text in added:
+            continue
+        if text == unk:
             types[index] = 2
         elif re.fullmatch(r"<0x[0-9A-F]{2}>", text):
             types[index] = 6
@@ -193,10 +198,10 @@ def export_gguf(checkpoint_dir: Path, out: Path, adapter_dir: Optional[Path] = N
     from lit_qlora.loading import load_model
 
     checkpoint_dir = Path(checkpoint_dir)
-    require_exportable(checkpoint_dir)  # every refusal before anything loads or is written
+    tokenizer = require_exportable(checkpoint_dir)  # every refusal before anything loads or is written
     model = load_model(checkpoint_dir, quantize, "32-true" if quantize == "none" or adapter_dir is None else None,
                        adapter_dir=adapter_dir)
-    return write_gguf(model, checkpoint_dir, out, dtype, merged=adapter_dir is not None)
+    return write_gguf(model, checkpoint_dir, out, dtype, merged=adapter_dir is not None, tokenizer=tokenizer)
 
 
 def require_exportable(checkpoint_dir: Path) -> dict[str, Any]:
@@ -207,9 +212,11 @@ def require_exportable(checkpoint_dir: Path) -> dict[str, Any]:
     return tokenizer_metadata(checkpoint_dir)
 
 
-def write_gguf(model, checkpoint_dir: Path, out: Path, dtype: GGUFType = "f16", merged: bool = True) -> Path:
+def write_gguf(model, checkpoint_dir: Path, out: Path, dtype: GGUFType = "f16", merged: bool = True,
+               tokenizer: Optional[dict[str, Any]] = None) -> Path:
     """`model` (a LoRA model: its adapters merged on the fly, one tensor at a time, in fp32) as the GGUF file `out`,
-    the tokenizer and chat template from `checkpoint_dir`, and an Ollama Modelfile beside it."""
+    the tokenizer and chat template from `checkpoint_dir` (`tokenizer`: its fields when already read), and an Ollama
+    Modelfile beside it."""
     import gguf
     import torch
 
@@ -219,7 +226,7 @@ def write_gguf(model, checkpoint_dir: Path, out: Path, dtype: GGUFType = "f16", 
     out = Path(out)
     config = export_config(model, merged=merged)
     arch = architecture(config)
-    tokenizer = tokenizer_metadata(Path(checkpoint_dir))
+    tokenizer = tokenizer or tokenizer_metadata(Path(checkpoint_dir))
     specs = hf_tensor_specs(model, torch.float32, merge=merged)
     qtype = getattr(gguf.GGMLQuantizationType, dtype.upper())
     block = gguf.GGML_QUANT_SIZES[qtype][0]

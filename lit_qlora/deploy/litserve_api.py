@@ -36,7 +36,7 @@ class ChatAPI(ls.LitAPI):
         messages = [{"role": m.role, "content": m.content if isinstance(m.content, str) else
                      "".join(part.text for part in m.content if getattr(part, "text", None))}
                     for m in request.messages]
-        ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True), bos=False)
+        ids = tok.encode_chat(messages)
         limit = min(request.max_completion_tokens or request.max_tokens or self.max_new_tokens, self.max_new_tokens)
         limit = max(1, min(limit, self.model.config.max_seq_length - len(ids) - 1))
         temperature = 0.7 if request.temperature is None else request.temperature

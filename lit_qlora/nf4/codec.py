@@ -19,7 +19,7 @@ of :mod:`lit_qlora.nf4.triton`; elsewhere, or without a compiler or Triton, in t
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torchao.quantization import NF4Tensor
@@ -131,16 +131,29 @@ def quantize_nf4(
     )
 
 
-def block_scales(t: NF4Tensor, blocks: Optional[tuple[int, int]] = None) -> torch.Tensor:
-    """Per-block scales of ``t`` in its dtype (torchao's dequantize_scalers, same ops); only blocks ``b0:b1`` when
-    given (computed from their scaler groups alone: a head used a slice at a time would otherwise dequantize all its
-    scales for every slice)."""
-    sbs = t.scaler_block_size
+class NF4Fields(NamedTuple):
+    """An ``NF4Tensor``'s inner tensors and block sizes, as the custom op ``lit_qlora::nf4_dequantize`` receives them:
+    what `dequantize_into` and `block_scales` read (an ``NF4Tensor`` itself serves as well)."""
+
+    quantized_data: torch.Tensor
+    quantized_scalers: torch.Tensor
+    quantization_factor: torch.Tensor
+    scaler_mean: torch.Tensor
+    nf4: torch.Tensor  # the 16 levels, in the storage dtype
+    block_size: int
+    scaler_block_size: int
+
+
+def block_scales(t: NF4Tensor | NF4Fields, blocks: Optional[tuple[int, int]] = None) -> torch.Tensor:
+    """Per-block scales of ``t`` in its storage dtype (torchao's dequantize_scalers, same ops); only blocks ``b0:b1``
+    when given (computed from their scaler groups alone: a head used a slice at a time would otherwise dequantize all
+    its scales for every slice)."""
+    sbs, storage = t.scaler_block_size, t.nf4.dtype
     if blocks is None:
-        return dequantize_scalers(t.quantized_scalers, t.quantization_factor, t.scaler_mean, sbs, t.dtype)
+        return dequantize_scalers(t.quantized_scalers, t.quantization_factor, t.scaler_mean, sbs, storage)
     g0, g1 = blocks[0] // sbs, -(-blocks[1] // sbs)
     part = dequantize_scalers(t.quantized_scalers[g0 * sbs : g1 * sbs], t.quantization_factor[g0:g1], t.scaler_mean,
-                              sbs, t.dtype)
+                              sbs, storage)
     return part[blocks[0] - g0 * sbs : blocks[1] - g0 * sbs]
 
 
@@ -173,27 +186,35 @@ def dequantize_nf4(
         if out.device != device:
             raise ValueError(f"out is on {out.device}, the NF4 tensor on {device}")
     result = out if out is not None else torch.empty(shape, dtype=dtype, device=device)
-    if device.type == "cpu" and (dtype == t.dtype or dtype == torch.float32) and use_native(t.dtype):
-        dequantize_blocks(t.quantized_data, block_scales(t), t.nf4, t.dtype, result.view(-1), blocks)
-        return result
+    dequantize_into(t, result.view(-1), blocks)
+    return result
+
+
+def dequantize_into(t: NF4Tensor | NF4Fields, flat: torch.Tensor, blocks: Optional[tuple[int, int]] = None) -> None:
+    """Blocks ``b0:b1`` of ``t`` (all without ``blocks``) into the contiguous 1-D ``flat``, in its dtype: the C
+    kernel on CPU, the Triton kernel on CUDA, the PyTorch path elsewhere (the same values). No checks: callers
+    (`dequantize_nf4`, the custom op) made them."""
+    storage, device = t.nf4.dtype, t.quantized_data.device
+    if device.type == "cpu" and flat.dtype in (storage, torch.float32) and use_native(storage):
+        dequantize_blocks(t.quantized_data, block_scales(t), t.nf4, storage, flat, blocks)
+        return
     if device.type == "cuda" and triton_available():  # one launch: lit_qlora/nf4/triton.py
         from lit_qlora.nf4 import triton as kernel
 
         kernel.dequantize_into(t.quantized_data, t.quantized_scalers, t.quantization_factor, t.scaler_mean, t.nf4,
-                               t.block_size, t.scaler_block_size, result.view(-1),
+                               t.block_size, t.scaler_block_size, flat,
                                0 if blocks is None else blocks[0] * t.block_size)
-        return result
+        return
     qdata, scales = t.quantized_data, block_scales(t, blocks)
     if blocks is not None:
         hb = t.block_size // 2  # bytes per block: two codes a byte
         qdata = qdata[blocks[0] * hb : blocks[1] * hb]
-    if dtype == t.dtype:
-        dequantize_eager(qdata, scales, t.nf4, result.view(-1))
+    if flat.dtype == storage:
+        dequantize_eager(qdata, scales, t.nf4, flat)
     else:
-        tmp = torch.empty(result.numel(), dtype=t.dtype, device=device)
+        tmp = torch.empty(flat.numel(), dtype=storage, device=device)
         dequantize_eager(qdata, scales, t.nf4, tmp)
-        result.view(-1).copy_(tmp)
-    return result
+        flat.copy_(tmp)
 
 
 def clone_nf4(t: NF4Tensor) -> NF4Tensor:

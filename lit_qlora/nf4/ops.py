@@ -21,8 +21,6 @@ import os
 
 import torch
 
-from lit_qlora.nf4.native import dequantize_blocks, use_native
-from lit_qlora.nf4.reference import dequantize_eager, dequantize_scalers
 
 
 @functools.lru_cache(maxsize=None)
@@ -33,31 +31,17 @@ def triton_available() -> bool:
     return os.environ.get("LIT_QLORA_NF4_TRITON", "1") != "0" and importlib.util.find_spec("triton") is not None
 
 
-def _scales(qscalers, factor, mean, scaler_block_size: int, storage: torch.dtype) -> torch.Tensor:
-    return dequantize_scalers(qscalers, factor, mean, scaler_block_size, storage)
-
-
 @torch.library.custom_op("lit_qlora::nf4_dequantize", mutates_args=())
 def nf4_dequantize(codes: torch.Tensor, qscalers: torch.Tensor, factor: torch.Tensor, mean: torch.Tensor,
                    levels: torch.Tensor, block_size: int, scaler_block_size: int, rows: int, cols: int,
                    dtype: torch.dtype, recompute: int = 0) -> torch.Tensor:
     """The (rows, cols) dense weight in ``dtype`` of the NF4 tensor with these inner tensors (``levels``: its
     ``nf4`` table, in its storage dtype). Equal bit for bit to torchao's ``get_original_weight().to(dtype)``."""
-    out = torch.empty(rows, cols, dtype=dtype, device=codes.device)
-    storage = levels.dtype
-    if codes.device.type == "cuda" and triton_available():
-        from lit_qlora.nf4 import triton as kernel
+    from lit_qlora.nf4.codec import NF4Fields, dequantize_into  # (codec imports this module)
 
-        return kernel.dequantize_into(codes, qscalers, factor, mean, levels, block_size, scaler_block_size, out)
-    scales = _scales(qscalers, factor, mean, scaler_block_size, storage)
-    if codes.device.type == "cpu" and dtype in (storage, torch.float32) and use_native(storage):
-        dequantize_blocks(codes, scales, levels, storage, out.view(-1), None)
-    elif dtype == storage:
-        dequantize_eager(codes, scales, levels, out.view(-1))
-    else:
-        tmp = torch.empty(out.numel(), dtype=storage, device=codes.device)
-        dequantize_eager(codes, scales, levels, tmp)
-        out.view(-1).copy_(tmp)
+    out = torch.empty(rows, cols, dtype=dtype, device=codes.device)
+    fields = NF4Fields(codes, qscalers, factor, mean, levels, block_size, scaler_block_size)
+    dequantize_into(fields, out.view(-1))
     return out
 
 

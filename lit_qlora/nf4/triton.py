@@ -76,8 +76,8 @@ def dequantize_into(codes: torch.Tensor, qscalers: torch.Tensor, factor: torch.T
         return out
     grid = (-(-n_bytes // BYTES_PER_PROGRAM),)
     _nf4_dequantize_kernel[grid](codes, qscalers, factor, mean, levels, out, first_value // 2, n_bytes,
-                    BLOCK_SIZE=block_size, SCALER_BLOCK_SIZE=scaler_block_size, ROUND=_ROUNDING[storage],
-                    BYTES=BYTES_PER_PROGRAM, num_warps=4)
+                                 BLOCK_SIZE=block_size, SCALER_BLOCK_SIZE=scaler_block_size,
+                                 ROUND=_ROUNDING[storage], BYTES=BYTES_PER_PROGRAM, num_warps=4)
     return out
 
 

@@ -15,6 +15,7 @@ from lightning.pytorch.callbacks import Callback
 from torch.utils.hooks import RemovableHandle
 
 from lit_qlora.train.heap import HeapTrimmer
+from lit_qlora.train.loggers import jsonl_rows_through
 from lit_qlora.train.signals import StopRequested, StopSignals
 from lit_qlora.train.state import (collect_training_state, latest_checkpoint, load_training_state, read_state,
                                    run_totals, save_training_state, step_dir)
@@ -36,10 +37,7 @@ class MetricsLog(Callback):
         if self._opened or not trainer.is_global_zero:
             return
         self._opened = True
-        kept = []
-        if self.start_step and self.path.is_file():
-            kept = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line)["step"] <= self.start_step]
+        kept = jsonl_rows_through(self.path, self.start_step) if self.start_step else []
         self.path.write_text("".join(line + "\n" for line in kept))
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

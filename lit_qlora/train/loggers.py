@@ -18,6 +18,8 @@ finalizing only flushes and `close_loggers` ends the runs once, at the end.
 from __future__ import annotations
 
 import csv
+import io
+import json
 import netrc
 import os
 from pathlib import Path
@@ -96,7 +98,7 @@ def build_loggers(names: Sequence[str], out_dir: Path, start_step: int) -> list[
                 _drop_rows_after(out_dir / "csv" / "metrics.csv", start_step)
             loggers.append(RunCSVLogger(save_dir=str(out_dir), name="", version="csv"))
         elif name == "wandb":
-            (out_dir / "wandb").parent.mkdir(parents=True, exist_ok=True)
+            out_dir.mkdir(parents=True, exist_ok=True)  # wandb writes out_dir/wandb
             loggers.append(RunWandbLogger(save_dir=str(out_dir), name=out_dir.name, offline=wandb_offline(),
                                           project=os.environ.get("WANDB_PROJECT", "lit-qlora")))
         elif name == "mlflow":
@@ -109,18 +111,28 @@ def build_loggers(names: Sequence[str], out_dir: Path, start_step: int) -> list[
     return loggers
 
 
+def jsonl_rows_through(path: Path, step: int) -> list[str]:
+    """The lines of a JSON-lines log (metrics.jsonl, samples.jsonl) whose "step" is at most `step`, none when the file
+    is missing: what a run resumed after `step` keeps of it, as it trains the later steps again."""
+    if not path.is_file():
+        return []
+    return [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+
+
 def _drop_rows_after(path: Path, step: int) -> None:
+    """metrics.csv's rows up to `step` (the CSV logger's counterpart of jsonl_rows_through), rewritten atomically."""
+    from lit_qlora.checkpoint import atomic_write_text
+
     if not path.is_file():
         return
     with path.open(newline="") as f:
         reader = csv.DictReader(f)
         fields, rows = reader.fieldnames or [], [r for r in reader if float(r.get("step") or 0) <= step]
-    tmp = path.with_suffix(".tmp")
-    with tmp.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields)
-        writer.writeheader()
-        writer.writerows(rows)
-    os.replace(tmp, path)
+    text = io.StringIO()
+    writer = csv.DictWriter(text, fieldnames=fields)
+    writer.writeheader()
+    writer.writerows(rows)
+    atomic_write_text(path, text.getvalue())
 
 
 def log_settings(loggers: Sequence[Any], settings: dict[str, Any]) -> None:

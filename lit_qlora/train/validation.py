@@ -19,7 +19,7 @@ from lightning.pytorch.callbacks import Callback
 from lit_qlora.checkpoint import atomic_write_text, remove_path, replace_dir
 from lit_qlora.lora import full_lora_state_dict, save_adapter
 from lit_qlora.parallel.distributed import reshard
-from lit_qlora.train.loggers import log_scalars
+from lit_qlora.train.loggers import jsonl_rows_through, log_scalars
 from lit_qlora.train.tensorboard import TAGS
 
 BEST_DIR, BEST_FILE, SAMPLES_FILE = "best", "best.json", "samples.jsonl"
@@ -177,8 +177,7 @@ def drop_samples_after(out_dir: Path, step: int) -> None:
     """A resumed run trains the steps after its checkpoint again: their samples go."""
     path = Path(out_dir) / SAMPLES_FILE
     if step and path.is_file():
-        rows = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
-        atomic_write_text(path, "".join(line + "\n" for line in rows))
+        atomic_write_text(path, "".join(line + "\n" for line in jsonl_rows_through(path, step)))
 
 
 def sample_prompt_ids(prompt: Optional[str], val_set: Any, tokenizer: Any) -> list[int]:
@@ -188,10 +187,7 @@ def sample_prompt_ids(prompt: Optional[str], val_set: Any, tokenizer: Any) -> li
     from lit_qlora.data.sft import IGNORE_INDEX
 
     if prompt is not None:
-        if tokenizer.has_chat_template:
-            text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
-            return tokenizer.encode(text, bos=False)
-        return tokenizer.encode(prompt)
+        return tokenizer.encode_prompt(prompt)
     sample = val_set[0]
     trained = (sample.labels != IGNORE_INDEX).nonzero()
     start = int(trained[0]) if len(trained) else len(sample.input_ids)
