@@ -99,3 +99,11 @@ def test_a_wrong_key_gets_401_and_a_malformed_body_422_and_serving_goes_on(serve
         urllib.request.urlopen(request, timeout=30)
     assert bad.value.code == 422 and "messages" in bad.value.read().decode()
     assert ask(server, QUESTIONS[0]).strip() == expected[QUESTIONS[0]].strip()
+
+
+def test_a_bad_checkpoint_or_adapter_is_a_one_line_error_before_serving(tmp_path):
+    for args in (["--checkpoint_dir", str(tmp_path / "missing")], ["--adapter_dir", str(tmp_path / "missing")]):
+        done = subprocess.run([sys.executable, "-m", "lit_qlora.cli", "serve", *args, "--port", str(free_port())],
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
+        assert str(tmp_path / "missing") in done.stderr
