@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from lit_qlora.attention_mask import attention_mask, document_lengths
 from lit_qlora.config import Config, rope_attention_factor, rope_inv_freq
 from lit_qlora.fused_projections import fused_projections
 from lit_qlora.lora_dropout import reusing_down_products
@@ -224,7 +225,8 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Decoder-only LM. `forward(idx)` -> logits; `forward(idx, input_pos=...)` after `set_kv_cache` decodes."""
+    """Decoder-only LM. `forward(idx)` -> logits; `forward(idx, input_pos=...)` after `set_kv_cache` decodes;
+    `forward(idx, positions=...)` runs packed rows, each document on its own."""
 
     def __init__(self, config: Config) -> None:
         super().__init__()
@@ -246,44 +248,43 @@ class Transformer(nn.Module):
         return self.model.layers
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype, sliding: bool = False):
-        """cos and sin at `positions` for a block of this kind (Gemma 3's sliding blocks have their own base)."""
+        """cos and sin at `positions` for a block of this kind (Gemma 3's sliding blocks have their own base): (T, d)
+        for a row's positions, (B, 1, T, d) for packed per-token positions (B, T)."""
         inv_freq = rope_inv_freq(self.config, positions.device, sliding)
         scaling = self.config.rope_scaling or {}
         if scaling.get("rope_type", scaling.get("type")) == "longrope":
             # Phi-3 switches to its long factors once the sequence passes the pretraining length, as transformers
-            # does (decided per call: a KV cache filled before the switch keeps its short-factor keys).
-            long = positions.max() + 1 > scaling["original_max_position_embeddings"]
+            # does (decided per call: a KV cache filled before the switch keeps its short-factor keys; a packed
+            # document by its own length, as if alone).
+            length = positions.max() + 1 if positions.dim() == 1 else document_lengths(positions)[..., None]
+            long = length > scaling["original_max_position_embeddings"]
             inv_freq = torch.where(long, rope_inv_freq(self.config, positions.device, long=True), inv_freq)
-        freqs = positions.float()[:, None] * inv_freq[None, :]
+        freqs = positions.float()[..., None] * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
+        if positions.dim() == 2:  # per row: broadcast over the heads
+            emb = emb[:, None]
         factor = rope_attention_factor(self.config)
         return (emb.cos() * factor).to(dtype), (emb.sin() * factor).to(dtype)
 
-    def attention_mask(self, q_pos: torch.Tensor, kv_len: int, window: Optional[int]) -> Optional[torch.Tensor]:
-        """Boolean (T, kv_len) mask, or None when plain causal attention (`is_causal`) is exact."""
-        decoding = self.max_cache_len > 0
-        if not decoding and (window is None or q_pos.numel() <= window):
-            return None
-        kv_pos = torch.arange(kv_len, device=q_pos.device)
-        mask = kv_pos[None, :] <= q_pos[:, None]
-        if window is not None:
-            mask &= (q_pos[:, None] - kv_pos[None, :]) < window
-        return mask
-
-    def forward_hidden(self, idx: torch.Tensor, input_pos: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Final-norm hidden states (B, T, n_embd): what the head (or a chunked loss) consumes."""
+    def forward_hidden(self, idx: torch.Tensor, input_pos: Optional[torch.Tensor] = None,
+                       positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Final-norm hidden states (B, T, n_embd): what the head (or a chunked loss) consumes. `positions` (B, T):
+        packed rows' per-token positions, restarting at 0 at each document, which then attends only within itself
+        (lit_qlora.attention_mask)."""
         T = idx.size(1)
         if input_pos is None and self.max_cache_len:
             raise ValueError("input_pos is required after set_kv_cache().")
-        positions = input_pos if input_pos is not None else torch.arange(T, device=idx.device)
+        if positions is not None and input_pos is not None:
+            raise ValueError("Packed positions are for full-sequence forwards, not KV-cache decoding (input_pos).")
+        row_pos = input_pos if input_pos is not None else torch.arange(T, device=idx.device)
         x = self.model.embed_tokens(idx)
         if self.config.embed_scale:  # Gemma: sqrt(n_embd), rounded to the activations' dtype as transformers does
             x = x * torch.tensor(self.config.n_embd**0.5, dtype=x.dtype)
         kv_len = self.max_cache_len if self.max_cache_len else T
         kinds = {block.sliding for block in self.model.layers}
-        masks = {sliding: self.attention_mask(positions, kv_len, self.config.sliding_window if sliding else None)
-                 for sliding in kinds}
-        ropes = {sliding: self.rope(positions, x.dtype, sliding) for sliding in kinds}
+        masks = {sliding: attention_mask(row_pos, kv_len, self.config.sliding_window if sliding else None,
+                                         self.max_cache_len > 0, positions) for sliding in kinds}
+        ropes = {sliding: self.rope(row_pos if positions is None else positions, x.dtype, sliding) for sliding in kinds}
         for i, block in enumerate(self.model.layers):
             mask, (cos, sin) = masks[block.sliding], ropes[block.sliding]
             if i < self.checkpoint_blocks and torch.is_grad_enabled():
@@ -296,8 +297,9 @@ class Transformer(nn.Module):
         """The head over final hidden states (soft-capped for Gemma 2): what forward returns and the loss reads."""
         return softcap(self.lm_head(hidden), self.config.final_softcap)
 
-    def forward(self, idx: torch.Tensor, input_pos: Optional[torch.Tensor] = None) -> torch.Tensor:
-        return self.logits(self.forward_hidden(idx, input_pos))
+    def forward(self, idx: torch.Tensor, input_pos: Optional[torch.Tensor] = None,
+                positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return self.logits(self.forward_hidden(idx, input_pos, positions))
 
     def set_kv_cache(self, batch_size: int, max_len: Optional[int] = None, device=None, dtype=None) -> None:
         max_len = max_len or self.config.max_seq_length

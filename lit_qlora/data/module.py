@@ -43,7 +43,9 @@ def pad_id_of(tokenizer: Any) -> int:
 class SFTDataModule(L.LightningDataModule):
     """Batches are `{"input_ids": LongTensor[B, T], "labels": LongTensor[B, T]}`, right-padded to the batch's
     longest sample (inputs with the pad/EOS id, labels with -100). Labels are aligned with inputs:
-    loss = CE(logits[:, :-1], labels[:, 1:]) ignoring -100. Validation is never packed and keeps its order.
+    loss = CE(logits[:, :-1], labels[:, 1:]) ignoring -100. With packing, training batches also hold
+    `positions` (LongTensor[B, T], restarting at 0 at each packed sample: pass them to the model's forward so
+    samples stay isolated). Validation is never packed and keeps its order.
 
     `train_dataloader()` serves a Trainer of your own: micro-batches, epoch by epoch, sharded over the Trainer's
     ranks (pass `use_distributed_sampler=False`: the order is already per rank). `litqlora finetune` reads the

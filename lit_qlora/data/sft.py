@@ -202,6 +202,8 @@ def load_hf_rows(name: str, split: str = "train") -> list[dict]:
 class Sample:
     input_ids: torch.Tensor  # int64 [T]
     labels: torch.Tensor  # int64 [T]; IGNORE_INDEX where no loss is taken
+    positions: Optional[torch.Tensor] = None
+    """int64 [T] for a packed sample: each document's positions, from 0 (lit_qlora.attention_mask); None: 0..T-1."""
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -245,9 +247,10 @@ def tokenize_rows(rows: Sequence[dict], style: PromptStyle, tokenizer: Any, max_
 def pack(samples: Sequence[Sample], max_seq_length: int) -> list[Sample]:
     """Pack samples, in order, into sequences of at most `max_seq_length` tokens. A sample never straddles two
     sequences (next-fit: a sample that does not fit in the current sequence starts a new one), so every trained
-    token sees its whole prompt. The first label of every packed sample is set to IGNORE_INDEX: it would be
-    predicted from the previous sample's last token. Attention is still causal over the whole packed sequence
-    (tokens see the earlier samples of their sequence) and positions run on across samples."""
+    token sees its whole prompt. Packed samples stay isolated documents: each packed sequence carries `positions`
+    that restart at 0 at every sample, by which the model attends only within a sample and gives it its own RoPE
+    positions, so a sample's loss is what it would be alone. The first label of every packed sample is set to
+    IGNORE_INDEX: it would be the target of the previous sample's last token (alone, nothing predicts it either)."""
     packed: list[Sample] = []
     ids: list[torch.Tensor] = []
     labels: list[torch.Tensor] = []
@@ -255,7 +258,8 @@ def pack(samples: Sequence[Sample], max_seq_length: int) -> list[Sample]:
 
     def flush() -> None:
         if ids:
-            packed.append(Sample(torch.cat(ids), torch.cat(labels)))
+            positions = torch.cat([torch.arange(len(piece)) for piece in ids])
+            packed.append(Sample(torch.cat(ids), torch.cat(labels), positions))
         ids.clear(), labels.clear()
 
     for sample in samples:
@@ -284,7 +288,9 @@ class SFTDataset(torch.utils.data.Dataset):
 
 class Collate:
     """Right-pad a list of samples to the longest one: `{"input_ids": [B, T], "labels": [B, T]}` (int64), inputs
-    padded with `pad_id`, labels with IGNORE_INDEX."""
+    padded with `pad_id`, labels with IGNORE_INDEX. When a sample is packed, the batch also holds its `positions`
+    [B, T] (an unpacked row's 0..len-1; padding at position 0: each padding token a document of its own, which
+    nothing attends to); an unpacked batch has none, and the model runs plain causal attention."""
 
     def __init__(self, pad_id: int) -> None:
         self.pad_id = pad_id
@@ -296,4 +302,9 @@ class Collate:
         for row, s in enumerate(samples):
             input_ids[row, : len(s)] = s.input_ids
             labels[row, : len(s)] = s.labels
-        return {"input_ids": input_ids, "labels": labels}
+        batch = {"input_ids": input_ids, "labels": labels}
+        if any(s.positions is not None for s in samples):
+            batch["positions"] = torch.zeros((len(samples), longest), dtype=torch.long)
+            for row, s in enumerate(samples):
+                batch["positions"][row, : len(s)] = torch.arange(len(s)) if s.positions is None else s.positions
+        return batch

@@ -142,7 +142,8 @@ class DataArgs:
     """Fraction of rows held out for validation (at least one row when > 0; 0 disables validation), or the name of
     the dataset's validation split (e.g. `validation`, `test`)."""
     packing: bool = False
-    """Pack several training samples into each max_seq_length sequence (fewer padding tokens)."""
+    """Pack several training samples into each max_seq_length sequence (fewer padding tokens). Packed samples stay
+    isolated: each attends only within itself, with its own positions from 0, so its loss is what it is alone."""
     num_workers: int = 0
     """DataLoader worker processes (0: load in the training process)."""
 

@@ -94,11 +94,13 @@ def chunked_cross_entropy_sum(
     return total
 
 
-def lm_loss_sum(model, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def lm_loss_sum(model, input_ids: torch.Tensor, labels: torch.Tensor,
+                positions: Optional[torch.Tensor] = None) -> torch.Tensor:
     """A fine-tune's summed next-token loss: the blocks, then the head in chunks of LOGITS_CHUNK_ELEMS logits.
+    `positions`: a packed batch's per-token positions (each document attends only within itself).
 
     `model.logits`, not `lm_head`: a model that soft-caps its logits (Gemma 2) trains on the capped ones."""
-    hidden = model.forward_hidden(input_ids)
+    hidden = model.forward_hidden(input_ids, **({} if positions is None else {"positions": positions}))
     if vocab_sliced_head(model.lm_head, model.config.final_softcap):
         return nf4_head_ce_sum(model.lm_head, *next_token_pairs(hidden, labels), LOGITS_CHUNK_ELEMS)
     chunk_tokens = max(1, LOGITS_CHUNK_ELEMS // model.config.vocab_size)

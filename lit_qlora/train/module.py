@@ -119,7 +119,7 @@ class FinetuneModule(L.LightningModule):
         return [optimizer], [scheduler]
 
     def micro_loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return lm_loss_sum(self.model, batch["input_ids"], batch["labels"])
+        return lm_loss_sum(self.model, batch["input_ids"], batch["labels"], batch.get("positions"))
 
     def global_target_count(self, micro_batches: list[dict[str, Any]]) -> torch.Tensor:
         count = torch.tensor(float(sum(target_count(mb["labels"]) for mb in micro_batches)), device=self.device,
