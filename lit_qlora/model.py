@@ -21,6 +21,7 @@ from lit_qlora.attention_mask import attention_mask, document_lengths
 from lit_qlora.config import Config, rope_attention_factor, rope_inv_freq
 from lit_qlora.fused_projections import fused_projections
 from lit_qlora.lora_dropout import reusing_down_products
+from lit_qlora.tiled_mlp import mlp_tile_tokens, tiled_mlp
 
 
 class RMSNorm(nn.Module):
@@ -166,8 +167,13 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.n_embd, bias=config.mlp_bias)
 
         self.act = partial(F.gelu, approximate="tanh") if config.mlp_activation == "gelu_tanh" else F.silu
+        self.tile_tokens = mlp_tile_tokens(config.intermediate_size)
+        """Training sequences longer than this run the MLP tile by tile (lit_qlora.tiled_mlp)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return tiled_mlp(self.forward_untiled, x, self, self.tile_tokens)
+
+    def forward_untiled(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = fused_projections(x, (self.gate_proj, self.up_proj))
         if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
             return self.down_proj(_LeanGatedActivation.apply(gate, up, self.act))

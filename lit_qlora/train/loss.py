@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from lit_qlora.nf4 import native
 from lit_qlora.train.nf4_head_loss import nf4_head_ce_sum, vocab_sliced_head
+from lit_qlora.train.tiled_loss import tiled_ce_sum, use_tiled_loss
 
 IGNORE_INDEX = -100
 
@@ -96,12 +97,17 @@ def chunked_cross_entropy_sum(
 
 def lm_loss_sum(model, input_ids: torch.Tensor, labels: torch.Tensor,
                 positions: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """A fine-tune's summed next-token loss: the blocks, then the head in chunks of LOGITS_CHUNK_ELEMS logits.
+    """A fine-tune's summed next-token loss: the blocks, then the head in chunks of LOGITS_CHUNK_ELEMS logits
+    (long sequences: tiles of tokens x vocabulary slices, `tiled_loss`).
     `positions`: a packed batch's per-token positions (each document attends only within itself).
 
     `model.logits`, not `lm_head`: a model that soft-caps its logits (Gemma 2) trains on the capped ones."""
     hidden = model.forward_hidden(input_ids, **({} if positions is None else {"positions": positions}))
-    if vocab_sliced_head(model.lm_head, model.config.final_softcap):
+    sliced = vocab_sliced_head(model.lm_head, model.config.final_softcap)
+    if use_tiled_loss(model.lm_head, labels[:, 1:].numel(), sliced):  # long sequences (padding counted: no sync)
+        return tiled_ce_sum(model.lm_head, *next_token_pairs(hidden, labels), model.config.final_softcap,
+                            LOGITS_CHUNK_ELEMS)
+    if sliced:
         return nf4_head_ce_sum(model.lm_head, *next_token_pairs(hidden, labels), LOGITS_CHUNK_ELEMS)
     chunk_tokens = max(1, LOGITS_CHUNK_ELEMS // model.config.vocab_size)
     params = [p for p in model.lm_head.parameters() if p.requires_grad]
