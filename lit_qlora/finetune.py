@@ -101,11 +101,13 @@ def finetune(
     loggers = require_loggers(logger)
     if export.gguf and Path(checkpoint_dir).is_dir():  # (the default checkpoint, not yet converted: after training)
         from lit_qlora.deploy.gguf_export import require_exportable
+        from lit_qlora.lora import resolve_targets
 
-        require_exportable(Path(checkpoint_dir))
+        require_exportable(Path(checkpoint_dir), head_adapted="lm_head" in resolve_targets(lora.targets))
     precision, precision_reason = choose_precision(precision, accelerator)
     compile = compile_choice(compile, accelerator, precision)
     train.require_valid_validation(data)
+    train.require_valid_offload(uses_cuda(accelerator))
     claim_out_dir(Path(out_dir), resume, overwrite)
     resume_from = resolve_resume(resume, Path(out_dir))
     if resume_from is not None:
@@ -165,7 +167,8 @@ def recipe(checkpoint_dir: Path, quantize: str, precision: str, seed: int, lora:
 # Anything else (seed, data, batch sizes, sequence length, learning rate, adapter shape) would make the resumed
 # steps another run's.
 MAY_CHANGE_ON_RESUME = frozenset({"train.save_interval", "train.log_interval", "train.keep_last",
-                                  "train.activation_checkpointing", "train.on_nonfinite", "data.num_workers"})
+                                  "train.activation_checkpointing", "train.offload_activations", "train.on_nonfinite",
+                                  "data.num_workers"})
 
 
 def require_same_recipe(state: dict[str, Any], checkpoint: Path, now: dict[str, Any]) -> None:
@@ -198,8 +201,9 @@ def require_same_recipe(state: dict[str, Any], checkpoint: Path, now: dict[str, 
             f"--resume: {Path(checkpoint) / 'state.json'} belongs to a run with other settings ({'; '.join(changed)}): "
             "resuming would silently continue a different run. Resume with the settings and data the run started "
             "with, or start a new run in another --out_dir. Only train.save_interval, log_interval, keep_last, "
-            "activation_checkpointing, on_nonfinite, data.num_workers, compile and the devices (devices, num_nodes, "
-            f"strategy) may change on resume, and train.max_steps may grow (from step {state.get('step', 0)} on).")
+            "activation_checkpointing, offload_activations, on_nonfinite, data.num_workers, compile and the devices "
+            f"(devices, num_nodes, strategy) may change on resume, and train.max_steps may grow (from step "
+            f"{state.get('step', 0)} on).")
 
 
 def finished_summary(out_dir: Path, state: dict[str, Any], max_steps: Optional[int]) -> Optional[dict[str, Any]]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import re
 import sys
 import warnings
 from pathlib import Path
@@ -20,22 +19,9 @@ from typing import Any, Literal, Optional
 
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
-
-_TOP_LEVEL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_PER_BLOCK = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_norm": "post_attention_layernorm",
-}
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
+# Tensors whose values become config fields (rope scaling), not weights.
+_ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 
 
 def bundled_smollm2_path() -> Path:
@@ -152,6 +138,7 @@ def _f32(value: float) -> float:
 
 def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any], path: Path | str = "<gguf>") -> Config:
     from lit_qlora.config import Config
+    from lit_qlora.deploy.gguf_families import GEMMA_ARCHS, MODEL_TYPES, gemma_layer_types, gemma_query_scalar
 
     arch = meta["general.architecture"]
 
@@ -166,15 +153,19 @@ def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any], path: Path |
     n_embd, n_head = int(key("embedding_length")), int(key("attention.head_count"))
     head_dim = int(key("attention.key_length", n_embd // n_head))
     rope_dim = int(key("rope.dimension_count", head_dim))
-    if rope_dim != head_dim:
-        raise ValueError(f"{path}: partial rotary embeddings ({rope_dim} of {head_dim} dims) are not supported.")
+    if rope_dim != head_dim and arch != "phi3":
+        raise ValueError(f"{path}: partial rotary embeddings ({rope_dim} of {head_dim} dims) are supported for "
+                         f"phi3 only, not {arch}.")
+    n_layer = int(key("block_count"))
+    gemma = arch in GEMMA_ARCHS
+    window = meta.get(f"{arch}.attention.sliding_window") if gemma else None
     eos = meta.get("tokenizer.ggml.eos_token_id")
     config = Config(
         name=Path(path).stem,
-        model_type=arch,
+        model_type=MODEL_TYPES[arch],
         # The embedding's row count is authoritative; `{arch}.vocab_size` is optional in GGUF.
         vocab_size=int(tensors["token_embd.weight"].shape[-1]),
-        n_layer=int(key("block_count")),
+        n_layer=n_layer,
         n_embd=n_embd,
         n_head=n_head,
         n_query_groups=int(key("attention.head_count_kv", n_head)),
@@ -182,12 +173,22 @@ def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any], path: Path |
         intermediate_size=int(key("feed_forward_length")),
         norm_eps=_f32(key("attention.layer_norm_rms_epsilon")),
         rope_base=_f32(key("rope.freq_base", 10000.0)),
+        partial_rotary_factor=rope_dim / head_dim,
         max_seq_length=int(key("context_length")),
         qkv_bias="blk.0.attn_q.bias" in tensors,
         o_bias="blk.0.attn_output.bias" in tensors,
         mlp_bias="blk.0.ffn_up.bias" in tensors,
         tie_embeddings="output.weight" not in tensors,
-        qk_norm=arch == "qwen3",
+        qk_norm=arch in ("qwen3", "gemma3"),
+        # llama.cpp's fixed Gemma numerics (gguf_families.py): its sliding layers, query scale and local rope base
+        sliding_window=None if window is None else int(window),
+        layer_types=gemma_layer_types(arch, n_layer) if gemma else None,
+        rope_local_base=_f32(key("rope.freq_base_swa", 10000.0)) if arch == "gemma3" else None,
+        norm_plus_one=gemma, embed_scale=gemma, sandwich_norms=gemma,
+        mlp_activation="gelu_tanh" if gemma else "silu",
+        query_pre_attn_scalar=gemma_query_scalar(arch, n_layer, n_embd, n_head, head_dim) if gemma else None,
+        attn_softcap=_optional_f32(meta.get(f"{arch}.attn_logit_softcapping")) if arch == "gemma2" else None,
+        final_softcap=_optional_f32(meta.get(f"{arch}.final_logit_softcapping")) if gemma else None,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=None if eos is None else int(eos),
     )
@@ -195,13 +196,17 @@ def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any], path: Path |
     return config
 
 
+def _optional_f32(value: Optional[float]) -> Optional[float]:
+    return None if value is None else _f32(value)
+
+
 def _rope_scaling(meta: dict[str, Any], tensors: dict[str, Any], config: Config, path) -> dict[str, Any] | None:
     import numpy as np
     import torch
 
-    from lit_qlora.config import rope_inv_freq
+    from lit_qlora.config import rope_attention_factor, rope_inv_freq
 
-    arch = config.model_type
+    arch = meta["general.architecture"]
     if "rope_freqs.weight" in tensors:
         # llama.cpp stores Llama 3.x scaling as a per-frequency divisor tensor instead of its parameters. Rebuild
         # the HF parameters (the published ones: low 1, high 4, original 8192) and check they give the same divisors.
@@ -214,23 +219,23 @@ def _rope_scaling(meta: dict[str, Any], tensors: dict[str, Any], config: Config,
         if not torch.allclose(plain / torch.from_numpy(divisors), scaled, rtol=1e-4):
             raise ValueError(f"{path}: rope_freqs.weight does not match Llama 3 rope scaling; it is not supported.")
         return scaling
+    if "rope_factors_long.weight" in tensors:  # Phi-3's longrope, its factors stored as tensors
+        scaling = {"rope_type": "longrope", "original_max_position_embeddings": int(
+            meta.get(f"{arch}.rope.scaling.original_context_length", config.max_seq_length))}
+        for which in ("long", "short"):
+            factors = _dequantize(tensors[f"rope_factors_{which}.weight"], path)
+            scaling[f"{which}_factor"] = [_f32(float(f)) for f in factors]
+        attn_factor = meta.get(f"{arch}.rope.scaling.attn_factor")
+        if attn_factor is not None and abs(_f32(attn_factor) - rope_attention_factor(config.replace(
+                rope_scaling=scaling))) > 1e-6:
+            scaling["attention_factor"] = _f32(attn_factor)
+        return scaling
     kind = meta.get(f"{arch}.rope.scaling.type", "none")
     if kind == "none":
         return None
     if kind == "linear":
         return {"rope_type": "linear", "factor": _f32(meta[f"{arch}.rope.scaling.factor"])}
     raise ValueError(f"{path}: rope scaling type {kind!r} is not supported (linear and llama3 are).")
-
-
-def hf_name(gguf_name: str) -> str | None:
-    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None for unknown names."""
-    base, _, suffix = gguf_name.rpartition(".")
-    if base in _TOP_LEVEL:
-        return f"{_TOP_LEVEL[base]}.{suffix}"
-    match = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
-    if match and match.group(2) in _PER_BLOCK:
-        return f"model.layers.{match.group(1)}.{_PER_BLOCK[match.group(2)]}.{suffix}"
-    return None
 
 
 def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -269,23 +274,32 @@ def _dequantize(tensor, path, first_row_only: bool = False) -> np.ndarray:
 
 
 def expected_shapes(config: Config) -> dict[str, tuple[int, ...]]:
-    """The HF/lit-qlora state-dict layout of `config` (what `Transformer(config).state_dict()` holds, without
-    building it: building even on the meta device costs seconds of imports), tied lm_head left out."""
+    """The Hugging Face state-dict layout of `config` (Phi-3's q/k/v and gate/up fused, as its checkpoints have
+    them), tied lm_head left out; computed, not built: building even on the meta device costs seconds of imports."""
+    from lit_qlora.hf_layout import fused_modules
+
     c, q, kv = config, config.n_head * config.head_dim, config.n_query_groups * config.head_dim
     shapes = {"model.embed_tokens.weight": (c.vocab_size, c.n_embd), "model.norm.weight": (c.n_embd,)}
     if not c.tie_embeddings:
         shapes["lm_head.weight"] = (c.vocab_size, c.n_embd)
+    linears = {"self_attn.q_proj": (q, c.n_embd, c.qkv_bias), "self_attn.k_proj": (kv, c.n_embd, c.qkv_bias),
+               "self_attn.v_proj": (kv, c.n_embd, c.qkv_bias), "self_attn.o_proj": (c.n_embd, q, c.o_bias),
+               "mlp.gate_proj": (c.intermediate_size, c.n_embd, c.mlp_bias),
+               "mlp.up_proj": (c.intermediate_size, c.n_embd, c.mlp_bias),
+               "mlp.down_proj": (c.n_embd, c.intermediate_size, c.mlp_bias)}
+    for fused, parts in fused_modules(c).items():
+        linears[fused] = (sum(linears[p][0] for p in parts), c.n_embd, c.mlp_bias)
+        for part in parts:
+            del linears[part]
+    norms = ["input_layernorm", "post_attention_layernorm"]
+    if c.sandwich_norms:
+        norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
     for i in range(c.n_layer):
-        linears = {"self_attn.q_proj": (q, c.n_embd, c.qkv_bias), "self_attn.k_proj": (kv, c.n_embd, c.qkv_bias),
-                   "self_attn.v_proj": (kv, c.n_embd, c.qkv_bias), "self_attn.o_proj": (c.n_embd, q, c.o_bias),
-                   "mlp.gate_proj": (c.intermediate_size, c.n_embd, c.mlp_bias),
-                   "mlp.up_proj": (c.intermediate_size, c.n_embd, c.mlp_bias),
-                   "mlp.down_proj": (c.n_embd, c.intermediate_size, c.mlp_bias)}
         for name, (out, inp, bias) in linears.items():
             shapes[f"model.layers.{i}.{name}.weight"] = (out, inp)
             if bias:
                 shapes[f"model.layers.{i}.{name}.bias"] = (out,)
-        for norm in ("input_layernorm", "post_attention_layernorm"):
+        for norm in norms:
             shapes[f"model.layers.{i}.{norm}.weight"] = (c.n_embd,)
         if c.qk_norm:
             for norm in ("self_attn.q_norm", "self_attn.k_norm"):
@@ -295,20 +309,22 @@ def expected_shapes(config: Config) -> dict[str, tuple[int, ...]]:
 
 def weight_specs(tensors: dict[str, Any], config: Config, dtype: torch.dtype, path) -> list[TensorSpec]:
     """One lazily dequantized TensorSpec per model weight, checked up front (names, shapes, quant types)."""
+    import numpy as np
     import torch
 
     from lit_qlora.checkpoint import TensorSpec
+    from lit_qlora.deploy.gguf_families import ARCHITECTURES, hf_name, is_norm, norm_offset, permutes_rope_rows
 
+    arch = ARCHITECTURES[config.model_type]
     expected = expected_shapes(config)
-    names = {n: hf_name(n) for n in tensors if n != "rope_freqs.weight"}  # rope_freqs became config.rope_scaling
+    names = {n: hf_name(n, arch) for n in tensors if n not in _ROPE_TENSORS}  # those became config.rope_scaling
     unknown = [n for n, hf in names.items() if hf not in expected]
     if unknown:
         raise ValueError(f"{path}: unexpected tensors for a {config.model_type} model: {', '.join(unknown[:8])}.")
     missing = sorted(set(expected) - set(names.values()))
     if missing:
         raise ValueError(f"{path}: GGUF file lacks tensors for {', '.join(missing[:8])}.")
-    # Only llama.cpp's llama converter permutes q/k (its rope kernel is interleaved); qwen2/3 keep the HF layout.
-    permuted = config.model_type == "llama"
+    permuted = permutes_rope_rows(arch)
     specs = []
     for gguf_name, name in names.items():
         tensor = tensors[gguf_name]
@@ -318,9 +334,12 @@ def weight_specs(tensors: dict[str, Any], config: Config, dtype: torch.dtype, pa
         _dequantize(tensor, path, first_row_only=True)
         heads = config.n_head if ".q_proj." in name else config.n_query_groups if ".k_proj." in name else None
 
-        def produce(tensor=tensor, heads=heads if permuted else None) -> torch.Tensor:
+        offset = norm_offset(arch) if is_norm(name) else 0.0
+
+        def produce(tensor=tensor, heads=heads if permuted else None, offset=offset) -> torch.Tensor:
             w = _dequantize(tensor, path)
-            return torch.from_numpy(w if heads is None else unpermute_rope_rows(w, heads)).to(dtype)
+            w = w if heads is None else unpermute_rope_rows(w, heads)
+            return torch.from_numpy(w - np.float32(offset) if offset else w).to(dtype)
 
         specs.append(TensorSpec(name, shape, dtype, produce))
     return specs

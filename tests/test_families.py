@@ -90,10 +90,10 @@ MORE_TRAINING_ONLY = {"Phi-4-mini": {"embd_pdrop", "resid_pdrop"}}
 def hf_checkpoint(kind: str, extra: dict, out: Path, tokenizer_dir: Path | None = None):
     """A tiny random model written by transformers (safetensors), with non-trivial norms and biases."""
     torch.manual_seed(0)
-    config = getattr(transformers, kind)(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                         rms_norm_eps=1e-6, rope_theta=10000.0, bos_token_id=1, eos_token_id=2,
-                                         **extra)
+    shape = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=10000.0,
+                 bos_token_id=1, eos_token_id=2)
+    config = getattr(transformers, kind)(**{**shape, **extra})
     model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -105,14 +105,14 @@ def hf_checkpoint(kind: str, extra: dict, out: Path, tokenizer_dir: Path | None 
     return model
 
 
-def random_adapter(model, out_dir: Path, quantize: str) -> Path:
-    """LoRA on every target with a random B, so every adapted layer changes the output."""
-    apply_lora(model, r=4, alpha=8, dtype=torch.float32)
+def random_adapter(model, out_dir: Path, quantize: str, targets: list[str] = ["all"]) -> Path:  # noqa: B006
+    """LoRA on `targets` with a random B, so every adapted layer changes the output."""
+    apply_lora(model, r=4, alpha=8, dtype=torch.float32, targets=targets)
     torch.manual_seed(1)
     with torch.no_grad():
         for layer in lora_modules(model).values():
             layer.lora_B.normal_(0, 0.05)
-    return save_adapter(model, out_dir, {"r": 4, "alpha": 8, "targets": ["all"], "quantize": quantize,
+    return save_adapter(model, out_dir, {"r": 4, "alpha": 8, "targets": targets, "quantize": quantize,
                                          "base_dtype": "float32", "lora_dtype": "float32"})
 
 

@@ -17,9 +17,35 @@ from lit_qlora.loading import load_model
 from lit_qlora.tokenizer import Tokenizer
 from test_families import hf_checkpoint, random_adapter, tokens
 
+# Every family llama.cpp runs, in shapes it runs as we do (gguf_families.py): Gemma's query scale is head_dim, Gemma 2's
+# head stays tied (so its adapter leaves lm_head out), Gemma 3's six layers slide but the last.
+NO_HEAD = ["q", "k", "v", "o", "gate", "up", "down"]
 FAMILIES = {"llama": ("LlamaConfig", dict(tie_word_embeddings=False)),
+            "mistral": ("MistralConfig", dict(sliding_window=None, tie_word_embeddings=False)),
             "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
-            "qwen3": ("Qwen3Config", dict(tie_word_embeddings=False, head_dim=32))}
+            "qwen3": ("Qwen3Config", dict(tie_word_embeddings=False, head_dim=32)),
+            "gemma2": ("Gemma2Config", dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=4,
+                                            attn_logit_softcapping=0.5, final_logit_softcapping=3.0)),
+            "gemma3": ("Gemma3TextConfig", dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=4,
+                                                num_hidden_layers=6, tie_word_embeddings=False)),
+            "phi3": ("Phi3Config", dict(pad_token_id=0, tie_word_embeddings=False)),
+            # Phi-4-mini's RoPE: partial, longrope (its long factors past 16 tokens)
+            "phi3-longrope": ("Phi3Config", dict(partial_rotary_factor=0.5, original_max_position_embeddings=16,
+                                                 pad_token_id=0, tie_word_embeddings=True,
+                                                 rope_scaling={"type": "longrope",
+                                                               "short_factor": [1.0, 1.5, 2.0, 3.0],
+                                                               "long_factor": [2.0, 5.0, 9.0, 20.0]}))}
+
+
+def family_export(family: str, quantize: str, tmp_path, smollm2_dir, dtype: str = "f32"):
+    """A tiny random model of `family` with a random adapter: (base dir, adapter dir, the merged model, the GGUF)."""
+    kind, extra = FAMILIES[family]
+    hf_checkpoint(kind, extra, tmp_path / "base", smollm2_dir)
+    model = load_model(tmp_path / "base", quantize, "32-true")
+    adapter = random_adapter(model, tmp_path / "adapter", quantize, NO_HEAD if family == "gemma2" else ["all"])
+    merged = load_model(tmp_path / "base", quantize, "32-true", adapter_dir=adapter)
+    path = export_gguf(tmp_path / "base", tmp_path / "model.gguf", adapter_dir=adapter, dtype=dtype)
+    return tmp_path / "base", adapter, merged, path
 TEXTS = ["Hello world! 12345 What's the capital of France?", "<|im_start|>user\nhi<|im_end|>\n",
          "  tabs\tand\nnewlines"]
 
@@ -38,14 +64,16 @@ def test_the_rope_permutation_is_the_inverse_of_the_imports():
 @pytest.mark.parametrize("quantize", ["none", "nf4"])
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_f32_export_reads_back_to_the_merged_models_logits(family, quantize, smollm2_dir, tmp_path):
-    kind, extra = FAMILIES[family]
-    hf_checkpoint(kind, extra, tmp_path / "base", smollm2_dir)
-    adapter = random_adapter(load_model(tmp_path / "base", quantize, "32-true"), tmp_path / "adapter", quantize)
-    merged = load_model(tmp_path / "base", quantize, "32-true", adapter_dir=adapter)
-    path = export_gguf(tmp_path / "base", tmp_path / "model.gguf", adapter_dir=adapter, dtype="f32")
+    _, _, merged, path = family_export(family, quantize, tmp_path, smollm2_dir)
     back = load_model(convert_gguf(path, tmp_path / "back"), "none", "32-true")
+    assert back.config.model_type == merged.config.model_type.replace("mistral", "llama")
     ids = tokens((2, 24))
     want, got = logits(merged, ids), logits(back, ids)
+    if family == "gemma2" and quantize == "nf4":  # llama.cpp's gemma2 head is the embedding W, not dequant(NF4(W))
+        with torch.no_grad():
+            hidden = merged.forward_hidden(ids)
+            cap = merged.config.final_softcap
+            want = cap * torch.tanh(hidden @ merged.model.embed_tokens.weight.T / cap)
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
     base = logits(load_model(tmp_path / "base", quantize, "32-true"), ids)
     assert (base - want).abs().max() > 100 * (got - want).abs().max()  # the adapter is in the file
@@ -102,9 +130,17 @@ def test_smollm2_tokenizer_chat_template_and_modelfile(smollm2_dir, smollm2_expo
 
 
 def test_what_llama_cpp_would_not_get_right_is_refused_before_writing(smollm2_dir, tmp_path):
-    hf_checkpoint("Gemma2Config", dict(head_dim=16), tmp_path / "gemma", smollm2_dir)
-    with pytest.raises(GGUFExportError, match="'gemma2'.*convert_hf_to_gguf"):
-        export_gguf(tmp_path / "gemma", tmp_path / "g.gguf")
+    refused = {  # llama.cpp fixes Gemma's query scale and sliding layers, and has no final soft-cap for Gemma 3
+        "query_pre_attn_scalar 256": ("Gemma2Config", dict(head_dim=16)),
+        "sliding layers": ("Gemma3TextConfig", dict(head_dim=16, query_pre_attn_scalar=16,
+                                                    layer_types=["full_attention", "sliding_attention"])),
+        "final logit soft-cap on Gemma 3": ("Gemma3TextConfig", dict(head_dim=16, query_pre_attn_scalar=16,
+                                                                   final_logit_softcapping=3.0)),
+    }
+    for reason, (kind, extra) in refused.items():
+        hf_checkpoint(kind, extra, tmp_path / "model", smollm2_dir)
+        with pytest.raises(GGUFExportError, match=f"cannot write this .*{reason}.*merged Hugging Face export"):
+            export_gguf(tmp_path / "model", tmp_path / "g.gguf")
     from tokenizers import Tokenizer as Backend, models
 
     hf_checkpoint("LlamaConfig", {}, tmp_path / "unigram", smollm2_dir)
@@ -112,6 +148,79 @@ def test_what_llama_cpp_would_not_get_right_is_refused_before_writing(smollm2_di
     with pytest.raises(GGUFExportError, match="Unigram tokenizer"):
         export_gguf(tmp_path / "unigram", tmp_path / "u.gguf")
     assert not list(tmp_path.glob("*.gguf")) and not list(tmp_path.glob(".*.tmp"))
+
+
+def test_a_gemma2_head_adapter_is_refused_and_finetune_says_so_before_training(smollm2_dir, tmp_path):
+    """llama.cpp's gemma2 reads its head from the embedding: an adapter on lm_head (the default `all`) cannot go
+    into the file, and `finetune --export.gguf` refuses before its first step."""
+    from lit_qlora.finetune import finetune
+    from lit_qlora.train.args import ExportArgs, TrainArgs
+
+    kind, extra = FAMILIES["gemma2"]
+    hf_checkpoint(kind, extra, tmp_path / "base", smollm2_dir)
+    adapter = random_adapter(load_model(tmp_path / "base", "none", "32-true"), tmp_path / "adapter", "none")
+    with pytest.raises(GGUFExportError, match="head apart from the embedding.*--lora.targets"):
+        export_gguf(tmp_path / "base", tmp_path / "g.gguf", adapter_dir=adapter)
+    with pytest.raises(GGUFExportError, match="head apart from the embedding"):
+        finetune(checkpoint_dir=tmp_path / "base", out_dir=tmp_path / "out", precision="32-true",
+                 train=TrainArgs(max_steps=1), export=ExportArgs(gguf="f16"))
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob("*.gguf"))
+
+
+def test_a_sliding_window_llama_cpp_does_not_have_bounds_the_files_context(smollm2_dir, tmp_path, capfd):
+    """Mistral's (and Phi-3's) window does not exist in llama.cpp's llama (phi3): the file says the window is its
+    context, within which full attention is what the model computes."""
+    import gguf
+
+    hf_checkpoint("MistralConfig", dict(sliding_window=8), tmp_path / "mistral", smollm2_dir)
+    path = export_gguf(tmp_path / "mistral", tmp_path / "m.gguf", dtype="f32")
+    assert "context length is the 8-token window" in capfd.readouterr().err
+    assert gguf.GGUFReader(path).fields["llama.context_length"].contents() == 8
+    back = load_model(convert_gguf(path, tmp_path / "back"), "none", "32-true")
+    ids = tokens((1, 8))
+    want = logits(load_model(tmp_path / "mistral", "none", "32-true"), ids)
+    assert (logits(back, ids) - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+def test_large_weights_are_written_a_block_of_rows_at_a_time(smollm2_dir):
+    """The SmolLM2 embedding (49152 x 576) reaches the file in row blocks of at most MERGE_CHUNK_ELEMS values, Gemma
+    norms come out as 1 + w, Phi-3's fused projections as their parts in row order."""
+    from lit_qlora.deploy.gguf_export import gguf_tensors
+    from lit_qlora.lora import MERGE_CHUNK_ELEMS
+
+    model = load_model(smollm2_dir, "nf4", "32-true")
+    entries = {name: (shape, pieces) for name, shape, pieces in gguf_tensors(model, model.config, "llama", False)}
+    shape, pieces = entries["token_embd.weight"]
+    blocks = list(pieces())
+    assert shape == (49152, 576) and len(blocks) > 1
+    assert all(b.size <= MERGE_CHUNK_ELEMS for b in blocks) and sum(b.shape[0] for b in blocks) == 49152
+    assert np.array_equal(np.concatenate(blocks), model.model.embed_tokens.weight.detach().numpy())
+
+
+@pytest.mark.parametrize("family", ["gemma3", "phi3"])
+def test_family_tensors_are_laid_out_as_llama_cpp_reads_them(family, smollm2_dir, tmp_path):
+    from lit_qlora.deploy.gguf_export import gguf_tensors
+
+    kind, extra = FAMILIES[family]
+    hf_checkpoint(kind, extra, tmp_path / "base", smollm2_dir)
+    model = load_model(tmp_path / "base", "none", "32-true")
+    arch = {"gemma3": "gemma3", "phi3": "phi3"}[family]
+    entries = {name: np.concatenate(list(pieces())) for name, _, pieces in
+               gguf_tensors(model, model.config, arch, False)}
+    layer = model.model.layers[0]
+    if family == "gemma3":
+        pre_mlp = layer.pre_feedforward_layernorm.weight.detach().numpy()
+        assert np.array_equal(entries["blk.0.ffn_norm.weight"], pre_mlp + 1)
+        assert np.array_equal(entries["blk.0.post_ffw_norm.weight"],
+                              layer.post_feedforward_layernorm.weight.detach().numpy() + 1)
+        assert np.array_equal(entries["blk.0.attn_q_norm.weight"], layer.self_attn.q_norm.weight.detach().numpy() + 1)
+    else:
+        attn, mlp = layer.self_attn, layer.mlp
+        assert np.array_equal(entries["blk.0.attn_qkv.weight"], torch.cat(
+            [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).detach().numpy())
+        gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach().numpy()
+        assert np.array_equal(entries["blk.0.ffn_up.weight"], gate_up)
+        assert "blk.0.ffn_gate.weight" not in entries and "blk.0.attn_q.weight" not in entries
 
 
 def test_cli_writes_a_quantized_file_and_refuses_an_unknown_type(tiny_llama_dir, tmp_path):

@@ -73,3 +73,30 @@ def test_llama_cpp_tokenizes_an_exported_sentencepiece_vocabulary_as_we_do(tmp_p
     for text in SPM_TEXTS:
         ids = exported.tokenize(text.encode(), add_bos=True, special=True)
         assert ids == ours.encode(text) == original.tokenize(text.encode(), add_bos=True, special=True), text
+
+
+# llama.cpp's CPU GELU reads an fp16 table: Gemma's GeGLU MLPs come out within ~1e-3 of the exact function.
+GELU_TABLE_TOLERANCE = 2e-3
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "phi3-longrope"])
+def test_llama_cpp_computes_each_familys_exported_logits(family, smollm2_dir, tmp_path):
+    """Every family export_gguf writes, a tiny random model with a random adapter merged, evaluated by llama.cpp (fp32
+    weights and KV cache): its logits at every position are the merged model's (phi3-longrope runs past its 16-token
+    pretraining length, where llama.cpp and lit-qlora both use the long factors)."""
+    import numpy as np
+    import torch
+
+    from test_families import tokens
+    from test_gguf_export import family_export
+
+    _, _, merged, path = family_export(family, "none", tmp_path, smollm2_dir)
+    ids = tokens((1, 24))
+    with torch.no_grad():
+        want = merged(ids)[0].numpy()
+    model = llama_cpp.Llama(model_path=str(path), n_ctx=64, logits_all=True, verbose=False, type_k=0, type_v=0)
+    model.eval(ids[0].tolist())
+    got = np.array(model.scores[: ids.shape[1]])
+    tolerance = GELU_TABLE_TOLERANCE if family.startswith("gemma") else 1e-5
+    assert np.abs(got - want).max() <= tolerance * np.abs(want).max()
+    assert (got.argmax(-1) == want.argmax(-1)).all()

@@ -3,20 +3,21 @@
 
 What llama.cpp reads, written the way its own converter writes it (gguf_import.py reads the same layout back):
 
-* tensor names `token_embd`, `blk.N.attn_q`, ..., `output`; numpy's (out, in) arrays, which the writer stores with
-  ggml's fastest-first dimensions; llama's q/k rows permuted into the adjacent pairs its rope kernel rotates
-  (qwen2/qwen3 keep Hugging Face's halves: llama.cpp runs them with NEOX rope);
-* the family's metadata (`{arch}.block_count`, heads, kv heads, rope base, RMSNorm epsilon, context length) and
-  Llama 3.x's rope scaling as llama.cpp stores it, a `rope_freqs` tensor of per-frequency divisors;
+* tensor names `token_embd`, `blk.N.attn_q`, ..., `output` and each family's differences (gguf_families.py: Gemma's
+  sandwich norms stored as 1 + w, Phi-3's fused attn_qkv and gate-up ffn_up, llama's permuted q/k rows); numpy's
+  (out, in) arrays, which the writer stores with ggml's fastest-first dimensions;
+* the family's metadata (`{arch}.block_count`, heads, kv heads, rope base and rotated dims, RMSNorm epsilon, context
+  length, Gemma's sliding window and soft-caps) and rope scaling as llama.cpp stores it: linear as metadata, Llama
+  3.x as a `rope_freqs` tensor of per-frequency divisors, Phi-3's longrope as `rope_factors_long/short` tensors;
 * the tokenizer: byte-level BPE (Llama 3, Qwen, SmolLM2) as `gpt2` with its merges and the name of its split
   regex (`tokenizer.ggml.pre`), or SentencePiece BPE (Llama 2, TinyLlama) as `llama` with its pieces' scores, byte
   pieces and space prefix; special and added tokens typed as control or user-defined, BOS/EOS/pad/unk ids and
   the chat template.
 
 Norms and biases stay F32 (llama.cpp's convention); a weight whose rows do not split into the quantization's 32-value
-blocks is written F16 (`litqlora` says which). Weights are produced one tensor at a time (merged in fp32 from the
-base the adapter trained against: dequant(NF4(W)) for QLoRA), so the file is written without the merged model ever
-existing whole.
+blocks is written F16. Weights are produced a block of rows at a time (merged in fp32 from the base the adapter
+trained against: dequant(NF4(W)) for QLoRA), encoded and written, so neither the merged model nor a whole fp32
+weight ever exists (llama's q/k, permuted per head, are the exception: n_embd rows at most).
 """
 
 from __future__ import annotations
@@ -26,35 +27,15 @@ import sys
 from pathlib import Path
 from typing import Any, Literal, Optional
 
+from lit_qlora.deploy.gguf_families import (ARCHITECTURES, GGUFExportError, context_length, gguf_name, is_norm,
+                                            norm_offset, permutes_rope_rows, refusals)
+
 # torch, numpy and gguf are imported inside the functions: the CLI imports this module to build --help.
 
 GGUFType = Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"]
-ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
-_BLOCK_NAMES = {
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-}
-_TOP_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 _NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4  # llama.cpp's token types
 # general.file_type, what llama.cpp reports as the model's type (gguf.LlamaFileType's values)
 FILE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q8_0": 7, "q5_0": 8, "q5_1": 9, "bf16": 32}
-
-
-class GGUFExportError(ValueError):
-    pass
-
-
-def gguf_name(hf_name: str) -> str:
-    """`model.layers.3.self_attn.q_proj.weight` -> `blk.3.attn_q.weight` (the inverse of gguf_import.hf_name)."""
-    base, _, suffix = hf_name.rpartition(".")
-    if base in _TOP_NAMES:
-        return f"{_TOP_NAMES[base]}.{suffix}"
-    parts = base.split(".", 3)
-    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in _BLOCK_NAMES:
-        return f"blk.{parts[2]}.{_BLOCK_NAMES[parts[3]]}.{suffix}"
-    raise GGUFExportError(f"no GGUF name for the weight {hf_name}")
 
 
 def permute_rope_rows(w, n_heads: int):
@@ -64,13 +45,14 @@ def permute_rope_rows(w, n_heads: int):
 
 
 def architecture(config) -> str:
-    arch = ARCHITECTURES.get(config.model_type)
-    if arch is None:
+    """llama.cpp's architecture for `config`; a GGUFExportError naming what llama.cpp would not run as we do."""
+    found = refusals(config)
+    if found:
         raise GGUFExportError(
-            f"export_gguf writes {', '.join(sorted(ARCHITECTURES))} models; this checkpoint is "
-            f"{config.model_type!r}. Use the merged Hugging Face export (out_dir/final/merged) with llama.cpp's own "
-            "convert_hf_to_gguf.py for other families.")
-    return arch
+            f"export_gguf cannot write this {config.model_type} model for llama.cpp: {'; '.join(found)}. Use the "
+            "merged Hugging Face export (out_dir/final/merged) with a runtime that supports it (transformers, vLLM), "
+            "or llama.cpp's own convert_hf_to_gguf.py if your llama.cpp version handles it.")
+    return ARCHITECTURES[config.model_type]
 
 
 def tokenizer_metadata(checkpoint_dir: Path) -> dict[str, Any]:
@@ -204,63 +186,54 @@ def export_gguf(checkpoint_dir: Path, out: Path, adapter_dir: Optional[Path] = N
     return write_gguf(model, checkpoint_dir, out, dtype, merged=adapter_dir is not None, tokenizer=tokenizer)
 
 
-def require_exportable(checkpoint_dir: Path) -> dict[str, Any]:
-    """The checkpoint's GGUF tokenizer fields; a GGUFExportError when export_gguf cannot write this model."""
+def require_exportable(checkpoint_dir: Path, head_adapted: bool = False) -> dict[str, Any]:
+    """The checkpoint's GGUF tokenizer fields; a GGUFExportError when export_gguf cannot write this model (merged
+    with an adapter on lm_head when `head_adapted`: that unties a tied head)."""
     from lit_qlora.config import Config
 
-    architecture(Config.from_checkpoint(checkpoint_dir))
+    config = Config.from_checkpoint(checkpoint_dir)
+    architecture(config.replace(tie_embeddings=False) if head_adapted else config)
     return tokenizer_metadata(checkpoint_dir)
 
 
 def write_gguf(model, checkpoint_dir: Path, out: Path, dtype: GGUFType = "f16", merged: bool = True,
                tokenizer: Optional[dict[str, Any]] = None) -> Path:
-    """`model` (a LoRA model: its adapters merged on the fly, one tensor at a time, in fp32) as the GGUF file `out`,
-    the tokenizer and chat template from `checkpoint_dir` (`tokenizer`: its fields when already read), and an Ollama
-    Modelfile beside it."""
+    """`model` (a LoRA model: its adapters merged on the fly, in fp32) as the GGUF file `out`, the tokenizer and chat
+    template from `checkpoint_dir` (`tokenizer`: its fields when already read), and an Ollama Modelfile beside it."""
     import gguf
-    import torch
 
     from lit_qlora.checkpoint import remove_path
-    from lit_qlora.export import export_config, hf_tensor_specs
 
     out = Path(out)
-    config = export_config(model, merged=merged)
+    config = _export_config(model, merged, Path(checkpoint_dir))
     arch = architecture(config)
     tokenizer = tokenizer or tokenizer_metadata(Path(checkpoint_dir))
-    specs = hf_tensor_specs(model, torch.float32, merge=merged)
+    tensors = gguf_tensors(model, config, arch, merged)
     qtype = getattr(gguf.GGMLQuantizationType, dtype.upper())
     block = gguf.GGML_QUANT_SIZES[qtype][0]
 
-    def storage(spec) -> Any:
-        if len(spec.shape) == 1 or dtype == "f32":
+    def storage(shape: tuple[int, ...]) -> Any:
+        if len(shape) == 1 or dtype == "f32":
             return gguf.GGMLQuantizationType.F32
-        if spec.shape[-1] % block:
+        if shape[-1] % block:
             return gguf.GGMLQuantizationType.F16  # the rows do not split into the quantization's blocks
         return qtype
 
+    length, why = context_length(config)
+    if why:
+        print(f"export_gguf: {why}.", file=sys.stderr)
     tmp = out.with_name(f".{out.name}.tmp")
     out.parent.mkdir(parents=True, exist_ok=True)
     writer = gguf.GGUFWriter(tmp, arch)
     try:
-        _write_metadata(writer, config, arch, tokenizer, Path(checkpoint_dir).name, dtype)
-        tensors = []  # (gguf name, spec or array, storage type, heads to permute)
-        for spec in specs:
-            name = gguf_name(spec.name)
-            heads = config.n_head if ".attn_q." in name else config.n_query_groups if ".attn_k." in name else None
-            tensors.append((name, spec, storage(spec), heads if arch == "llama" else None))
-        rope = _rope_freqs(config)
-        if rope is not None:
-            tensors.append(("rope_freqs.weight", rope, gguf.GGMLQuantizationType.F32, None))
-        for name, spec, kind, _ in tensors:
-            _add_tensor_info(writer, name, tuple(spec.shape), kind)
+        _write_metadata(writer, config, arch, tokenizer, Path(checkpoint_dir).name, dtype, length)
+        for name, shape, _ in tensors:
+            _add_tensor_info(writer, name, shape, storage(shape))
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
-        for name, spec, kind, heads in tensors:
-            values = spec.produce().reshape(spec.shape).float().numpy() if hasattr(spec, "produce") else spec
-            if heads is not None:
-                values = permute_rope_rows(values, heads)
-            writer.write_tensor_data(_encode(values, kind))
+        for name, shape, pieces in tensors:
+            writer.write_tensor_data(_Streamed(pieces, storage(shape), _nbytes(shape, storage(shape))))
         writer.close()
         tmp.replace(out)
     except BaseException:
@@ -271,14 +244,99 @@ def write_gguf(model, checkpoint_dir: Path, out: Path, dtype: GGUFType = "f16", 
     return out
 
 
+def _export_config(model, merged: bool, checkpoint_dir: Path):
+    """The config written. QLoRA gives a tied head its own NF4 copy of the embedding; llama.cpp's gemma2 has no head of
+    its own, so an unadapted Gemma 2 head is written tied again: the embedding W, not dequant(NF4(W))."""
+    from lit_qlora.config import Config
+    from lit_qlora.export import export_config
+    from lit_qlora.lora import LoRALinear
+
+    config = export_config(model, merged=merged)
+    if (config.model_type == "gemma2" and not config.tie_embeddings
+            and not isinstance(getattr(model, "lm_head", None), LoRALinear)
+            and Config.from_checkpoint(checkpoint_dir).tie_embeddings):
+        print("export_gguf: llama.cpp's gemma2 reads its head from the embedding, so the head is the embedding W "
+              "(QLoRA computed it from dequant(NF4(W))).", file=sys.stderr)
+        config = config.replace(tie_embeddings=True)
+    return config
+
+
+def gguf_tensors(model, config, arch: str, merged: bool) -> list[tuple[str, tuple[int, ...], Any]]:
+    """(GGUF name, numpy shape, pieces) per tensor, in file order; `pieces()` yields fp32 numpy row blocks whose
+    concatenation is the tensor as llama.cpp reads it. Weights stream a block of rows at a time (a merged head or
+    MLP weight never exists whole in fp32), except q/k under `llama`'s per-head row permutation; Phi-3's fused
+    projections are their parts' blocks in row order."""
+    import numpy as np
+    import torch
+
+    from lit_qlora.export import hf_tensor_specs
+    from lit_qlora.hf_layout import fuse_plan
+
+    specs = {spec.name: spec for spec in hf_tensor_specs(model, torch.float32, merge=merged)}
+    plan = fuse_plan(config, specs)
+    offset = norm_offset(arch)
+
+    def pieces_of(spec, heads: Optional[int] = None):
+        def pieces():
+            if heads is not None:
+                yield permute_rope_rows(spec.produce().float().numpy(), heads)
+                return
+            for piece in spec.pieces():
+                piece = piece.float().numpy()
+                yield piece + np.float32(offset) if offset and is_norm(spec.name) else piece
+        return pieces
+
+    tensors = []
+    for name, spec in specs.items():
+        if config.tie_embeddings and name == "lm_head.weight":
+            continue
+        fused, members = plan.get(name, (name, [name]))
+        if not fused:
+            continue  # written inside the fused tensor of its first part
+        shape = (sum(specs[m].shape[0] for m in members), *spec.shape[1:])
+        gname = gguf_name(fused, arch)
+        heads = None
+        if permutes_rope_rows(arch):
+            heads = config.n_head if ".attn_q." in gname else config.n_query_groups if ".attn_k." in gname else None
+        parts = [pieces_of(specs[m], heads) for m in members]
+        tensors.append((gname, shape, lambda parts=parts: (p for part in parts for p in part())))
+    for name, values in _rope_tensors(config).items():
+        tensors.append((name, values.shape, lambda values=values: iter([values])))
+    return tensors
+
+
+class _Streamed:
+    """What GGUFWriter.write_tensor_data needs of an array (`nbytes`, `tofile`), its bytes encoded and written a row
+    block at a time."""
+
+    def __init__(self, pieces, kind, nbytes: int) -> None:
+        self.pieces, self.kind, self.nbytes = pieces, kind, nbytes
+
+    def tofile(self, fout) -> None:
+        written = 0
+        for piece in self.pieces():
+            data = _encode(piece, self.kind)
+            data.tofile(fout)
+            written += data.nbytes
+        if written != self.nbytes:
+            raise GGUFExportError(f"wrote {written} bytes of a tensor announced as {self.nbytes}")
+
+
+def _nbytes(shape: tuple[int, ...], kind) -> int:
+    import gguf
+    import numpy as np
+
+    block, size = gguf.GGML_QUANT_SIZES[kind]
+    return int(np.prod(shape)) // block * size
+
+
 def _add_tensor_info(writer, name: str, shape: tuple[int, ...], kind) -> None:
     """The tensor's header entry, its bytes known before any is produced (the file is written in one pass)."""
     import gguf
     import numpy as np
 
     block, size = gguf.GGML_QUANT_SIZES[kind]
-    numel = int(np.prod(shape))
-    nbytes = numel // block * size
+    nbytes = _nbytes(shape, kind)
     if kind in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
         writer.add_tensor_info(name, shape, np.dtype(np.float32 if size == 4 else np.float16), nbytes, raw_dtype=kind)
     elif kind == gguf.GGMLQuantizationType.BF16:
@@ -299,26 +357,30 @@ def _encode(values, kind):
     return gguf.quants.quantize(np.ascontiguousarray(values, dtype=np.float32), kind)
 
 
-def _rope_freqs(config):
-    """Llama 3.x rope scaling as llama.cpp stores it: the divisor of each inverse frequency (None without it)."""
+def _rope_tensors(config) -> dict[str, Any]:
+    """Rope scaling that llama.cpp stores as tensors: Llama 3.x's per-frequency divisors (`rope_freqs`), Phi-3's
+    longrope factors (`rope_factors_long`, `rope_factors_short`)."""
     import numpy as np
 
     from lit_qlora.config import rope_inv_freq
 
     scaling = config.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type"))
-    if kind in (None, "default"):
-        return None
+    if kind == "longrope":
+        return {f"rope_factors_{which}.weight": np.asarray(scaling[f"{which}_factor"], dtype=np.float32)
+                for which in ("long", "short")}
     if kind != "llama3":
-        raise GGUFExportError(f"rope scaling {kind!r}: export_gguf writes Llama 3 scaling (and none) so far.")
+        return {}
     plain = rope_inv_freq(config.replace(rope_scaling=None)).double()
     scaled = rope_inv_freq(config).double()
-    return (plain / scaled).float().numpy().astype(np.float32)
+    return {"rope_freqs.weight": (plain / scaled).float().numpy().astype(np.float32)}
 
 
-def _write_metadata(writer, config, arch: str, tok: dict[str, Any], name: str, file_type: str) -> None:
+def _write_metadata(writer, config, arch: str, tok: dict[str, Any], name: str, file_type: str, length: int) -> None:
+    from lit_qlora.config import rope_attention_factor, rotary_dim
+
     writer.add_name(name)
-    writer.add_context_length(config.max_seq_length)
+    writer.add_context_length(length)
     writer.add_embedding_length(config.n_embd)
     writer.add_block_count(config.n_layer)
     writer.add_feed_forward_length(config.intermediate_size)
@@ -326,14 +388,28 @@ def _write_metadata(writer, config, arch: str, tok: dict[str, Any], name: str, f
     writer.add_head_count_kv(config.n_query_groups)
     writer.add_rope_freq_base(float(config.rope_base))
     writer.add_layer_norm_rms_eps(float(config.norm_eps))
-    writer.add_rope_dimension_count(config.head_dim)
-    if config.head_dim * config.n_head != config.n_embd:
+    writer.add_rope_dimension_count(rotary_dim(config))
+    if config.head_dim * config.n_head != config.n_embd or arch in ("gemma2", "gemma3"):
         writer.add_key_length(config.head_dim)
         writer.add_value_length(config.head_dim)
     writer.add_vocab_size(config.vocab_size)
     scaling = config.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type"))
     if scaling.get("original_max_position_embeddings"):
         writer.add_rope_scaling_orig_ctx_len(int(scaling["original_max_position_embeddings"]))
+    if kind == "linear":
+        import gguf
+
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(float(scaling["factor"]))
+    if kind == "longrope":
+        writer.add_rope_scaling_attn_factors(rope_attention_factor(config))
+    if arch in ("gemma2", "gemma3"):
+        writer.add_sliding_window(int(config.sliding_window))
+    if config.attn_softcap is not None:
+        writer.add_attn_logit_softcapping(float(config.attn_softcap))
+    if config.final_softcap is not None:
+        writer.add_final_logit_softcapping(float(config.final_softcap))
     writer.add_file_type(int(FILE_TYPES[file_type]))
     writer.add_tokenizer_model(tok["model"])
     writer.add_tokenizer_pre(tok["pre"])
