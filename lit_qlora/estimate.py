@@ -9,6 +9,10 @@ simulated (docs: tutorials/memory.md, "Will it fit?"):
 * The step runs on fake CPU tensors. `--device cuda` takes the code paths a GPU takes (no CPU scratch buffer for
   NF4 weights, PyTorch dequantization instead of the C kernel) and rounds allocations to the caching allocator's
   512 bytes; the CUDA context and cuBLAS workspaces (outside `torch.cuda.max_memory_allocated`) are not counted.
+* With `--train.offload_activations` on, the checkpointed blocks' inputs leave the device as the real run's do (the
+  same `ActivationOffload`, its copies standing for host memory and for the inputs fetched back in backward): the
+  host copies are counted apart, as the host memory the run needs, never in the device's peak. (`auto` is decided
+  as a run decides it, except for the host's available memory, which an estimate cannot know.)
 * More than one rank is derived from the one-rank trace: FSDP divides weights, gradients and optimizer state by the
   ranks and adds two blocks' gathered weights; DDP adds gradient buckets; tensor parallelism divides the split
   linears' weights, their adapters' state and the attention/MLP activations by its size.
@@ -32,6 +36,7 @@ from lit_qlora.train.args import DataArgs, LoRAArgs, TrainArgs
 
 GiB = 1 << 30
 CUDA_BLOCK = 512  # the caching allocator rounds every allocation up to this
+OFFLOADED = "offloaded activations (host)"  # a host-memory category of the trace: beside the device's peak
 CUDA_RESERVE = 1 << 29  # beside the peak on a real card: CUDA context and cuBLAS workspaces (~0.5 GiB)
 FRAGMENTATION = 1.10  # reserved over allocated, as PyTorch's caching allocator typically runs
 
@@ -148,6 +153,24 @@ def _cuda_dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, inplac
     return torch.native_dropout(x, p, training)[0] if training and 0 < p < 1 else x
 
 
+def offload_decision(config: Config, precision: Precision, train: TrainArgs, device: str,
+                     micro_batch_size: Optional[int] = None) -> tuple[bool, str, int]:
+    """(offload or not, why, the pinned bytes it takes) for the recipe as a run on `device` would decide it
+    (lit_qlora.train.offload.offload_choice), but for the host's available memory, which is not known here."""
+    from lit_qlora.config import PRECISION_DTYPES
+    from lit_qlora.train.offload import block_input_bytes, offload_choice
+
+    n_ckpt = train.activation_checkpointing
+    blocks = config.n_layer if n_ckpt is True else int(n_ckpt or 0)
+    batch = micro_batch_size or train.micro_batch_size
+    one = block_input_bytes(config.n_embd, 1, batch, train.max_seq_length, PRECISION_DTYPES[precision].itemsize)
+    on, why = offload_choice(train.offload_activations, device == "cuda", blocks, one * blocks)
+    if not on:
+        return on, why, 0
+    # CUDA's pinned buffers are rounded up to a power of two each (module doc of lit_qlora.train.offload)
+    return on, why, blocks * ((1 << max(one - 1, 0).bit_length()) if device == "cuda" else one)
+
+
 def trace_step(config: Config, quantize: Quantize, precision: Precision, lora: LoRAArgs, train: TrainArgs,
                device: str = "cuda", micro_batch_size: Optional[int] = None) -> AllocationTrace:
     """Two optimizer steps of a fine-tune (each: forward, loss, backward per micro-batch, clipping, AdamW) on fake
@@ -176,6 +199,11 @@ def trace_step(config: Config, quantize: Quantize, precision: Precision, lora: L
         apply_lora(model, lora.r, lora.alpha, lora.dropout, lora.targets, lora.rslora, lora_dtype)
         n_ckpt = train.activation_checkpointing
         model.checkpoint_blocks = config.n_layer if n_ckpt is True else int(n_ckpt or 0)
+        if offload_decision(config, precision, train, device, batch)[0]:
+            from lit_qlora.train.offload import ActivationOffload
+
+            model.activation_offload = ActivationOffload()
+            model.activation_offload._to_host = phase.wrap(model.activation_offload._to_host, OFFLOADED)
         model.train()
         params = [p for p in model.parameters() if p.requires_grad]
         shapes = {(tuple(p.shape), p.dtype) for p in params}
@@ -193,7 +221,7 @@ def trace_step(config: Config, quantize: Quantize, precision: Precision, lora: L
                 return "activations"
             return "gradients" if (tuple(t.shape), t.dtype) in shapes else "other temporaries"
 
-        trace = AllocationTrace(categorize, CUDA_BLOCK if device == "cuda" else 1)
+        trace = AllocationTrace(categorize, CUDA_BLOCK if device == "cuda" else 1, frozenset({OFFLOADED}))
         for name, p in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers()):
             if p.requires_grad:
                 trace.hold(p, "LoRA weights")
@@ -206,6 +234,7 @@ def trace_step(config: Config, quantize: Quantize, precision: Precision, lora: L
         stack.enter_context(_patched(loss, "_head_ce_sum", _first_loss_chunks_traced()))
         # an NF4 head's loss runs slice by slice of the vocabulary: no tensor is vocabulary-wide, so it is tagged
         stack.enter_context(_patched(loss, "nf4_head_ce_sum", phase.wrap(loss.nf4_head_ce_sum, "logits/loss chunks")))
+        stack.enter_context(_patched(loss, "tiled_ce_sum", phase.wrap(loss.tiled_ce_sum, "logits/loss chunks")))
         ids = torch.zeros(batch, train.max_seq_length, dtype=torch.long)
         stack.enter_context(default_dtype(dtype))  # as the precision plugin sets it inside training steps
         if device == "cuda":
@@ -301,28 +330,35 @@ def estimate(
     if strategy == "tp" and (tensor_parallel < 2 or world_size % tensor_parallel):
         raise ValueError(f"--strategy tp needs --tensor_parallel >= 2 dividing devices x num_nodes ({world_size}).")
     train.accumulation(world_size // (tensor_parallel if strategy == "tp" else 1))  # checks the batch sizes
+    train.require_valid_offload(device == "cuda")
     budget = parse_bytes(device_memory) if device_memory is not None else None
     precision, precision_reason = estimate_precision(precision, device)
     print(f"Estimating {config.name} ({source}): {'QLoRA (NF4 base)' if quantize is Quantize.NF4 else 'LoRA'}, "
           f"micro-batch {train.micro_batch_size} x {train.max_seq_length}, activation checkpointing "
           f"{train.activation_checkpointing}, {world_size} rank(s), {device}, precision {precision} "
           f"({precision_reason})")
+    offload, offload_reason, pinned = offload_decision(config, precision, train, device)
+    print(f"Offloaded activation checkpoints: {'on' if offload else 'off'} ({offload_reason})")
 
     @functools.cache  # the batch search may ask again for the size and setting of the first prediction
-    def predict(micro_batch_size: int, checkpointing: Any = train.activation_checkpointing) -> tuple[int, dict]:
-        trace = trace_step(config, quantize, precision, lora, replace(train, activation_checkpointing=checkpointing),
+    def predict(micro_batch_size: int, checkpointing: Any = train.activation_checkpointing) -> tuple[int, dict, int]:
+        """(peak device bytes, by category, host bytes of offloaded activations) at this batch and checkpointing."""
+        offload = train.offload_activations if checkpointing else False  # (nothing to offload without it)
+        trace = trace_step(config, quantize, precision, lora, replace(train, activation_checkpointing=checkpointing,
+                                                                      offload_activations=offload),
                            device, micro_batch_size)
         parts = parallel_bytes(trace.peak_by_category, config, strategy, world_size, tensor_parallel)
-        return sum(parts.values()), parts
+        return sum(parts.values()), parts, trace.host_peak
 
-    peak, by_category = predict(train.micro_batch_size, train.activation_checkpointing)
+    peak, by_category, host = predict(train.micro_batch_size, train.activation_checkpointing)
     result: dict[str, Any] = {
         "model": config.name, "source": source, "quantize": str(quantize), "precision": precision,
         "precision_reason": precision_reason, "device": device,
         "world_size": world_size, "strategy": strategy, "tensor_parallel": tensor_parallel,
         "micro_batch_size": train.micro_batch_size, "max_seq_length": train.max_seq_length,
         "activation_checkpointing": train.activation_checkpointing, "peak_bytes": peak, "by_category": by_category,
-        "max_micro_batch_size": None,
+        "offload_activations": offload, "offload_reason": offload_reason, "offload_host_bytes": host,
+        "offload_pinned_bytes": pinned, "max_micro_batch_size": None,
     }
     if budget is not None:
         result.update(device_memory_bytes=budget, **largest_batches(predict, budget, device))
@@ -386,6 +422,9 @@ def render(result: dict[str, Any]) -> str:
     lines = [f"Predicted peak {result['device']} memory{rank}: {result['peak_bytes'] / GiB:.2f} GiB", "",
              f"{'category':<24}{'GiB':>9}"]
     lines += [f"{name:<24}{result['by_category'][name] / GiB:>9.3f}" for name in CATEGORIES]
+    if result.get("offload_activations"):
+        lines += ["", f"Host memory for offloaded activations: {result['offload_host_bytes'] / GiB:.2f} GiB (not in "
+                      f"the peak above; {result['offload_pinned_bytes'] / GiB:.2f} GiB of pinned buffers)"]
     if "device_memory_bytes" in result:
         sizes = result["max_micro_batch_size_by_checkpointing"]
         lines += ["", f"On {result['device_memory_bytes'] / GiB:.0f} GiB: largest micro-batch {sizes['on']} with "

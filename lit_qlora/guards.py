@@ -30,10 +30,12 @@ def oom_advice(where: Callable[[], str], settings: str, quantized: bool) -> Iter
             raise
         device = "GPU" if isinstance(e, torch.OutOfMemoryError) else "CPU"
         nf4 = "" if quantized else ", or quantize the base with --quantize nf4"
+        offload = " (with it, --train.offload_activations true keeps the block inputs in host memory)" \
+            if device == "GPU" else ""
         raise OutOfMemory(
             f"Out of {device} memory {where()} ({settings}). Lower --train.micro_batch_size (the global batch stays "
             "the same: more accumulation steps), lower --train.max_seq_length, or turn on "
-            f"--train.activation_checkpointing true{nf4}; resume with --resume auto."
+            f"--train.activation_checkpointing true{offload}{nf4}; resume with --resume auto."
         ) from None
 
 

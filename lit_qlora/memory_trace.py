@@ -42,12 +42,17 @@ class AllocationTrace(TorchDispatchMode):
     """Live and peak bytes of every storage created under it (plus those `hold` registers up front).
 
     `categorize(tensor)` names a new tensor's category when it is created. `round_to` rounds each allocation up as
-    an allocator would (CUDA's caching allocator: 512 bytes)."""
+    an allocator would (CUDA's caching allocator: 512 bytes). Allocations in a `host_categories` category (offloaded
+    activations) are host memory: counted apart (`host_peak`), never in the device's peak."""
 
-    def __init__(self, categorize: Callable[[torch.Tensor], str], round_to: int = 1) -> None:
+    def __init__(self, categorize: Callable[[torch.Tensor], str], round_to: int = 1,
+                 host_categories: frozenset[str] = frozenset()) -> None:
         super().__init__()
         self.categorize = categorize
         self.round_to = round_to
+        self.host_categories = host_categories
+        self.host_current = 0
+        self.host_peak = 0
         self.live: dict[int, tuple[StorageWeakRef, int, str]] = {}
         self.held: dict[int, torch.UntypedStorage] = {}
         self.by_category = dict.fromkeys(CATEGORIES, 0)
@@ -64,6 +69,12 @@ class AllocationTrace(TorchDispatchMode):
                 self._count(storage.nbytes(), category)
 
     def _count(self, nbytes: int, category: str) -> int:
+        if category in self.host_categories:
+            self.host_current += nbytes
+            if self.host_current > self.host_peak:
+                self.sweep()  # (the new storage is not live yet: the sweep cannot drop it)
+                self.host_peak = max(self.host_peak, self.host_current)
+            return nbytes
         nbytes = -(-nbytes // self.round_to) * self.round_to
         self.by_category[category] += nbytes
         self.current += nbytes
@@ -77,6 +88,9 @@ class AllocationTrace(TorchDispatchMode):
     def sweep(self) -> None:
         for key in [key for key, (ref, _, _) in self.live.items() if ref.expired()]:
             _, nbytes, category = self.live.pop(key)
+            if category in self.host_categories:
+                self.host_current -= nbytes
+                continue
             self.by_category[category] -= nbytes
             self.current -= nbytes
 

@@ -22,6 +22,7 @@ from lit_qlora.config import Config, rope_attention_factor, rope_inv_freq
 from lit_qlora.fused_projections import fused_projections
 from lit_qlora.lora_dropout import reusing_down_products
 from lit_qlora.tiled_mlp import mlp_tile_tokens, tiled_mlp
+from lit_qlora.train.offload import block_input_saved
 
 
 class RMSNorm(nn.Module):
@@ -248,6 +249,8 @@ class Transformer(nn.Module):
         self.max_cache_len = 0
         self.checkpoint_blocks = 0
         """The first N blocks recompute their activations in backward instead of storing them."""
+        self.activation_offload = None
+        """An ActivationOffload (lit_qlora.train.offload): the checkpointed blocks' inputs wait in host memory."""
 
     @property
     def blocks(self) -> nn.ModuleList:
@@ -294,7 +297,8 @@ class Transformer(nn.Module):
         for i, block in enumerate(self.model.layers):
             mask, (cos, sin) = masks[block.sliding], ropes[block.sliding]
             if i < self.checkpoint_blocks and torch.is_grad_enabled():
-                x = checkpoint(reusing_down_products(block), x, cos, sin, mask, input_pos, use_reentrant=False)
+                with block_input_saved(self.activation_offload, x):
+                    x = checkpoint(reusing_down_products(block), x, cos, sin, mask, input_pos, use_reentrant=False)
             else:
                 x = block(x, cos, sin, mask, input_pos)
         return self.model.norm(x)

@@ -49,6 +49,13 @@ class TrainArgs:
     """Write metrics every N optimizer steps."""
     activation_checkpointing: Union[bool, int] = False
     """Recompute block activations in backward: true (all blocks), false, or N (the first N blocks)."""
+    offload_activations: Union[bool, Literal["auto"]] = "auto"
+    """With activation checkpointing on CUDA: keep the checkpointed blocks' inputs (B x T x n_embd each, the memory
+    that grows with the sequence) in pinned host memory instead of on the GPU, copied out on a side stream in forward
+    and back ahead of each block's backward, overlapped with compute; results are unchanged. auto: on when they take
+    at least 1 GiB per micro-batch (e.g. Llama-3.1-8B from 4096 tokens) and under half the host's available memory;
+    off on CPU (there is nothing to offload to: true is refused) and without checkpointing. The run and
+    `litqlora estimate` report the host memory it needs."""
     keep_last: int = 2
     """Resumable checkpoints to keep (older ones are deleted)."""
     on_nonfinite: Literal["stop", "skip"] = "stop"
@@ -73,6 +80,27 @@ class TrainArgs:
                 f"x devices ({self.micro_batch_size} x {world_size} = {per_step})."
             )
         return self.global_batch_size // per_step
+
+    def require_valid_offload(self, cuda: bool, checkpointing: Optional[bool] = None) -> None:
+        """offload_activations true can apply: the run is on CUDA and checkpoints activations (`checkpointing`:
+        whether it does, when known otherwise than from activation_checkpointing); a UserError saying why not."""
+        from lit_qlora.errors import UserError
+
+        if self.offload_activations not in (True, False, "auto"):
+            raise UserError(f"--train.offload_activations takes true, false or auto, got {self.offload_activations!r}.")
+        if self.offload_activations is not True:
+            return
+        if not cuda:
+            raise UserError("--train.offload_activations true moves the checkpointed blocks' inputs from GPU memory "
+                            "to the host's, and this run is on the CPU: its activations are in host memory already, "
+                            "so there is nothing to offload to. Leave it out (auto is off on CPU) or pass false; on "
+                            "a CPU, --train.activation_checkpointing true alone lowers activation memory.")
+        checkpointing = bool(self.activation_checkpointing) if checkpointing is None else checkpointing
+        if not checkpointing:
+            raise UserError("--train.offload_activations true offloads the inputs that activation checkpointing keeps "
+                            "for each block, and checkpointing is off: without it every block keeps all its "
+                            "activations on the GPU and none are offloaded. Pass --train.activation_checkpointing "
+                            "true too (or N for the first N blocks), or leave offload_activations out.")
 
     def require_valid_validation(self, data: DataArgs) -> None:
         """eval_interval and early_stopping_patience make sense (and `data` holds a validation set for them): a

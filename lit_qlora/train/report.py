@@ -20,6 +20,9 @@ def print_report(summary: dict[str, Any], out_dir: Path) -> None:
         ("peak RSS (through training)", f"{summary['peak_rss_train_bytes'] / gib:.2f} GiB"),
         *[(k.replace("_bytes", "").replace("_", " "), f"{summary[k] / gib:.2f} GiB")
           for k in ("peak_allocated_bytes", "peak_reserved_bytes", "peak_active_bytes") if k in summary],
+        *([("offloaded activations (host)", f"{summary['offload_host_bytes'] / gib:.2f} GiB "
+                                            f"({summary['offload_pinned_bytes'] / gib:.2f} GiB pinned)")]
+          if summary.get("offload_activations") else []),
         ("NF4 linears", f"{summary['quantized_linears']} / {summary['total_linears']}"),
         ("trainable params", f"{summary['trainable_params']:,} of {summary['total_params']:,}"),
         ("wall time", f"{summary['wall_seconds']:.1f} s"),

@@ -22,7 +22,7 @@ from lit_qlora.config import ADAPTER_DTYPES, DTYPE_NAMES, MIXED_PRECISIONS, PREC
 from lit_qlora.export import export_final
 from lit_qlora.finetune import ensure_default_checkpoint, recipe, resolve_resume
 from lit_qlora.guards import oom_advice
-from lit_qlora.hardware import choose_precision
+from lit_qlora.hardware import choose_precision, uses_cuda
 from lit_qlora.lora import apply_lora, full_lora_state_dict, load_adapter, resolve_targets
 from lit_qlora.loading import load_model
 from lit_qlora.memory import peak_memory_stats, release_free_memory
@@ -31,6 +31,7 @@ from lit_qlora.parallel.distributed import build_strategy, keep_frozen_out_of_dd
 from lit_qlora.parallel.tensor_parallel import TensorParallelShard
 from lit_qlora.tokenizer import Tokenizer
 from lit_qlora.train.args import DataArgs, LoRAArgs, TrainArgs, total_steps_for
+from lit_qlora.train.offload import offload_for_run, offload_summary
 from lit_qlora.train.report import print_report
 from lit_qlora.train.state import read_state
 
@@ -147,6 +148,7 @@ def setup(checkpoint_dir: Path, out_dir: Path, quantize: str, precision: str, se
     strategy_arg = build_strategy(strategy, world_size, tensor_parallel)  # checks the sizes before any loading
     train.accumulation(world_size // tensor_parallel)  # checks that the global batch divides
     train.require_valid_validation(data)
+    train.require_valid_offload(uses_cuda(accelerator))
     L.seed_everything(seed, verbose=False)
     ensure_default_checkpoint(checkpoint_dir)
     dm = SFTDataModule(data, Tokenizer(checkpoint_dir), train.max_seq_length, train.micro_batch_size, seed)
@@ -198,6 +200,11 @@ def setup(checkpoint_dir: Path, out_dir: Path, quantize: str, precision: str, se
     apply_lora(model, lora.r, lora.alpha, lora.dropout, lora.targets, lora.rslora, dtype=config.lora_dtype)
     n_ckpt = train.activation_checkpointing
     model.checkpoint_blocks = model.config.n_layer if n_ckpt is True else int(n_ckpt or 0)
+    model.activation_offload, offload_reason = offload_for_run(
+        train.offload_activations, trainer.strategy.root_device, model.checkpoint_blocks, model.config.n_embd,
+        train.micro_batch_size, train.max_seq_length, config.dtype)
+    if trainer.is_global_zero:
+        print(f"Offloaded activation checkpoints: {'on' if model.activation_offload else 'off'} ({offload_reason})")
     module = FinetuneModule(model, train, total_steps, config.start_step, compile=compile)
     periodic = periodic_validation(callbacks)
     module.validation_record = periodic.record if periodic else None
@@ -317,6 +324,7 @@ def run_summary(run: Run) -> dict[str, Any]:
         "compile_seconds": compile_seconds() if run.config.compile else None,
         "wall_seconds": totals["wall_seconds"],
         **peak_memory_stats(run.trainer.strategy.root_device),
+        **offload_summary(getattr(module.model, "activation_offload", None)),  # host memory beside the device's
         "quantized_linears": quantized,
         "total_linears": total,
         "trainable_params": sum(p.numel() for p in module.model.parameters() if p.requires_grad),

@@ -1,0 +1,229 @@
+"""Offloaded activation checkpoints (`--train.offload_activations`).
+
+With activation checkpointing the one tensor a checkpointed block keeps for backward is its input x (B, T, n_embd):
+for Llama-3.1-8B 32 blocks x 8 KiB = 256 KiB per token, the largest device memory that grows with the sequence.
+`ActivationOffload` moves these block inputs to pinned host memory as the forward passes each block and brings each
+back ahead of its block's backward.
+
+How it works:
+
+* `Transformer.forward_hidden` runs each checkpointed block inside `block_input_saved(offload, x)`: saved-tensor
+  hooks active only while `torch.utils.checkpoint` (non-reentrant) saves the block's inputs; inside the block,
+  checkpoint's own hooks take over and save nothing but placeholders. Of those inputs only x itself (matched by
+  identity) is offloaded: the RoPE tables and the mask are shared by every block and stay where they are.
+* Pack (forward), CUDA: a side stream waits for the compute stream (which produced x), copies x into a pinned host
+  buffer (non_blocking), and `x.record_stream(side)` keeps the caching allocator from handing x's memory to anyone
+  before that copy has run. The autograd graph then holds only the host copy: x's device memory is released as soon
+  as the forward drops x (the block's output replaces it).
+* Unpack (backward: checkpoint recomputes block i and asks for its input): block i's input comes back on the side
+  stream into memory allocated on that stream (unless it was prefetched already); the compute stream waits on the
+  copy's event, and the tensor is `record_stream`ed on the compute stream so its memory is not reused before the
+  recompute and backward have read it. Then block i-1's input starts coming back on the side stream, overlapped with
+  block i's recompute and backward: in backward at most two block inputs are on the device instead of all of them.
+* CPU tensors (tests, and `litqlora estimate`'s fake step) take the same path with plain copies: one CPU tensor
+  stands for the host copy, another for the copy fetched back to the device. What is released, what is read back,
+  the prefetch and the host bytes are thereby checked without a GPU.
+
+Host memory: `host_bytes` (held now) and `peak_host_bytes` count the offloaded tensors' own bytes: all checkpointed
+block inputs of one micro-batch at the end of its forward. PyTorch's pinned-memory allocator rounds each buffer up to
+a power of two, so the pinned memory actually reserved can be up to 2x that for sizes that are not powers of two
+(`pinned_bytes` says how much); buffers are reused from one step to the next.
+
+When `auto` turns it on: `offload_choice`. Numerics are unchanged (the copies are exact), so a resume may change it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from contextlib import contextmanager, nullcontext
+from typing import Any, ContextManager, Iterator, Optional
+
+import torch
+
+# `auto` turns offloading on (CUDA, checkpointing on) when one micro-batch's checkpointed block inputs reach this many
+# bytes. Reasoning, not yet a GPU measurement (re-measure on a GPU: tokens/s and peak with and without, e.g. the 8B
+# preset at 1x2048 ... 1x16384): the per-block transfer is 2 x n_embd bytes per token each way against ~8 x 12 x
+# n_embd^2 FLOPs of recompute + backward per token, so with the copies overlapped its cost is small for n_embd >= 1024,
+# and below 1 GiB the memory saved is small next to any card's (6% of a 16 GB T4). Llama-3.1-8B reaches it at 4096
+# tokens per micro-batch (32 blocks x 8 KiB x 4096), SmolLM2-135M at ~31k.
+AUTO_MIN_BYTES = 1 << 30
+# `auto` stays off when the pinned host memory would take more than this share of the host's available memory:
+# pinned pages cannot be swapped, and a host that runs out of them stalls every process on it.
+AUTO_MAX_HOST_SHARE = 0.5
+
+
+class _Offloaded:
+    """One block input in host memory, and the copy being fetched back to its device for the block's backward."""
+
+    __slots__ = ("host", "device", "nbytes", "fetched", "ready", "previous", "__weakref__")
+
+    def __init__(self, host: torch.Tensor, device: torch.device, nbytes: int, previous: Optional[weakref.ref]):
+        self.host = host
+        self.device = device
+        self.nbytes = nbytes
+        self.fetched: Optional[torch.Tensor] = None  # on the device again (or on its way), until unpacked
+        self.ready: Optional[torch.cuda.Event] = None  # CUDA: the fetch's copy has run on the side stream
+        self.previous = previous  # the block input offloaded before this one (the block whose backward comes next)
+
+
+class ActivationOffload:
+    """Offloads the input of each checkpointed block to host memory in forward and fetches it back, prefetching one
+    block ahead, in backward (module doc). One per model: `Transformer.activation_offload`."""
+
+    def __init__(self) -> None:
+        self.host_bytes = 0
+        """Bytes of block inputs held in host memory now."""
+        self.peak_host_bytes = 0
+        """The most held at once: the host memory the run needs for it."""
+        self.pinned_bytes = 0
+        """The pinned memory those buffers took at the peak (CUDA: each rounded up to a power of two)."""
+        self.offloaded = 0
+        """Block inputs offloaded so far (all steps)."""
+        self._pinned_now = 0
+        self._target: Optional[torch.Tensor] = None
+        self._last: Optional[weakref.ref] = None
+        self._streams: dict[torch.device, Any] = {}
+
+    @contextmanager
+    def saving(self, block_input: torch.Tensor) -> Iterator[None]:
+        """Around one `checkpoint(block, x, ...)` call: `block_input` (x), as checkpoint saves it, goes to host
+        memory; every other tensor saved here is kept as is."""
+        self._target = block_input
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield
+        finally:
+            self._target = None  # no reference to x may outlive the call: the point is to let it go
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        if t is not self._target:
+            return t
+        self._target = None
+        nbytes = t.numel() * t.element_size()
+        if t.device.type == "cuda":
+            side = self._side_stream(t.device)
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            side.wait_stream(torch.cuda.current_stream(t.device))  # x is written on the compute stream
+            with torch.cuda.stream(side):
+                host.copy_(t, non_blocking=True)
+            t.record_stream(side)  # x's memory goes back to the allocator only once this copy has run
+            pinned = 1 << max(nbytes - 1, 0).bit_length()
+        else:
+            host, pinned = self._to_host(t), nbytes
+        packed = _Offloaded(host, t.device, nbytes, self._last)
+        self._last = weakref.ref(packed)
+        self.offloaded += 1
+        self._held(nbytes, pinned)
+        weakref.finalize(packed, self._held, -nbytes, -pinned)  # the graph lets go of it: after its backward
+        return packed
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        if not isinstance(packed, _Offloaded):
+            return packed
+        self._fetch(packed)
+        t, packed.fetched = packed.fetched, None  # unpacked again (retain_graph): fetched again
+        if packed.ready is not None:
+            compute = torch.cuda.current_stream(packed.device)
+            compute.wait_event(packed.ready)
+            t.record_stream(compute)  # its memory is not reused before the recompute and backward have read it
+            packed.ready = None
+        previous = packed.previous() if packed.previous is not None else None
+        if previous is not None:
+            self._fetch(previous)  # the next block's backward overlaps this one's
+        return t
+
+    def _fetch(self, packed: _Offloaded) -> None:
+        """Start bringing `packed` back to its device (no-op if it is on its way)."""
+        if packed.fetched is not None:
+            return
+        if packed.device.type == "cuda":
+            side = self._side_stream(packed.device)
+            with torch.cuda.stream(side):  # allocated on the side stream: free to write there now
+                fetched = torch.empty(packed.host.shape, dtype=packed.host.dtype, device=packed.device)
+                fetched.copy_(packed.host, non_blocking=True)  # after the offload copy: the same stream
+                packed.ready = side.record_event()
+            packed.fetched = fetched
+        else:
+            packed.fetched = self._to_device(packed.host)
+
+    def _to_host(self, t: torch.Tensor) -> torch.Tensor:
+        """CPU tensors (tests, the estimate): a separate copy stands for host memory (the estimate counts it as
+        host memory, beside the device's)."""
+        return t.detach().clone()
+
+    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
+        return host.clone()
+
+    def _held(self, nbytes: int, pinned: int) -> None:
+        self.host_bytes += nbytes
+        self._pinned_now += pinned
+        if self.host_bytes > self.peak_host_bytes:
+            self.peak_host_bytes, self.pinned_bytes = self.host_bytes, self._pinned_now
+
+    def _side_stream(self, device: torch.device) -> Any:
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device)
+        return self._streams[device]
+
+
+def block_input_saved(offload: Optional[ActivationOffload], block_input: torch.Tensor) -> ContextManager:
+    """What `Transformer.forward_hidden` runs a checkpointed block in: offloading its input, or nothing."""
+    return offload.saving(block_input) if offload is not None else nullcontext()
+
+
+def block_input_bytes(n_embd: int, checkpoint_blocks: int, micro_batch_size: int, max_seq_length: int,
+                      dtype_bytes: int) -> int:
+    """What the checkpointed blocks' inputs of one micro-batch take: what offloading moves to host memory."""
+    return checkpoint_blocks * micro_batch_size * max_seq_length * n_embd * dtype_bytes
+
+
+def available_host_bytes() -> Optional[int]:
+    """MemAvailable from /proc/meminfo (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def offload_for_run(choice: Any, device: torch.device, checkpoint_blocks: int, n_embd: int, micro_batch_size: int,
+                    max_seq_length: int, dtype: torch.dtype) -> tuple[Optional[ActivationOffload], str]:
+    """A run's ActivationOffload (None: off) on `device` and why (offload_choice, with this host's free memory)."""
+    input_bytes = block_input_bytes(n_embd, checkpoint_blocks, micro_batch_size, max_seq_length, dtype.itemsize)
+    on, why = offload_choice(choice, device.type == "cuda", checkpoint_blocks, input_bytes, available_host_bytes())
+    return (ActivationOffload() if on else None), why
+
+
+def offload_summary(offload: Optional[ActivationOffload]) -> dict[str, Any]:
+    """summary.json's report of it: whether it ran, the host memory the offloaded inputs took at most, and the
+    pinned buffers that held them."""
+    return {"offload_activations": offload is not None,
+            "offload_host_bytes": offload.peak_host_bytes if offload else 0,
+            "offload_pinned_bytes": offload.pinned_bytes if offload else 0}
+
+
+def offload_choice(choice: Any, cuda: bool, checkpoint_blocks: int, input_bytes: int,
+                   host_available: Optional[int] = None) -> tuple[bool, str]:
+    """(whether to offload, why) for `--train.offload_activations` `choice` (true, false or auto): a run on CUDA or
+    not, with `checkpoint_blocks` checkpointed blocks whose inputs take `input_bytes` per micro-batch, on a host with
+    `host_available` bytes free. `true` where it cannot apply is a UserError (TrainArgs.require_valid_offload)."""
+    from lit_qlora.train.args import TrainArgs
+
+    TrainArgs(offload_activations=choice).require_valid_offload(cuda, checkpoint_blocks > 0)
+    if choice is True:
+        return True, "--train.offload_activations true"
+    if choice is False:
+        return False, "--train.offload_activations false"
+    if not cuda:
+        return False, "auto: not on CUDA"
+    if checkpoint_blocks == 0:
+        return False, "auto: no activation checkpointing"
+    size = f"{input_bytes / (1 << 30):.2f} GiB of checkpointed block inputs per micro-batch"
+    if input_bytes < AUTO_MIN_BYTES:
+        return False, f"auto: {size}, under {AUTO_MIN_BYTES >> 30} GiB"
+    if host_available is not None and input_bytes > AUTO_MAX_HOST_SHARE * host_available:
+        return False, f"auto: {size}, more than half the host's available memory ({host_available / (1 << 30):.1f} GiB)"
+    return True, f"auto: {size}, at least {AUTO_MIN_BYTES >> 30} GiB"
