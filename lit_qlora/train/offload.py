@@ -105,7 +105,7 @@ class ActivationOffload:
             host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
             side.wait_stream(torch.cuda.current_stream(t.device))  # x is written on the compute stream
             with torch.cuda.stream(side):
-                host.copy_(t, non_blocking=True)
+                host.copy_(t.detach(), non_blocking=True)  # (detached: the copy must not join the graph)
             t.record_stream(side)  # x's memory goes back to the allocator only once this copy has run
             pinned = 1 << max(nbytes - 1, 0).bit_length()
         else:
