@@ -47,7 +47,7 @@ def commands() -> dict[str, Command]:
     from lit_qlora.export import export_peft, merge
     from lit_qlora.finetune import finetune
     from lit_qlora.generate import generate_command
-    from lit_qlora.gguf_import import convert_gguf_command
+    from lit_qlora.deploy.gguf_import import convert_gguf_command
 
     return {
         "finetune": finetune,

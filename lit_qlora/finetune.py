@@ -234,7 +234,7 @@ def finished_summary(out_dir: Path, state: dict[str, Any], max_steps: Optional[i
 
 def ensure_default_checkpoint(checkpoint_dir: Path) -> None:
     """The built-in default runs anywhere: convert the bundled SmolLM2 GGUF on first use."""
-    from lit_qlora.gguf_import import convert_gguf
+    from lit_qlora.deploy.gguf_import import convert_gguf
 
     if Path(checkpoint_dir) == DEFAULT_CHECKPOINT and not (DEFAULT_CHECKPOINT / "config.json").is_file():
         print(f"Converting the bundled SmolLM2-135M-Instruct into {DEFAULT_CHECKPOINT} (first run only)")

@@ -24,7 +24,7 @@ def ctx(tmp_path_factory, tiny_llama_dir):
     from lit_qlora.checkpoint import copy_tokenizer_files, load_checkpoint, save_hf_checkpoint
     from lit_qlora.config import Config
     from lit_qlora.export import hf_tensor_specs
-    from lit_qlora.gguf_import import bundled_smollm2_path
+    from lit_qlora.deploy.gguf_import import bundled_smollm2_path
     from lit_qlora.lora import apply_lora, save_adapter
     from lit_qlora.model import Transformer
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lit_qlora.deploy.gguf_export import GGUFExportError, export_gguf, permute_rope_rows
-from lit_qlora.gguf_import import convert_gguf, unpermute_rope_rows
+from lit_qlora.deploy.gguf_import import convert_gguf, unpermute_rope_rows
 from lit_qlora.loading import load_model
 from lit_qlora.tokenizer import Tokenizer
 from test_families import hf_checkpoint, random_adapter, tokens

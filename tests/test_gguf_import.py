@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from lit_qlora.config import Config
-from lit_qlora.gguf_import import bundled_smollm2_path, convert_gguf, tokenizer_from_gguf, unpermute_rope_rows
+from lit_qlora.deploy.gguf_import import bundled_smollm2_path, convert_gguf, tokenizer_from_gguf, unpermute_rope_rows
 from lit_qlora.model import Transformer
 from lit_qlora.tokenizer import Tokenizer
 
@@ -487,7 +487,7 @@ def test_convert_refuses_to_replace_a_checkpoint_unless_told(tmp_path: Path) -> 
 
 
 def test_convert_into_an_empty_or_new_directory_needs_no_flag(tmp_path: Path) -> None:
-    from lit_qlora.gguf_import import convert_gguf_command
+    from lit_qlora.deploy.gguf_import import convert_gguf_command
 
     write_tiny_llama(tmp_path / "tiny.gguf", tied=True)
     (tmp_path / "empty").mkdir()

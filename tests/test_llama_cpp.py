@@ -59,7 +59,7 @@ def test_llama_cpp_tokenizes_an_exported_sentencepiece_vocabulary_as_we_do(tmp_p
     """llama.cpp's own SentencePiece tokenizer, on our export of a trained SentencePiece BPE vocabulary: the same ids
     as lit-qlora's tokenizer (and as llama.cpp on the converter-style GGUF it came from) for every test text."""
     from lit_qlora.deploy.gguf_export import export_gguf
-    from lit_qlora.gguf_import import convert_gguf
+    from lit_qlora.deploy.gguf_import import convert_gguf
     from lit_qlora.tokenizer import Tokenizer
     from test_gguf_import import SPM_TEXTS, sentencepiece_gguf_vocab, train_sentencepiece, write_tiny_llama
 

@@ -58,7 +58,7 @@ def architecture(config) -> str:
 def tokenizer_metadata(checkpoint_dir: Path) -> dict[str, Any]:
     """The GGUF tokenizer fields of the checkpoint's tokenizer.json (byte-level or SentencePiece BPE), checked before
     writing."""
-    from lit_qlora.gguf_import import _DIGIT_SPLIT_PRE, _SPLITS
+    from lit_qlora.deploy.gguf_import import _DIGIT_SPLIT_PRE, _SPLITS
     from lit_qlora.tokenizer import Tokenizer
 
     tok = Tokenizer(checkpoint_dir)
