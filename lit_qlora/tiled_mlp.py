@@ -47,9 +47,9 @@ def mlp_tile_tokens(intermediate_size: int) -> int:
 def tiling_applies(x: torch.Tensor, tile_tokens: int) -> bool:
     """Whether an MLP call on `x` may run tiled: gradients enabled, more tokens than one tile, not compiled, not
     distributed (and, `tiled_mlp` checks, an input or parameter needing a gradient)."""
-    if x.numel() // max(1, x.shape[-1]) <= tile_tokens or not torch.is_grad_enabled():
+    if torch.compiler.is_compiling() or not torch.is_grad_enabled():  # (compiled: before any guard on x's shape)
         return False
-    if torch.compiler.is_compiling():
+    if x.numel() // max(1, x.shape[-1]) <= tile_tokens:
         return False
     dist = torch.distributed
     return not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)

@@ -216,3 +216,26 @@ def test_a_finetune_gives_the_same_losses_tiled(monkeypatch, tiny_llama_dir, tmp
     assert calls["mlp"] and calls["loss"]  # both ran tiled
     assert len(untiled) == len(tiled) == 2
     assert tiled == pytest.approx(untiled, rel=1e-5)
+
+
+def test_the_estimate_sees_the_tiled_mlps_smaller_peak(monkeypatch):
+    """`litqlora estimate` at 8192 tokens (micro-batch 1, every block checkpointed): untiled, the recomputed block's
+    MLP backward holds five sequence x intermediate bf16 tensors at the step's peak (gate and up, saved; the
+    gradients of act(gate) * up, of gate and of up). Tiled, it holds them for one tile: the peak drops by five such
+    tensors less one tile's (within 2%: the tiled backward's input-gradient buffer, and the like)."""
+    from lit_qlora.config import Quantize
+    from lit_qlora.estimate import trace_step
+    from lit_qlora.train.args import LoRAArgs, TrainArgs
+
+    length, width, tile = 8192, 1536, 1024
+    config = Config.from_hf_config({**BASE, "vocab_size": 384, "intermediate_size": width,
+                                    "max_position_embeddings": length, "tie_word_embeddings": True})
+    peaks = {}
+    for tiled in (False, True):
+        monkeypatch.setattr(tiled_mlp, "MLP_TILE_ELEMS", tile * width if tiled else 1 << 40)
+        monkeypatch.setattr(tiled_loss, "LOSS_TILE_TOKENS", tile if tiled else 1 << 40)
+        peaks[tiled] = trace_step(config, Quantize.NF4, "bf16-true", LoRAArgs(r=4, alpha=8, dropout=0.0),
+                                  TrainArgs(micro_batch_size=1, global_batch_size=1, max_seq_length=length,
+                                            activation_checkpointing=True), device="cpu").peak
+    expected = 5 * 2 * width * (length - tile)  # 110 MB of a 139 MB peak
+    assert peaks[False] - peaks[True] == pytest.approx(expected, rel=0.02), peaks
