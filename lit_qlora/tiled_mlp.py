@@ -97,6 +97,8 @@ class _TiledMLP(torch.autograd.Function):
     def forward(ctx, x, run, tile_tokens: int, *params):
         ctx.run, ctx.tile_tokens, ctx.rng = run, tile_tokens, _rng_state(x)
         ctx.params = params  # (parameters: alive anyway; not saved tensors, which checkpointing would drop)
+        kind = x.device.type  # backward recomputes under forward's autocast (16-mixed), as checkpointing does
+        ctx.autocast = (kind, torch.get_autocast_dtype(kind), torch.is_autocast_enabled(kind))
         ctx.save_for_backward(x)
         x2 = x.reshape(-1, x.shape[-1])
         out = None
@@ -118,7 +120,8 @@ class _TiledMLP(torch.autograd.Function):
         x2, g2 = x.reshape(-1, x.shape[-1]), grad.reshape(-1, grad.shape[-1])
         grad_x = torch.empty_like(x2) if needs_x else None
         sums = {i: torch.zeros_like(params[i], dtype=torch.float32) for i in wanted}
-        with _replayed_rng(x, ctx.rng), torch.enable_grad():
+        kind, dtype, enabled = ctx.autocast
+        with _replayed_rng(x, ctx.rng), torch.enable_grad(), torch.autocast(kind, dtype, enabled):
             for start in range(0, x2.shape[0], ctx.tile_tokens):
                 xt = x2[start : start + ctx.tile_tokens].detach().requires_grad_(needs_x)
                 y = ctx.run(xt)

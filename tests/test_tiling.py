@@ -102,6 +102,27 @@ def test_tiled_mlp_replays_its_dropout_masks_in_backward():
     assert not close(tiled[0], no_dropout, 1e-3)  # the dropout did drop
 
 
+def test_tiled_mlp_recomputes_under_forwards_autocast():
+    """16-mixed: backward's recompute runs in the autocast dtype, as forward did (and as checkpointing does)."""
+    mlp = model_for("llama", "none", torch.float32).blocks[0].mlp
+    seen, act = [], mlp.act
+    mlp.act = lambda t: seen.append(t.dtype) or act(t)
+    x, grad = torch.randn(1, 30, 64), torch.randn(1, 30, 64)
+    results = []
+    for tile_tokens in (1 << 30, 8):
+        mlp.tile_tokens = tile_tokens
+        xt = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = mlp(xt)
+        out.backward(grad.to(out.dtype))
+        results.append([xt.grad] + [p.grad.clone() for p in lora_params(mlp)])
+        mlp.zero_grad(set_to_none=True)
+    # untiled: forward and backward (which recomputes act(gate)); tiled: 4 tiles forward, 4 x 2 in backward
+    assert len(seen) == 2 + 4 + 8 and set(seen) == {torch.bfloat16}
+    for g, w in zip(*results):
+        assert close(g, w, 2e-2)
+
+
 def loss_head(quantize: str, dtype: torch.dtype) -> LoRALinear:
     return model_for("llama", quantize, dtype).lm_head
 
