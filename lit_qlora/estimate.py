@@ -184,7 +184,8 @@ def trace_step(config: Config, quantize: Quantize, precision: Precision, lora: L
     from lit_qlora.loading import default_dtype, random_base
     from lit_qlora.memory_trace import AllocationTrace, StepPhase
     from lit_qlora.nf4 import is_nf4, linear
-    from lit_qlora.train import loss
+    from lit_qlora import tiled_mlp
+    from lit_qlora.train import loss, tiled_loss
     from lit_qlora.train.loss import lm_loss_sum
 
     dtype = PRECISION_DTYPES[precision]
@@ -232,6 +233,12 @@ def trace_step(config: Config, quantize: Quantize, precision: Precision, lora: L
         for name in ("_dense_rows", "dense_stack"):  # one weight's dense rows; a fused group's stacked weights
             stack.enter_context(_patched(linear, name, phase.wrap(getattr(linear, name), "NF4 dequantize scratch")))
         stack.enter_context(_patched(loss, "_head_ce_sum", _first_loss_chunks_traced()))
+        # Every tile allocates alike: trace the first few (an 8B step at 100k+ tokens has thousands). But for CPU
+        # dropout, whose first run keeps each tile's down products for the recompute (tokens x r per adapter).
+        tiles_alike = (tiled_loss, tiled_mlp) if device == "cuda" or not lora.dropout else (tiled_loss,)
+        for tiled in tiles_alike:
+            stack.enter_context(_patched(tiled, "tile_starts",
+                                         lambda n, tile: range(0, min(n, TRACED_LOSS_CHUNKS * tile), tile)))
         # an NF4 head's loss runs slice by slice of the vocabulary: no tensor is vocabulary-wide, so it is tagged
         stack.enter_context(_patched(loss, "nf4_head_ce_sum", phase.wrap(loss.nf4_head_ce_sum, "logits/loss chunks")))
         stack.enter_context(_patched(loss, "tiled_ce_sum", phase.wrap(loss.tiled_ce_sum, "logits/loss chunks")))
@@ -313,14 +320,19 @@ def estimate(
         data: Accepted so a finetune recipe reads as it is (the step runs on max_seq_length tokens per sequence).
         device: cuda (predict torch.cuda.max_memory_allocated on a GPU) or cpu (allocated tensor bytes on a CPU).
         device_memory: The card's memory, e.g. 24GiB: also find the largest micro-batch size that fits, with and
-            without activation checkpointing.
+            without activation checkpointing; with --train.max_seq_length auto, the longest sequence that fits at
+            the given micro-batch instead (and the host memory it needs for offloaded activations).
     """
     from lit_qlora.checkpoint import atomic_write_text
     from lit_qlora.config import Quantize
 
+    auto_length = train.max_seq_length == "auto"
     for flag, value, least in (("--devices", devices, 1), ("--num_nodes", num_nodes, 1),
                                ("--train.micro_batch_size", train.micro_batch_size, 1),
-                               ("--train.max_seq_length", train.max_seq_length, 2)):
+                               ("--train.max_seq_length", AUTO_LENGTH_TRACES[0] if auto_length else train.max_seq_length,
+                                2)):
+        if not isinstance(value, int):
+            raise ValueError(f"{flag} takes a whole number, got {value!r}.")
         if value < least:
             raise ValueError(f"{flag} must be at least {least}, got {value}.")
     config, source = resolve_config(checkpoint_dir)
@@ -332,25 +344,41 @@ def estimate(
     train.accumulation(world_size // (tensor_parallel if strategy == "tp" else 1))  # checks the batch sizes
     train.require_valid_offload(device == "cuda")
     budget = parse_bytes(device_memory) if device_memory is not None else None
+    if auto_length and budget is None:
+        raise ValueError("--train.max_seq_length auto asks for the longest sequence that fits a card: give the card's "
+                         "memory too, e.g. --device_memory 24GiB.")
     precision, precision_reason = estimate_precision(precision, device)
     print(f"Estimating {config.name} ({source}): {'QLoRA (NF4 base)' if quantize is Quantize.NF4 else 'LoRA'}, "
-          f"micro-batch {train.micro_batch_size} x {train.max_seq_length}, activation checkpointing "
+          f"micro-batch {train.micro_batch_size} x {train.max_seq_length} tokens, activation checkpointing "
           f"{train.activation_checkpointing}, {world_size} rank(s), {device}, precision {precision} "
           f"({precision_reason})")
-    offload, offload_reason, pinned = offload_decision(config, precision, train, device)
-    print(f"Offloaded activation checkpoints: {'on' if offload else 'off'} ({offload_reason})")
 
-    @functools.cache  # the batch search may ask again for the size and setting of the first prediction
-    def predict(micro_batch_size: int, checkpointing: Any = train.activation_checkpointing) -> tuple[int, dict, int]:
-        """(peak device bytes, by category, host bytes of offloaded activations) at this batch and checkpointing."""
-        offload = train.offload_activations if checkpointing else False  # (nothing to offload without it)
-        trace = trace_step(config, quantize, precision, lora, replace(train, activation_checkpointing=checkpointing,
-                                                                      offload_activations=offload),
-                           device, micro_batch_size)
+    @functools.cache  # the batch and length searches may ask again for a size and setting already traced
+    def predict(micro_batch_size: int, checkpointing: Any = train.activation_checkpointing,
+                length: Optional[int] = None, offload: Any = None) -> tuple[int, dict, int]:
+        """(peak device bytes, by category, host bytes of offloaded activations) at this batch, checkpointing,
+        sequence length and offload setting (defaults: the recipe's)."""
+        offload = (train.offload_activations if offload is None else offload) if checkpointing else False
+        trace = trace_step(config, quantize, precision, lora, replace(
+            train, activation_checkpointing=checkpointing, offload_activations=offload,
+            max_seq_length=length or train.max_seq_length), device, micro_batch_size)
         parts = parallel_bytes(trace.peak_by_category, config, strategy, world_size, tensor_parallel)
         return sum(parts.values()), parts, trace.host_peak
 
-    peak, by_category, host = predict(train.micro_batch_size, train.activation_checkpointing)
+    searched: dict[str, Any] = {}
+    if auto_length:
+        if train.offload_activations == "auto" and train.activation_checkpointing and device == "cuda":
+            # auto turns offload on at the lengths this search is about; one setting for every trace keeps the
+            # growth a line (auto switching on between two traces would bend it)
+            train = replace(train, offload_activations=True)
+            print("Offloaded activation checkpoints: on for the length search (auto is on wherever it saves 1 GiB)")
+        searched = longest_context(lambda length: predict(train.micro_batch_size, train.activation_checkpointing,
+                                                          length, train.offload_activations)[0], budget, device)
+        train = replace(train, max_seq_length=searched["max_seq_length"] or LENGTH_STEP)
+    offload, offload_reason, pinned = offload_decision(config, precision, train, device)
+    print(f"Offloaded activation checkpoints: {'on' if offload else 'off'} ({offload_reason})")
+    peak, by_category, host = predict(train.micro_batch_size, train.activation_checkpointing, train.max_seq_length,
+                                      train.offload_activations)
     result: dict[str, Any] = {
         "model": config.name, "source": source, "quantize": str(quantize), "precision": precision,
         "precision_reason": precision_reason, "device": device,
@@ -360,7 +388,9 @@ def estimate(
         "offload_activations": offload, "offload_reason": offload_reason, "offload_host_bytes": host,
         "offload_pinned_bytes": pinned, "max_micro_batch_size": None,
     }
-    if budget is not None:
+    if auto_length:
+        result.update(device_memory_bytes=budget, **searched)
+    elif budget is not None:
         result.update(device_memory_bytes=budget, **largest_batches(predict, budget, device))
         result["max_micro_batch_size"] = result["max_micro_batch_size_by_checkpointing"][
             "on" if train.activation_checkpointing else "off"]
@@ -415,6 +445,45 @@ def largest_batches(predict, budget: int, device: str, limit: int = 256, traces:
     return {"max_micro_batch_size_by_checkpointing": found, "activation_checkpointing_needed": needed}
 
 
+AUTO_LENGTH_TRACES = (8192, 32768)  # the first line is fitted through these (the fixed part is settled by 8k)
+LENGTH_STEP = 256
+
+
+def longest_context(predict: Callable[[int], int], budget: int, device: str, traces: int = 6,
+                    limit: int = 1 << 24) -> dict[str, Any]:
+    """The longest sequence (a multiple of LENGTH_STEP tokens) whose traced peak fits `budget`, by a secant search.
+
+    With offloaded activation checkpoints and the tiled MLP and loss, the peak grows linearly with the length (O(L)
+    attention, no L x intermediate or L x vocabulary buffer) but for two kinks where tiling starts (the MLP past
+    one tile, the loss past V / 2 tokens), after which it grows more slowly. So the line through two traces is
+    followed to the budget, the guess is traced, and the line through the two latest traces gives the next guess,
+    until a traced length fits with less than one more step of room (the line being exact past the last kink,
+    this takes one or two traces beyond the first two), at most `traces` in all. The answer is always a length
+    whose trace fits (0: not even LENGTH_STEP tokens)."""
+    usable = (budget - CUDA_RESERVE) / FRAGMENTATION if device == "cuda" else budget
+    peaks = {length: predict(length) for length in AUTO_LENGTH_TRACES}
+    best = max((n for n, p in peaks.items() if fits(p, budget, device)), default=0)
+    over = min((n for n, p in peaks.items() if not fits(p, budget, device)), default=limit + LENGTH_STEP)
+    while len(peaks) < traces and over - best > LENGTH_STEP:
+        (x0, p0), (x1, p1) = list(peaks.items())[-2:]
+        slope = max(1.0, (p1 - p0) / (x1 - x0))
+        guess = int(x1 + (usable - p1) / slope) // LENGTH_STEP * LENGTH_STEP
+        guess = min(over - LENGTH_STEP, max(best + LENGTH_STEP, guess))
+        if guess in peaks:
+            break
+        peaks[guess] = predict(guess)
+        if not fits(peaks[guess], budget, device):
+            over = guess
+            continue
+        best = guess
+        slope = max(1.0, (peaks[guess] - p1) / (guess - x1))
+        if peaks[guess] + slope * LENGTH_STEP > usable:
+            break  # one step more would not fit by the line through the two latest traces
+    low, high = AUTO_LENGTH_TRACES
+    return {"max_seq_length": best, "traced_peaks": {str(n): p for n, p in sorted(peaks.items())},
+            "bytes_per_token": round((peaks[high] - peaks[low]) / (high - low))}
+
+
 def render(result: dict[str, Any]) -> str:
     from lit_qlora.memory_trace import CATEGORIES
 
@@ -425,7 +494,12 @@ def render(result: dict[str, Any]) -> str:
     if result.get("offload_activations"):
         lines += ["", f"Host memory for offloaded activations: {result['offload_host_bytes'] / GiB:.2f} GiB (not in "
                       f"the peak above; {result['offload_pinned_bytes'] / GiB:.2f} GiB of pinned buffers)"]
-    if "device_memory_bytes" in result:
+    if "traced_peaks" in result:
+        lines += ["", f"On {result['device_memory_bytes'] / GiB:.0f} GiB: the longest sequence that fits micro-batch "
+                      f"{result['micro_batch_size']} is {result['max_seq_length']} tokens "
+                      f"({result['bytes_per_token'] / 1024:.0f} KiB more per token; traced at "
+                      f"{', '.join(result['traced_peaks'])})"]
+    elif "device_memory_bytes" in result:
         sizes = result["max_micro_batch_size_by_checkpointing"]
         lines += ["", f"On {result['device_memory_bytes'] / GiB:.0f} GiB: largest micro-batch {sizes['on']} with "
                       f"activation checkpointing, {sizes['off']} without"

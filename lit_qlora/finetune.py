@@ -106,6 +106,7 @@ def finetune(
         require_exportable(Path(checkpoint_dir), head_adapted="lm_head" in resolve_targets(lora.targets))
     precision, precision_reason = choose_precision(precision, accelerator)
     compile = compile_choice(compile, accelerator, precision)
+    train.require_fixed_length()
     train.require_valid_validation(data)
     train.require_valid_offload(uses_cuda(accelerator))
     claim_out_dir(Path(out_dir), resume, overwrite)

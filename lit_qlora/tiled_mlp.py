@@ -92,6 +92,11 @@ def _replayed_rng(x: torch.Tensor, state: tuple):
         yield
 
 
+def tile_starts(n: int, tile_tokens: int) -> range:
+    """Each tile's first token. (`litqlora estimate` traces only the first few: every tile allocates alike.)"""
+    return range(0, n, tile_tokens)
+
+
 class _TiledMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, run, tile_tokens: int, *params):
@@ -103,7 +108,7 @@ class _TiledMLP(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])
         out = None
         with torch.no_grad():
-            for start in range(0, x2.shape[0], tile_tokens):
+            for start in tile_starts(x2.shape[0], tile_tokens):
                 y = run(x2[start : start + tile_tokens])
                 if out is None:
                     out = y.new_empty(x2.shape[0], y.shape[-1])
@@ -122,7 +127,7 @@ class _TiledMLP(torch.autograd.Function):
         sums = {i: torch.zeros_like(params[i], dtype=torch.float32) for i in wanted}
         kind, dtype, enabled = ctx.autocast
         with _replayed_rng(x, ctx.rng), torch.enable_grad(), torch.autocast(kind, dtype, enabled):
-            for start in range(0, x2.shape[0], ctx.tile_tokens):
+            for start in tile_starts(x2.shape[0], ctx.tile_tokens):
                 xt = x2[start : start + ctx.tile_tokens].detach().requires_grad_(needs_x)
                 y = ctx.run(xt)
                 wrt = ([xt] if needs_x else []) + [params[i] for i in wanted]

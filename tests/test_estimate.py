@@ -186,3 +186,72 @@ def test_tracing_two_loss_chunks_per_loss_predicts_what_tracing_all_of_them_does
         head_calls.append(len(heads))
     assert head_calls == [2 * 4, 8 * 4]  # 2 or 8 chunks per loss, 2 micro-batches x 2 steps
     assert traces[0].peak == traces[1].peak and traces[0].peak_by_category == traces[1].peak_by_category
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_tracing_the_first_tiles_predicts_what_tracing_all_of_them_does(monkeypatch, device):
+    """Past a tile's length the MLP and the loss run in tiles, and the estimate traces each one's first tiles only
+    (a 100k-token 8B step has thousands): the peak and its categories equal those of a trace through every tile."""
+    from lit_qlora import estimate as estimate_module, tiled_mlp
+    from lit_qlora.train import tiled_loss
+
+    monkeypatch.setattr(tiled_mlp, "MLP_TILE_ELEMS", 128 * 16)  # 16-token MLP tiles: 8 per 128-token row
+    monkeypatch.setattr(tiled_loss, "LOSS_TILE_TOKENS", 16)
+    config = Config.from_hf_config(TINY)
+    train = TrainArgs(micro_batch_size=1, global_batch_size=1, max_seq_length=128, activation_checkpointing=True)
+    starts = []
+    for module in (tiled_mlp, tiled_loss):
+        real_starts = module.tile_starts
+        monkeypatch.setattr(module, "tile_starts", lambda n, t, real=real_starts: starts.append(n) or real(n, t))
+    traces = []
+    for chunks in (estimate_module.TRACED_LOSS_CHUNKS, 10**6):
+        monkeypatch.setattr(estimate_module, "TRACED_LOSS_CHUNKS", chunks)
+        traces.append(trace_step(config, Quantize("nf4"), "bf16-true", LoRAArgs(r=4, alpha=8), train, device))
+    assert traces[0].peak == traces[1].peak and traces[0].peak_by_category == traces[1].peak_by_category
+
+
+@pytest.mark.parametrize("curve", ["linear", "concave", "convex"])
+def test_the_length_search_is_bounded_and_answers_the_longest_length_that_fits(curve):
+    """Peak memory against length is a line, bent where tiling starts (concave) or by fragmentation (convex): the
+    search traces at most 6 lengths and answers the longest multiple of 256 that fits, or one step short of it."""
+    from lit_qlora.estimate import LENGTH_STEP, longest_context
+
+    def predict(length):
+        calls.append(length)
+        base = 5_000_000_000 + 100_000 * length
+        if curve == "concave":
+            return base - 40_000 * max(0, length - 60_000)
+        return base + (length // 1000) ** 2 * 3000 if curve == "convex" else base
+
+    for budget in (8, 24, 80):
+        calls = []
+        result = longest_context(predict, budget << 30, "cpu")
+        best = result["max_seq_length"]
+        true_best = max(n for n in range(0, 4_000_000, LENGTH_STEP) if predict(n) <= budget << 30)
+        calls.clear()
+        assert len(result["traced_peaks"]) <= 6 and str(best) in result["traced_peaks"]
+        assert predict(best) <= budget << 30 and true_best - LENGTH_STEP <= best <= true_best, (budget, best)
+
+
+def test_auto_length_finds_the_longest_sequence_a_budget_holds(tmp_path, capsys):
+    """--train.max_seq_length auto with --device_memory: the answer fits the budget and the next 256 tokens do not;
+    auto needs a budget, and a fine-tune refuses it."""
+    from lit_qlora.errors import UserError
+    from lit_qlora.finetune import finetune
+
+    model_dir = config_only_dir(tmp_path)
+    common = dict(checkpoint_dir=str(model_dir), device="cpu", lora=LoRAArgs(r=4, alpha=8, dropout=0.0))
+    train = TrainArgs(micro_batch_size=1, global_batch_size=1, max_seq_length=3000, activation_checkpointing=True)
+    budget = estimate(**common, out_dir=tmp_path / "fixed", train=train)["peak_bytes"]
+    result = estimate(**common, out_dir=tmp_path / "auto", device_memory=f"{budget}B",
+                      train=TrainArgs(micro_batch_size=1, global_batch_size=1, max_seq_length="auto",
+                                      activation_checkpointing=True))
+    assert result["max_seq_length"] == 2816 and result["peak_bytes"] <= budget  # 3072 > 3000 tokens do not fit
+    assert json.loads((tmp_path / "auto" / "estimate.json").read_text())["max_seq_length"] == 2816
+    assert "the longest sequence that fits micro-batch 1 is 2816 tokens" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        main(["estimate", "--checkpoint_dir", str(model_dir), "--out_dir", str(tmp_path / "o"),
+              "--train.max_seq_length", "auto"])
+    assert e.value.code == 1 and "give the card's memory too" in capsys.readouterr().err
+    with pytest.raises(UserError, match="needs a number of tokens.*max_seq_length auto --device_memory"):
+        finetune(checkpoint_dir=model_dir, out_dir=tmp_path / "ft", train=TrainArgs(max_seq_length="auto"))

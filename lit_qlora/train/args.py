@@ -33,8 +33,9 @@ class TrainArgs:
     """Samples per forward/backward pass."""
     global_batch_size: int = 16
     """Samples per optimizer step; accumulates global / (micro * devices) micro-batches."""
-    max_seq_length: int = 512
-    """Samples are truncated to this many tokens."""
+    max_seq_length: Union[int, Literal["auto"]] = 512
+    """Samples are truncated to this many tokens. `litqlora estimate --device_memory SIZE` also takes auto: the
+    longest that fits."""
     lr: float = 2e-4
     """Peak learning rate (AdamW), reached after warmup, then cosine decay."""
     warmup_steps: int = 10
@@ -101,6 +102,15 @@ class TrainArgs:
                             "for each block, and checkpointing is off: without it every block keeps all its "
                             "activations on the GPU and none are offloaded. Pass --train.activation_checkpointing "
                             "true too (or N for the first N blocks), or leave offload_activations out.")
+
+    def require_fixed_length(self) -> None:
+        """max_seq_length is a number of tokens (auto is the estimate's question, not a training setting)."""
+        from lit_qlora.errors import UserError
+
+        if self.max_seq_length == "auto" or not isinstance(self.max_seq_length, int):
+            raise UserError(f"--train.max_seq_length {self.max_seq_length!r}: a fine-tune needs a number of tokens. "
+                            "`litqlora estimate --train.max_seq_length auto --device_memory 24GiB` (with the same "
+                            "recipe) finds the longest that fits a card; pass that number here.")
 
     def require_valid_validation(self, data: DataArgs) -> None:
         """eval_interval and early_stopping_patience make sense (and `data` holds a validation set for them): a

@@ -147,6 +147,7 @@ def setup(checkpoint_dir: Path, out_dir: Path, quantize: str, precision: str, se
     world_size = devices * num_nodes
     strategy_arg = build_strategy(strategy, world_size, tensor_parallel)  # checks the sizes before any loading
     train.accumulation(world_size // tensor_parallel)  # checks that the global batch divides
+    train.require_fixed_length()
     train.require_valid_validation(data)
     train.require_valid_offload(uses_cuda(accelerator))
     L.seed_everything(seed, verbose=False)

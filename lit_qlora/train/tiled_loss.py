@@ -81,6 +81,11 @@ def _logits(h, w, bias, p, b, cap: Optional[float]):
     return torch.tanh(z.div_(cap)).mul_(cap)
 
 
+def tile_starts(n: int, tile_tokens: int) -> range:
+    """Each tile's first token. (`litqlora estimate` traces only the first few: every tile allocates alike.)"""
+    return range(0, n, tile_tokens)
+
+
 class _TiledLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, targets, head, cap: Optional[float], tile_tokens: int, slice_rows: int, grads: bool,
@@ -96,7 +101,7 @@ class _TiledLoss(torch.autograd.Function):
         grad_b = torch.zeros(b.shape, dtype=torch.float32, device=b.device) if lora and grads else None
         total = hidden.new_zeros((), dtype=torch.float32)
         slices = [(v, min(vocab, v + slice_rows)) for v in range(0, vocab, slice_rows)]
-        for t0 in range(0, n, tile_tokens):
+        for t0 in tile_starts(n, tile_tokens):
             t1 = min(n, t0 + tile_tokens)
             tgt = targets[t0:t1]
             p_graph = p = None
