@@ -4,25 +4,39 @@ row only within its own document.
 A packed row carries per-token `positions` (B, T) that restart at 0 where each document starts: they are the
 documents' RoPE positions and, read through `document_ids`, their boundaries (right padding sits at position 0, so
 each padding token is a document of its own and nothing attends to it). `attention_mask` is the one place masks are
-built. Today a packed batch gets a dense boolean (B, 1, T, T) mask for SDPA (and Gemma 2's capped attention), O(T^2)
-memory; `document_mask_mod` is written as flex_attention's `mask_mod(b, h, q_idx, kv_idx)`, so O(T) attention on CUDA
-(a BlockMask from the same function) can replace `dense_mask` without another definition of the rule.
+built, from one rule per kind written as flex_attention's `mask_mod(b, h, q_idx, kv_idx)` (`causal_mask_mod`,
+`document_mask_mod`): a flex_attention `BlockMask` where `lit_qlora.attention` runs flex_attention (CUDA; O(T) memory),
+else the dense boolean mask for SDPA and Gemma 2's capped attention (CPU, KV-cache decoding; O(T^2)) or None where
+plain causal SDPA is exact.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Optional
 
 import torch
 
 
 def attention_mask(q_pos: torch.Tensor, kv_len: int, window: Optional[int], decoding: bool,
-                   positions: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+                   positions: Optional[torch.Tensor] = None, flex: bool = False, capped: bool = False):
     """The boolean mask for SDPA (True: attend), or None where plain causal attention (`is_causal`) is exact.
 
     Without `positions`: a (T, kv_len) mask over the row's indices `q_pos` (a KV cache of `kv_len` slots while
     decoding, or a sliding window shorter than the row), else None. With packed `positions` (B, T): causal, same
-    document and, given `window`, at most window - 1 positions back, as (B, 1, T, T)."""
+    document and, given `window`, at most window - 1 positions back, as (B, 1, T, T).
+
+    `flex` (a full-sequence forward where `lit_qlora.attention.use_flex_attention`): the same mask as a flex_attention
+    BlockMask instead of a dense one, and with `capped` (Gemma 2's soft-capped scores, which SDPA cannot take) a
+    causal BlockMask also where plain causal would do; None still where plain causal SDPA is exact."""
+    if flex and not decoding:
+        T = q_pos.numel()
+        if positions is not None:
+            return block_mask(document_mask_mod(positions, window), positions.size(0), T, positions.device)
+        if capped or (window is not None and T > window):
+            return block_mask(causal_mask_mod(window if window is not None and T > window else None), None, T,
+                              q_pos.device)
+        return None
     if positions is not None:
         return dense_mask(document_mask_mod(positions, window), *positions.shape, positions.device)
     if not decoding and (window is None or q_pos.numel() <= window):
@@ -60,6 +74,38 @@ def document_mask_mod(positions: torch.Tensor, window: Optional[int] = None) -> 
         return keep
 
     return mask_mod
+
+
+@functools.lru_cache(maxsize=None)
+def causal_mask_mod(window: Optional[int] = None) -> MaskMod:
+    """flex_attention's `mask_mod` for one row: causal and, given `window`, at most window - 1 positions back (one
+    function object per window: compiled code guards on it)."""
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        keep = kv_idx <= q_idx
+        if window is not None:
+            keep = keep & (q_idx - kv_idx < window)
+        return keep
+
+    return mask_mod
+
+
+def block_mask(mask_mod: MaskMod, batch: Optional[int], length: int, device):
+    """flex_attention's BlockMask for `mask_mod` over (length, length), per row of `batch` (None: the same for every
+    row), the same for every head. On CUDA through `torch.compile(create_block_mask)` (made once), which never
+    materializes the (length, length) mask: the block tables are O((length / 128)^2) int32; elsewhere eagerly (the
+    dense mask, transient: tests only)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    build = _compiled_create_block_mask() if torch.device(device).type == "cuda" else create_block_mask
+    return build(mask_mod, batch, None, length, length, device)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_create_block_mask():
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return torch.compile(create_block_mask)
 
 
 def dense_mask(mask_mod: MaskMod, batch: int, length: int, device=None) -> torch.Tensor:

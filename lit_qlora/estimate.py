@@ -7,7 +7,9 @@ propagate, no data exists, and `memory_trace.AllocationTrace` counts every alloc
 simulated (docs: tutorials/memory.md, "Will it fit?"):
 
 * The step runs on fake CPU tensors. `--device cuda` takes the code paths a GPU takes (no CPU scratch buffer for
-  NF4 weights, PyTorch dequantization instead of the C kernel) and rounds allocations to the caching allocator's
+  NF4 weights, PyTorch dequantization instead of the C kernel, flex_attention where a sliding window, packed
+  documents or a soft cap needs a mask: a stand-in allocating what its compiled kernels do, `_FlexAllocations`) and
+  rounds allocations to the caching allocator's
   512 bytes; the CUDA context and cuBLAS workspaces (outside `torch.cuda.max_memory_allocated`) are not counted.
 * With `--train.offload_activations` on, the checkpointed blocks' inputs leave the device as the real run's do (the
   same `ActivationOffload`, its copies standing for host memory and for the inputs fetched back in backward): the
@@ -153,6 +155,66 @@ def _cuda_dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, inplac
     return torch.native_dropout(x, p, training)[0] if training and 0 < p < 1 else x
 
 
+class _FlexAllocations:
+    """What compiled flex_attention allocates (its Triton kernels, never an L x L matrix), as a stand-in for it on
+    fake tensors (the real one cannot run under the trace's dispatch mode): forward, the output and a float32
+    log-sum-exp per query, saved with q, k and v; backward, the gradients of q, k (per kv head) and v and a float32
+    sum(out * grad_out) per query."""
+
+    @staticmethod
+    def attend(q, k, v, block_mask, scale, cap=None):
+        return _flex_allocations_function().apply(q, k, v)
+
+    @staticmethod
+    def block_mask(mask_mod, batch, length, device):
+        """A BlockMask of the real one's size: compiled create_block_mask's int32 block tables,
+        O((length / 128)^2), never the (length, length) mask."""
+        import torch
+        from torch.nn.attention.flex_attention import BlockMask
+
+        blocks = -(-length // 128)
+        tables = [torch.zeros(batch or 1, 1, blocks, *extra, dtype=torch.int32, device=device)
+                  for extra in ((), (blocks,), (), (blocks,))]
+        return BlockMask.from_kv_blocks(*tables, BLOCK_SIZE=128, mask_mod=mask_mod, seq_lengths=(length, length))
+
+
+@functools.lru_cache(maxsize=None)
+def _flex_allocations_function():
+    import torch
+
+    class FlexAllocations(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v):
+            out = q.new_empty(q.shape[:-1] + v.shape[-1:])
+            lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+            ctx.save_for_backward(q, k, v, out, lse)
+            return out
+
+        @staticmethod
+        def backward(ctx, grad):
+            q, k, v, out, lse = ctx.saved_tensors
+            grads = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+            torch.empty_like(lse)  # delta, sum(out * grad_out) per query: live with the gradients
+            return grads
+
+    return FlexAllocations
+
+
+@contextmanager
+def _cuda_attention() -> Iterator[None]:
+    """CUDA's attention (lit_qlora.attention): flex_attention, O(L), where a window, packed documents or a soft cap
+    needs a mask (unless LIT_QLORA_FLEX_ATTENTION=0), with `_FlexAllocations` standing in for its kernels."""
+    from lit_qlora import attention, attention_mask, model
+
+    if attention.flex_setting() is False:
+        yield
+        return
+    with _patched(model, "use_flex_attention", lambda device: True), \
+            _patched(attention, "flex_attend", _FlexAllocations.attend), \
+            _patched(attention_mask, "block_mask", _FlexAllocations.block_mask):
+        yield
+
+
 def offload_decision(config: Config, precision: Precision, train: TrainArgs, device: str,
                      micro_batch_size: Optional[int] = None) -> tuple[bool, str, int]:
     """(offload or not, why, the pinned bytes it takes) for the recipe as a run on `device` would decide it
@@ -246,6 +308,7 @@ def trace_step(config: Config, quantize: Quantize, precision: Precision, lora: L
         stack.enter_context(default_dtype(dtype))  # as the precision plugin sets it inside training steps
         if device == "cuda":
             stack.enter_context(_gpu_nf4_paths())
+            stack.enter_context(_cuda_attention())
             stack.enter_context(_patched(torch.nn.functional, "dropout", _cuda_dropout))
             stack.enter_context(_patched(lora_dropout, "hash_dropout_applies", lambda x: False))
             stack.enter_context(_patched(lora_dropout, "replayed_dropout_applies", lambda x: True))

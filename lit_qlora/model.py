@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from lit_qlora.attention import attend, softcap, use_flex_attention
 from lit_qlora.attention_mask import attention_mask, document_lengths
 from lit_qlora.config import Config, rope_attention_factor, rope_inv_freq
 from lit_qlora.fused_projections import fused_projections
@@ -93,23 +94,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotate_half(x) * sin
 
 
-def softcap(x: torch.Tensor, cap: Optional[float]) -> torch.Tensor:
-    """cap * tanh(x / cap): Gemma 2 bounds attention scores and logits this way."""
-    return x if cap is None else torch.tanh(x / cap) * cap
-
-
-def capped_attention(q, k, v, mask: Optional[torch.Tensor], scale: float, cap: float) -> torch.Tensor:
-    """Attention with soft-capped scores, which SDPA cannot do: scores, cap, mask, fp32 softmax, values."""
-    if k.size(1) != q.size(1):  # grouped-query attention: each kv head serves n_head / n_kv query heads
-        k = k.repeat_interleave(q.size(1) // k.size(1), dim=1)
-        v = v.repeat_interleave(q.size(1) // v.size(1), dim=1)
-    scores = softcap(q @ k.transpose(-2, -1) * scale, cap)
-    if mask is None:
-        mask = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device).tril()
-    scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
-
-
 class KVCache(nn.Module):
     def __init__(self, batch_size: int, n_kv: int, max_len: int, head_dim: int, device=None, dtype=None) -> None:
         super().__init__()
@@ -151,12 +135,7 @@ class Attention(nn.Module):
                 raise ValueError("input_pos is required when the KV cache is in use.")
             k, v = self.kv_cache.update(input_pos, k, v)
             k, v = k.to(q.dtype), v.to(q.dtype)
-        if self.config.attn_softcap is not None:
-            y = capped_attention(q, k, v, mask, self.scale, self.config.attn_softcap)
-        else:
-            gqa = self.config.n_head != self.config.n_query_groups
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale,
-                                               enable_gqa=gqa)
+        y = attend(q, k, v, mask, self.scale, self.config.attn_softcap)  # SDPA, flex_attention or capped (dense)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -291,8 +270,10 @@ class Transformer(nn.Module):
             x = x * torch.tensor(self.config.n_embd**0.5, dtype=x.dtype)
         kv_len = self.max_cache_len if self.max_cache_len else T
         kinds = {block.sliding for block in self.model.layers}
+        flex = use_flex_attention(idx.device)  # BlockMasks for flex_attention (CUDA) where a mask or soft cap is needed
         masks = {sliding: attention_mask(row_pos, kv_len, self.config.sliding_window if sliding else None,
-                                         self.max_cache_len > 0, positions) for sliding in kinds}
+                                         self.max_cache_len > 0, positions, flex, self.config.attn_softcap is not None)
+                 for sliding in kinds}
         ropes = {sliding: self.rope(row_pos if positions is None else positions, x.dtype, sliding) for sliding in kinds}
         for i, block in enumerate(self.model.layers):
             mask, (cos, sin) = masks[block.sliding], ropes[block.sliding]

@@ -1,0 +1,140 @@
+"""Which attention kernel runs: plain causal SDPA where it is exact, flex_attention on CUDA for every other mask
+(sliding windows, packed documents) and for Gemma 2's soft-capped scores, the dense paths elsewhere.
+
+| case (full-sequence forward)                                   | CUDA                    | CPU (default)          |
+|----------------------------------------------------------------|-------------------------|------------------------|
+| causal, no window shorter than the row, unpacked, no soft cap  | SDPA `is_causal` (O(L)) | SDPA `is_causal`       |
+| sliding window shorter than the row, packed documents          | flex_attention (O(L))   | SDPA + dense bool mask |
+| Gemma 2's attention soft cap (any mask)                        | flex_attention (O(L))   | `capped_attention`     |
+| KV-cache decoding (generation)                                 | dense, as on CPU        | dense                  |
+
+The mask is built once per forward by `lit_qlora.attention_mask.attention_mask`, from one rule (`mask_mod`): a
+`BlockMask` for flex_attention where `use_flex_attention` says so, else a dense boolean mask or None (plain causal);
+`attend` dispatches on what it receives. flex_attention is O(L) only compiled: outside a compiled region it runs
+through `torch.compile(flex_attention)`, made once, lazily; inside one (`--compile true`, regional compilation) the
+block's graph traces it directly. Shapes: the first call compiles for its sequence length; the first call at another
+length recompiles once with the length dynamic (dynamo's automatic dynamic shapes), and later lengths reuse that
+(checked with dynamo on CPU: 2 graphs for flex_attention and 2 for the block mask over 7 lengths, and none for a new
+batch's document mask at a known length); a new soft cap or window value compiles anew (one or two per model).
+
+`LIT_QLORA_FLEX_ATTENTION`: unset, flex_attention on CUDA when Triton is installed; `0`, never (the dense paths, as
+before, also on CUDA); `1`, on every device, CPU included. On CPU flex_attention runs eagerly: it materializes the
+scores (no memory saved) but is the reference semantics, so tests force it there to check its numerics and gradients
+against the dense path. (torch refuses flex_attention's backward on CPU with a device guard, though its eager backward,
+the dense math the compiled kernels are checked against, runs there: `attend` lifts that guard off CUDA.)
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+from contextlib import contextmanager
+from typing import Iterator, Optional
+
+import torch
+import torch.nn.functional as F
+
+FLEX_ENV = "LIT_QLORA_FLEX_ATTENTION"
+
+
+def use_flex_attention(device: torch.device) -> bool:
+    """Whether full-sequence forwards on `device` attend with flex_attention where a mask or a soft cap is needed
+    (module doc: `LIT_QLORA_FLEX_ATTENTION` decides, else CUDA with Triton)."""
+    setting = flex_setting()
+    if setting is not None:
+        return setting
+    return torch.device(device).type == "cuda" and _triton_installed()
+
+
+def flex_setting() -> Optional[bool]:
+    """`LIT_QLORA_FLEX_ATTENTION`: True (1), False (0), or None (unset: by device)."""
+    setting = os.environ.get(FLEX_ENV, "").strip().lower()
+    if setting in ("0", "false", "off"):
+        return False
+    if setting in ("1", "true", "on"):
+        return True
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def softcap(x: torch.Tensor, cap: Optional[float]) -> torch.Tensor:
+    """cap * tanh(x / cap): Gemma 2 bounds attention scores and logits this way."""
+    return x if cap is None else torch.tanh(x / cap) * cap
+
+
+def capped_attention(q, k, v, mask: Optional[torch.Tensor], scale: float, cap: float) -> torch.Tensor:
+    """Attention with soft-capped scores, which SDPA cannot do: scores, cap, mask, fp32 softmax, values (O(L^2):
+    the dense path, for CPU and decoding)."""
+    if k.size(1) != q.size(1):  # grouped-query attention: each kv head serves n_head / n_kv query heads
+        k = k.repeat_interleave(q.size(1) // k.size(1), dim=1)
+        v = v.repeat_interleave(q.size(1) // v.size(1), dim=1)
+    scores = softcap(q @ k.transpose(-2, -1) * scale, cap)
+    if mask is None:
+        mask = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float,
+           cap: Optional[float] = None) -> torch.Tensor:
+    """Attention of (B, n_head, T, d) queries over (B, n_kv, S, d) keys and values, (B, n_head, T, d) out. `mask`:
+    a flex_attention BlockMask (then flex_attention, with the soft cap as its score_mod), a boolean mask (True:
+    attend) or None (plain causal); `cap`: Gemma 2's attention soft cap."""
+    if mask is not None and not isinstance(mask, torch.Tensor):
+        return flex_attend(q, k, v, mask, scale, cap)
+    if cap is not None:
+        return capped_attention(q, k, v, mask, scale, cap)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                          enable_gqa=q.size(1) != k.size(1))
+
+
+def flex_attend(q, k, v, block_mask, scale: float, cap: Optional[float] = None) -> torch.Tensor:
+    """flex_attention over `block_mask`, with `cap` as a score_mod: compiled (O(L) memory: the output and a float32
+    log-sum-exp per query) on CUDA, eager elsewhere. (`litqlora estimate` puts a stand-in here that allocates what the
+    compiled kernel does.)"""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    score_mod = None if cap is None else _softcap_score_mod(q.new_full((), cap, dtype=torch.float32))
+    kwargs = dict(score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=q.size(1) != k.size(1))
+    if torch.compiler.is_compiling():  # inside a compiled block: traced into its graph
+        return flex_attention(q, k, v, **kwargs)
+    if q.device.type == "cuda":
+        return _compiled_flex_attention()(q, k, v, **kwargs)
+    with _cpu_backward_allowed():
+        return flex_attention(q, k, v, **kwargs)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_flex_attention():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention)
+
+
+def _softcap_score_mod(cap: torch.Tensor):
+    """flex_attention's score_mod for a soft cap. The cap is a 0-dim tensor, not a float: dynamo guards a captured
+    tensor by its shape only, while a captured float that changes (another model's cap) turns symbolic, which
+    flex_attention's tracing fails on in torch 2.13 ("Pending unbacked symbols")."""
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return torch.tanh(score / cap) * cap
+
+    return score_mod
+
+
+@contextmanager
+def _cpu_backward_allowed() -> Iterator[None]:
+    """Lift torch's guard against flex_attention's backward off CUDA (module doc): its eager backward is exact."""
+    from torch.nn.attention import flex_attention as module
+
+    guard = module._validate_device
+    module._validate_device = lambda query, key, value: None
+    try:
+        yield
+    finally:
+        module._validate_device = guard
