@@ -12,16 +12,19 @@ The mask is built once per forward by `lit_qlora.attention_mask.attention_mask`,
 `BlockMask` for flex_attention where `use_flex_attention` says so, else a dense boolean mask or None (plain causal);
 `attend` dispatches on what it receives. flex_attention is O(L) only compiled: outside a compiled region it runs
 through `torch.compile(flex_attention)`, made once, lazily; inside one (`--compile true`, regional compilation) the
-block's graph traces it directly. Shapes: the first call compiles for its sequence length; the first call at another
-length recompiles once with the length dynamic (dynamo's automatic dynamic shapes), and later lengths reuse that
-(checked with dynamo on CPU: 2 graphs for flex_attention and 2 for the block mask over 7 lengths, and none for a new
-batch's document mask at a known length); a new soft cap or window value compiles anew (one or two per model).
+block's graph traces it directly. Shapes: the first call compiles for its sequence length; a call at another length
+recompiles with the length dynamic (dynamo's automatic dynamic shapes), and once the number of 128-token blocks has
+changed too, with that dynamic as well: two or three compiles, after which lengths and each batch's new document
+mask reuse the code (checked with dynamo on CPU, tests/test_attention.py; the compiled create_block_mask behaved
+alike in a one-off dynamo check). Each grad mode (training, validation), mask kind (sliding, global) and head
+layout has its own entries, hence RECOMPILE_LIMIT.
 
 `LIT_QLORA_FLEX_ATTENTION`: unset, flex_attention on CUDA when Triton is installed; `0`, never (the dense paths, as
-before, also on CUDA); `1`, on every device, CPU included. On CPU flex_attention runs eagerly: it materializes the
-scores (no memory saved) but is the reference semantics, so tests force it there to check its numerics and gradients
-against the dense path. (torch refuses flex_attention's backward on CPU with a device guard, though its eager backward,
-the dense math the compiled kernels are checked against, runs there: `attend` lifts that guard off CUDA.)
+before, also on CUDA); `1`, on every device, CPU included. On CPU flex_attention runs without inductor
+(AOTAutograd over its dense math): it materializes the scores (no memory saved) but is the reference semantics, so
+tests force it there to check its numerics and gradients against the dense path. (torch refuses flex_attention's
+backward on CPU with a device guard, though that dense backward runs there: `flex_attend` lifts the guard off CUDA.
+Not inside a `--compile true` block on CPU, where the guard stays: forcing flex there is unsupported.)
 """
 
 from __future__ import annotations
@@ -94,9 +97,12 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float
 
 
 def flex_attend(q, k, v, block_mask, scale: float, cap: Optional[float] = None) -> torch.Tensor:
-    """flex_attention over `block_mask`, with `cap` as a score_mod: compiled (O(L) memory: the output and a float32
-    log-sum-exp per query) on CUDA, eager elsewhere. (`litqlora estimate` puts a stand-in here that allocates what the
-    compiled kernel does.)"""
+    """flex_attention over `block_mask`, with `cap` as a score_mod: compiled (inductor: O(L) memory, the output and a
+    float32 log-sum-exp per query) on CUDA; elsewhere through AOTAutograd without inductor (`aot_eager`: the dense
+    reference math, as the compiled kernels' backward is derived). Not uncompiled: torch 2.13's eager flex_attention
+    gives wrong gradients for a score_mod with captured tensors (the soft cap) under activation checkpointing (its
+    forward traces the score_mod's backward with make_fx, and checkpoint's saved-tensor hooks catch those saves).
+    (`litqlora estimate` puts a stand-in here that allocates what the compiled kernels do.)"""
     from torch.nn.attention.flex_attention import flex_attention
 
     score_mod = None if cap is None else _softcap_score_mod(q.new_full((), cap, dtype=torch.float32))
@@ -104,16 +110,28 @@ def flex_attend(q, k, v, block_mask, scale: float, cap: Optional[float] = None) 
     if torch.compiler.is_compiling():  # inside a compiled block: traced into its graph
         return flex_attention(q, k, v, **kwargs)
     if q.device.type == "cuda":
-        return _compiled_flex_attention()(q, k, v, **kwargs)
+        return _compiled_flex_attention("inductor")(q, k, v, **kwargs)
     with _cpu_backward_allowed():
-        return flex_attention(q, k, v, **kwargs)
+        return _compiled_flex_attention("aot_eager")(q, k, v, **kwargs)
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled_flex_attention():
+def _compiled_flex_attention(backend: str):
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention)
+    raise_recompile_limit()
+    return torch.compile(flex_attention, backend=backend)
+
+
+RECOMPILE_LIMIT = 64
+"""Compiled entries dynamo keeps per code object (flex_attention, create_block_mask): a model's mask kinds (sliding,
+global) x static and dynamic lengths x grad modes (training, validation) already reach dynamo's default 8, past
+which it would silently run flex_attention uncompiled: O(L^2) memory, and wrong soft-capped gradients under
+activation checkpointing (flex_attend's doc)."""
+
+
+def raise_recompile_limit() -> None:
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
 
 
 def _softcap_score_mod(cap: torch.Tensor):
@@ -133,8 +151,12 @@ def _cpu_backward_allowed() -> Iterator[None]:
     from torch.nn.attention import flex_attention as module
 
     guard = module._validate_device
-    module._validate_device = lambda query, key, value: None
+    module._validate_device = _no_device_check  # one function object: dynamo guards on it when it traces the call
     try:
         yield
     finally:
         module._validate_device = guard
+
+
+def _no_device_check(query, key, value) -> None:
+    return None

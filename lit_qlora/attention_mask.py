@@ -105,6 +105,9 @@ def block_mask(mask_mod: MaskMod, batch: Optional[int], length: int, device):
 def _compiled_create_block_mask():
     from torch.nn.attention.flex_attention import create_block_mask
 
+    from lit_qlora.attention import raise_recompile_limit
+
+    raise_recompile_limit()
     return torch.compile(create_block_mask)
 
 

@@ -3,8 +3,8 @@ packed documents and Gemma 2's soft cap, gives what the dense path gives (output
 and through whole packed models; plain causal SDPA stays where it is exact; the CUDA estimate counts flex_attention's
 O(L) memory, not an L x L mask.
 
-On CPU flex_attention runs eagerly (`LIT_QLORA_FLEX_ATTENTION=1`): the reference semantics of the compiled kernels,
-not their memory or speed, which only a GPU shows."""
+On CPU flex_attention runs without inductor (`LIT_QLORA_FLEX_ATTENTION=1`; AOTAutograd over its dense math): the
+reference semantics of the compiled kernels, not their memory or speed, which only a GPU shows."""
 
 from __future__ import annotations
 
@@ -86,6 +86,26 @@ def test_plain_causal_attention_stays_sdpa_is_causal_with_flex_on(monkeypatch):
     assert calls and all(mask is None and causal for mask, causal in calls)
 
 
+def test_new_lengths_and_new_documents_reuse_the_compiled_flex_attention():
+    """After two lengths (static, then dynamic: the length and its number of 128-token blocks both changed), other
+    lengths and other batches' documents compile nothing new."""
+    from torch._dynamo.utils import counters
+
+    def step(lengths):
+        positions = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in lengths])
+        T = positions.size(1)
+        mask = attention_mask(torch.arange(T), T, 50, False, positions, flex=True, capped=True)
+        q, k, v = (torch.randn(2, h, T, 16, requires_grad=True) for h in (4, 2, 2))
+        attend(q, k, v, mask, 0.3, 1.5).sum().backward()
+
+    step(([100, 60], [160]))
+    step(([260], [10, 250]))
+    graphs = counters["stats"]["unique_graphs"]
+    for lengths in (([30, 170], [200]), ([5, 295], [300]), ([390], [1] * 390), ([100, 400], [500])):
+        step(lengths)
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
 def test_the_flex_switch(monkeypatch):
     monkeypatch.delenv(FLEX_ENV, raising=False)
     assert not use_flex_attention(torch.device("cpu"))
@@ -97,13 +117,16 @@ def test_the_flex_switch(monkeypatch):
     assert use_flex_attention(torch.device("cpu"))
 
 
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["stored", "checkpointed"])
 @pytest.mark.parametrize("case", ["gemma2-tight-softcaps", "mistral-sliding-window"])
-def test_a_packed_batch_through_flex_attention_equals_the_dense_path(case, monkeypatch):
+def test_a_packed_batch_through_flex_attention_equals_the_dense_path(case, checkpointing, monkeypatch):
     """Gemma 2 (soft cap on every layer, sliding and global layers) and Mistral (sliding window): logits and the
-    LoRA parameters' gradients of a packed batch with flex_attention forced equal those of the dense path."""
+    LoRA parameters' gradients of a packed batch with flex_attention forced equal those of the dense path, with the
+    blocks' activations stored or recomputed (activation checkpointing: flex_attention runs again in backward)."""
     _, model, config = reference_and_ours(*CASES[case])
     assert config.sliding_window < 19  # the longest document passes the window
     apply_lora(model, r=4, alpha=8)
+    model.checkpoint_blocks = config.n_layer if checkpointing else 0
     g = torch.Generator().manual_seed(1)
     for name, p in model.named_parameters():
         if p.requires_grad:  # LoRA B starts at 0: make every adapter count
@@ -119,7 +142,8 @@ def test_a_packed_batch_through_flex_attention_equals_the_dense_path(case, monke
         logits = model(batch["input_ids"], positions=batch["positions"])
         (logits.float().square().mean()).backward()
         results.append((logits.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}))
-    assert len(flex_calls) == config.n_layer  # every layer ran flex_attention once, with "1" only
+    # every layer ran flex_attention once (and again in its recompute), with "1" only
+    assert len(flex_calls) == config.n_layer * (2 if checkpointing else 1)
     (dense_logits, dense_grads), (flex_logits, flex_grads) = results
     assert (flex_logits - dense_logits).abs().max() <= 1e-5
     assert dense_grads.keys() == flex_grads.keys() and len(dense_grads) >= 4 * config.n_layer
