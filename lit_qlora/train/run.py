@@ -204,7 +204,8 @@ def setup(checkpoint_dir: Path, out_dir: Path, quantize: str, precision: str, se
     model.activation_offload, offload_reason = offload_for_run(
         train.offload_activations, trainer.strategy.root_device, model.checkpoint_blocks, model.config.n_embd,
         train.micro_batch_size, train.max_seq_length, config.dtype)
-    if trainer.is_global_zero:
+    # said where it is a choice: on a GPU (a CPU run has nothing to offload to, and says nothing of it)
+    if trainer.is_global_zero and trainer.strategy.root_device.type == "cuda":
         print(f"Offloaded activation checkpoints: {'on' if model.activation_offload else 'off'} ({offload_reason})")
     module = FinetuneModule(model, train, total_steps, config.start_step, compile=compile)
     periodic = periodic_validation(callbacks)
