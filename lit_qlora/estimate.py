@@ -220,7 +220,7 @@ def offload_decision(config: Config, precision: Precision, train: TrainArgs, dev
     """(offload or not, why, the pinned bytes it takes) for the recipe as a run on `device` would decide it
     (lit_qlora.train.offload.offload_choice), but for the host's available memory, which is not known here."""
     from lit_qlora.config import PRECISION_DTYPES
-    from lit_qlora.train.offload import block_input_bytes, offload_choice
+    from lit_qlora.train.offload import block_input_bytes, offload_choice, pinned_size
 
     n_ckpt = train.activation_checkpointing
     blocks = config.n_layer if n_ckpt is True else int(n_ckpt or 0)
@@ -229,8 +229,8 @@ def offload_decision(config: Config, precision: Precision, train: TrainArgs, dev
     on, why = offload_choice(train.offload_activations, device == "cuda", blocks, one * blocks)
     if not on:
         return on, why, 0
-    # CUDA's pinned buffers are rounded up to a power of two each (module doc of lit_qlora.train.offload)
-    return on, why, blocks * ((1 << max(one - 1, 0).bit_length()) if device == "cuda" else one)
+    # CUDA's pinned pieces: only each block's last one is rounded up to a power of two (lit_qlora.train.offload)
+    return on, why, blocks * (pinned_size(one) if device == "cuda" else one)
 
 
 def trace_step(config: Config, quantize: Quantize, precision: Precision, lora: LoRAArgs, train: TrainArgs,

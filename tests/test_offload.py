@@ -273,3 +273,21 @@ def test_on_a_gpu_gradients_are_equal_the_inputs_leave_the_device_and_come_back_
     assert offload.offloaded == 6 and offload.host_bytes == 0 and offload.peak_host_bytes == 6 * one
     assert offload.pinned_bytes == 6 * one  # 8 MiB each: a power of two already
     assert peaks[False] - peaks[True] >= 3 * one, (peaks, one)
+
+
+def test_block_inputs_go_to_host_memory_in_pieces_that_round_only_the_last():
+    """Pinned buffers are rounded up to a power of two each: a block input goes in PINNED_PIECE pieces, so an 8B
+    input of 1.07 GiB (140k tokens) takes 1.07 GiB + at most one piece, not 2 GiB; its bytes come back exactly."""
+    from lit_qlora.train.offload import PINNED_PIECE, copy_pieces, host_pieces, pinned_size
+
+    one = 140_000 * 4096 * 2
+    assert one < pinned_size(one) < one + PINNED_PIECE and pinned_size(one) < (1 << 31)
+    assert pinned_size(PINNED_PIECE * 3) == PINNED_PIECE * 3 and pinned_size(5) == 8 and pinned_size(0) == 0
+    x = torch.randn(3, 37, 29)
+    flat = x.reshape(-1).view(torch.uint8)
+    pieces = host_pieces(flat, pin=False, piece=1024)
+    assert flat.numel() == 12876 and [p.numel() for p in pieces] == [1024] * 12 + [588]
+    copy_pieces(pieces, flat, to_pieces=True)
+    back = torch.empty_like(x)
+    copy_pieces(pieces, back.view(-1).view(torch.uint8), to_pieces=False)
+    assert torch.equal(back, x)

@@ -26,8 +26,10 @@ How it works:
 
 Host memory: `host_bytes` (held now) and `peak_host_bytes` count the offloaded tensors' own bytes: all checkpointed
 block inputs of one micro-batch at the end of its forward. PyTorch's pinned-memory allocator rounds each buffer up to
-a power of two, so the pinned memory actually reserved can be up to 2x that for sizes that are not powers of two
-(`pinned_bytes` says how much); buffers are reused from one step to the next.
+a power of two (an 8B block input of 1.07 GiB at 140k tokens would take 2 GiB), so a block input goes to host memory
+in pieces of PINNED_PIECE bytes, a power of two, and only its last piece is rounded: the pinned memory reserved
+(`pinned_bytes`, `pinned_size`) is the inputs' bytes plus less than one piece per block; the allocator reuses the
+pieces from one step to the next.
 
 When `auto` turns it on: `offload_choice`. Numerics are unchanged (the copies are exact), so a resume may change it.
 """
@@ -50,15 +52,40 @@ AUTO_MIN_BYTES = 1 << 30
 # `auto` stays off when the pinned host memory would take more than this share of the host's available memory:
 # pinned pages cannot be swapped, and a host that runs out of them stalls every process on it.
 AUTO_MAX_HOST_SHARE = 0.5
+PINNED_PIECE = 64 << 20  # a power of two: pinned pieces of this size are not rounded up
+
+
+def pinned_size(nbytes: int, piece: int = PINNED_PIECE) -> int:
+    """Pinned bytes that `nbytes` take in pieces: whole pieces, and the rest rounded up to a power of two."""
+    rest = nbytes % piece
+    return nbytes - rest + (1 << max(rest - 1, 0).bit_length() if rest else 0)
+
+
+def host_pieces(flat: torch.Tensor, pin: bool, piece: int = PINNED_PIECE) -> list[torch.Tensor]:
+    """Empty host buffers (uint8, pinned when `pin`) for the bytes of `flat`, at most `piece` bytes each."""
+    n = flat.numel()
+    return [torch.empty(min(piece, n - start), dtype=torch.uint8, pin_memory=pin) for start in range(0, n, piece)]
+
+
+def copy_pieces(pieces: list[torch.Tensor], flat: torch.Tensor, to_pieces: bool) -> None:
+    """Copy the bytes of `flat` (a uint8 view) into `pieces` in order, or back from them (non_blocking on CUDA: the
+    caller orders the stream)."""
+    start = 0
+    for piece in pieces:
+        part = flat[start:start + piece.numel()]
+        (piece.copy_(part, non_blocking=True) if to_pieces else part.copy_(piece, non_blocking=True))
+        start += piece.numel()
 
 
 class _Offloaded:
     """One block input in host memory, and the copy being fetched back to its device for the block's backward."""
 
-    __slots__ = ("host", "device", "nbytes", "fetched", "ready", "previous", "__weakref__")
+    __slots__ = ("host", "shape", "dtype", "device", "nbytes", "fetched", "ready", "previous", "__weakref__")
 
-    def __init__(self, host: torch.Tensor, device: torch.device, nbytes: int, previous: Optional[weakref.ref]):
-        self.host = host
+    def __init__(self, host: Any, shape: torch.Size, dtype: torch.dtype, device: torch.device, nbytes: int,
+                 previous: Optional[weakref.ref]):
+        self.host = host  # CUDA: pinned byte pieces (host_pieces); CPU: a tensor standing for host memory
+        self.shape, self.dtype = shape, dtype
         self.device = device
         self.nbytes = nbytes
         self.fetched: Optional[torch.Tensor] = None  # on the device again (or on its way), until unpacked
@@ -100,17 +127,20 @@ class ActivationOffload:
             return t
         self._target = None
         nbytes = t.numel() * t.element_size()
-        if t.device.type == "cuda":
+        if t.device.type == "cuda" and t.is_contiguous():
             side = self._side_stream(t.device)
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            flat = t.detach().reshape(-1).view(torch.uint8)  # (detached: the copies must not join the graph)
+            host = host_pieces(flat, pin=True)
             side.wait_stream(torch.cuda.current_stream(t.device))  # x is written on the compute stream
             with torch.cuda.stream(side):
-                host.copy_(t.detach(), non_blocking=True)  # (detached: the copy must not join the graph)
-            t.record_stream(side)  # x's memory goes back to the allocator only once this copy has run
-            pinned = 1 << max(nbytes - 1, 0).bit_length()
+                copy_pieces(host, flat, to_pieces=True)
+            t.record_stream(side)  # x's memory goes back to the allocator only once these copies have run
+            pinned = pinned_size(nbytes)
+        elif t.device.type == "cuda":
+            return t  # (a block input is contiguous: the residual stream's sum)
         else:
             host, pinned = self._to_host(t), nbytes
-        packed = _Offloaded(host, t.device, nbytes, self._last)
+        packed = _Offloaded(host, t.shape, t.dtype, t.device, nbytes, self._last)
         self._last = weakref.ref(packed)
         self.offloaded += 1
         self._held(nbytes, pinned)
@@ -139,8 +169,8 @@ class ActivationOffload:
         if packed.device.type == "cuda":
             side = self._side_stream(packed.device)
             with torch.cuda.stream(side):  # allocated on the side stream: free to write there now
-                fetched = torch.empty(packed.host.shape, dtype=packed.host.dtype, device=packed.device)
-                fetched.copy_(packed.host, non_blocking=True)  # after the offload copy: the same stream
+                fetched = torch.empty(packed.shape, dtype=packed.dtype, device=packed.device)
+                copy_pieces(packed.host, fetched.view(-1).view(torch.uint8), to_pieces=False)  # after the offload
                 packed.ready = side.record_event()
             packed.fetched = fetched
         else:
