@@ -84,19 +84,26 @@ def capped_attention(q, k, v, mask: Optional[torch.Tensor], scale: float, cap: f
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float,
-           cap: Optional[float] = None) -> torch.Tensor:
+           cap: Optional[float] = None, gqa: Optional[bool] = None) -> torch.Tensor:
     """Attention of (B, n_head, T, d) queries over (B, n_kv, S, d) keys and values, (B, n_head, T, d) out. `mask`:
     a flex_attention BlockMask (then flex_attention, with the soft cap as its score_mod), a boolean mask (True:
     attend) or None (plain causal); `cap`: Gemma 2's attention soft cap."""
     if mask is not None and not isinstance(mask, torch.Tensor):
-        return flex_attend(q, k, v, mask, scale, cap)
+        return flex_attend(q, k, v, mask, scale, cap, gqa)
     if cap is not None:
         return capped_attention(q, k, v, mask, scale, cap)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
-                                          enable_gqa=q.size(1) != k.size(1))
+                                          enable_gqa=_grouped(q, k, gqa))
 
 
-def flex_attend(q, k, v, block_mask, scale: float, cap: Optional[float] = None) -> torch.Tensor:
+def _grouped(q: torch.Tensor, k: torch.Tensor, gqa: Optional[bool]) -> bool:
+    """Whether k/v have fewer heads than q. A plain bool: compared sizes are a SymBool under dynamic shapes, which
+    SDPA's enable_gqa refuses (a graph break in every compiled block); callers that know it pass `gqa`."""
+    return bool(q.size(1) != k.size(1)) if gqa is None else gqa
+
+
+def flex_attend(q, k, v, block_mask, scale: float, cap: Optional[float] = None,
+                gqa: Optional[bool] = None) -> torch.Tensor:
     """flex_attention over `block_mask`, with `cap` as a score_mod: compiled (inductor: O(L) memory, the output and a
     float32 log-sum-exp per query) on CUDA; elsewhere through AOTAutograd without inductor (`aot_eager`: the dense
     reference math, as the compiled kernels' backward is derived). Not uncompiled: torch 2.13's eager flex_attention
@@ -106,7 +113,7 @@ def flex_attend(q, k, v, block_mask, scale: float, cap: Optional[float] = None) 
     from torch.nn.attention.flex_attention import flex_attention
 
     score_mod = None if cap is None else _softcap_score_mod(q.new_full((), cap, dtype=torch.float32))
-    kwargs = dict(score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=q.size(1) != k.size(1))
+    kwargs = dict(score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=_grouped(q, k, gqa))
     if torch.compiler.is_compiling():  # inside a compiled block: traced into its graph
         return flex_attention(q, k, v, **kwargs)
     if q.device.type == "cuda":

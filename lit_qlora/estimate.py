@@ -162,7 +162,7 @@ class _FlexAllocations:
     sum(out * grad_out) per query."""
 
     @staticmethod
-    def attend(q, k, v, block_mask, scale, cap=None):
+    def attend(q, k, v, block_mask, scale, cap=None, gqa=None):
         return _flex_allocations_function().apply(q, k, v)
 
     @staticmethod

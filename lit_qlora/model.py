@@ -135,7 +135,8 @@ class Attention(nn.Module):
                 raise ValueError("input_pos is required when the KV cache is in use.")
             k, v = self.kv_cache.update(input_pos, k, v)
             k, v = k.to(q.dtype), v.to(q.dtype)
-        y = attend(q, k, v, mask, self.scale, self.config.attn_softcap)  # SDPA, flex_attention or capped (dense)
+        y = attend(q, k, v, mask, self.scale, self.config.attn_softcap,  # SDPA, flex_attention or capped (dense)
+                   self.config.n_head != self.config.n_query_groups)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -149,9 +150,11 @@ class MLP(nn.Module):
         self.act = partial(F.gelu, approximate="tanh") if config.mlp_activation == "gelu_tanh" else F.silu
         self.tile_tokens = mlp_tile_tokens(config.intermediate_size)
         """Training sequences longer than this run the MLP tile by tile (lit_qlora.tiled_mlp)."""
+        self.output_read = config.sandwich_norms
+        """Whether the block saves this MLP's output for backward (Gemma's post-MLP norm; a residual add does not)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return tiled_mlp(self.forward_untiled, x, self, self.tile_tokens)
+        return tiled_mlp(self.forward_untiled, x, self, self.tile_tokens, self.output_read)
 
     def forward_untiled(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = fused_projections(x, (self.gate_proj, self.up_proj))
