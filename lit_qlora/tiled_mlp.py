@@ -13,7 +13,10 @@ dropout, SiLU or Gemma's GeGLU: whatever `MLP.forward_untiled` does) over tiles 
 
 So what scales with the sequence is the input, the output and the input's gradient (n_embd wide); the intermediate
 tensors are one tile's. The price is one more forward of the MLP per tile (backward's recompute), as activation
-checkpointing pays; inside a checkpointed block the block's own recompute runs the tiled forward once more.
+checkpointing pays. Inside a checkpointed block the block's own recompute (which runs within backward) needs the
+MLP only to save its input again: where the block reads nothing of the MLP's output for backward (`output_read`
+False: a residual add, not Gemma's post-MLP norm) the tiled forward skips the tiles there and returns an
+uninitialized output, which the recompute discards, so such a block runs its MLP twice per step, not three times.
 
 Dropout: each tile's adapters draw their masks from the RNG as the MLP would on that tile alone; backward restores
 the RNG state (CPU, and the input's CUDA device) that forward started from, so its recompute draws the same masks
@@ -56,15 +59,17 @@ def tiling_applies(x: torch.Tensor, tile_tokens: int) -> bool:
 
 
 def tiled_mlp(run: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, module: nn.Module,
-              tile_tokens: int) -> torch.Tensor:
+              tile_tokens: int, output_read: bool = True) -> torch.Tensor:
     """`run(x)` (the untiled MLP) computed `tile_tokens` tokens at a time, forward and backward (module doc);
-    `module`'s trainable parameters get their gradients. Falls back to `run(x)` where tiling does not apply."""
+    `module`'s trainable parameters get their gradients. Falls back to `run(x)` where tiling does not apply.
+    `output_read`: whether the caller saves the output for its backward (if not, a checkpoint's recompute skips
+    the tiles: module doc)."""
     if not tiling_applies(x, tile_tokens):
         return run(x)
     params = [p for p in module.parameters() if p.requires_grad]
     if not (x.requires_grad or params):
         return run(x)
-    return _TiledMLP.apply(x, run, tile_tokens, *params)
+    return _TiledMLP.apply(x, run, tile_tokens, output_read, *params)
 
 
 def _is_fake(t: torch.Tensor) -> bool:
@@ -92,6 +97,12 @@ def _replayed_rng(x: torch.Tensor, state: tuple):
         yield
 
 
+def run_output_features(run: Callable, x: torch.Tensor) -> int:
+    """The MLP's output width: its down projection's (the model's MLP), else x's."""
+    down = getattr(getattr(run, "__self__", None), "down_proj", None)
+    return down.out_features if down is not None else x.shape[-1]
+
+
 def tile_starts(n: int, tile_tokens: int) -> range:
     """Each tile's first token. (`litqlora estimate` traces only the first few: every tile allocates alike.)"""
     return range(0, n, tile_tokens)
@@ -99,12 +110,15 @@ def tile_starts(n: int, tile_tokens: int) -> range:
 
 class _TiledMLP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, run, tile_tokens: int, *params):
+    def forward(ctx, x, run, tile_tokens: int, output_read: bool, *params):
         ctx.run, ctx.tile_tokens, ctx.rng = run, tile_tokens, _rng_state(x)
         ctx.params = params  # (parameters: alive anyway; not saved tensors, which checkpointing would drop)
         kind = x.device.type  # backward recomputes under forward's autocast (16-mixed), as checkpointing does
         ctx.autocast = (kind, torch.get_autocast_dtype(kind), torch.is_autocast_enabled(kind))
         ctx.save_for_backward(x)
+        if not output_read and torch._C._current_graph_task_id() != -1:
+            # within backward: a checkpointed block's recompute, which wants x saved again, not this output
+            return x.new_empty(*x.shape[:-1], run_output_features(run, x))
         x2 = x.reshape(-1, x.shape[-1])
         out = None
         with torch.no_grad():
@@ -120,7 +134,7 @@ class _TiledMLP(torch.autograd.Function):
     def backward(ctx, grad):
         (x,) = ctx.saved_tensors
         params = ctx.params
-        wanted = [i for i, needed in enumerate(ctx.needs_input_grad[3:]) if needed]
+        wanted = [i for i, needed in enumerate(ctx.needs_input_grad[4:]) if needed]
         needs_x = ctx.needs_input_grad[0]
         x2, g2 = x.reshape(-1, x.shape[-1]), grad.reshape(-1, grad.shape[-1])
         grad_x = torch.empty_like(x2) if needs_x else None
@@ -140,5 +154,5 @@ class _TiledMLP(torch.autograd.Function):
                         sums[i] += g
                 del grads
         grad_params = [sums[i].to(params[i].dtype) if i in sums else None for i in range(len(params))]
-        return (None if grad_x is None else grad_x.view(x.shape), None, None, *grad_params)
+        return (None if grad_x is None else grad_x.view(x.shape), None, None, None, *grad_params)
 

@@ -260,3 +260,21 @@ def test_the_estimate_sees_the_tiled_mlps_smaller_peak(monkeypatch):
                                             activation_checkpointing=True), device="cpu").peak
     expected = 5 * 2 * width * (length - tile)  # 110 MB of a 139 MB peak
     assert peaks[False] - peaks[True] == pytest.approx(expected, rel=0.02), peaks
+
+
+@pytest.mark.parametrize("family,passes", [("llama", 2), ("gemma2", 3)])
+def test_a_checkpointed_block_runs_its_tiled_mlp_twice_unless_its_output_is_read(monkeypatch, family, passes):
+    """Within a checkpointed block's recompute the MLP runs only so its input is saved again: a Llama block (the
+    output goes to a residual add) skips the tiles there, 2 passes over the tiles per step (forward, backward) where
+    it ran 3; Gemma's post-MLP norm reads the output, so its recompute still computes it. Gradients are unchanged
+    (the test above)."""
+    model = model_for(family, "nf4", torch.float32)
+    model.checkpoint_blocks = model.config.n_layer
+    force_tiles(monkeypatch, model, 16, 1 << 30)
+    calls = []
+    for block in model.blocks:
+        real = block.mlp.forward_untiled
+        block.mlp.forward_untiled = lambda x, real=real: calls.append(x.shape[0]) or real(x)
+    ids = torch.randint(0, 300, (1, 96), generator=torch.Generator().manual_seed(3))
+    lm_loss_sum(model, ids, ids.clone()).backward()
+    assert sum(calls) == passes * 96 * model.config.n_layer and max(calls) == 16
