@@ -63,11 +63,7 @@ class _VocabSlicedLoss(torch.autograd.Function):
         target_logit = hidden.new_zeros(n, dtype=torch.float32)
         for rows in slices:
             z, _ = _slice_logits(hidden, head.weight, rows, dtype, p, b)
-            new_top = torch.maximum(top, z.amax(1))
-            sumexp = sumexp * (top - new_top).exp() + (z - new_top[:, None]).exp_().sum(1)
-            top = new_top
-            inside, local = _targets_in(targets, rows)
-            target_logit = torch.where(inside, z.gather(1, local[:, None]).squeeze(1), target_logit)
+            top, sumexp, target_logit = fold_slice(top, sumexp, target_logit, z, targets, rows)
         lse = top + sumexp.log()
         total = (lse - target_logit).sum()
         ctx.param_dtypes = [q.dtype for q in params]
@@ -80,8 +76,7 @@ class _VocabSlicedLoss(torch.autograd.Function):
         for rows in slices:
             z, w = _slice_logits(hidden, head.weight, rows, dtype, p, b)
             g = z.sub_(lse[:, None]).exp_()  # softmax of the slice
-            inside, local = _targets_in(targets, rows)
-            g.scatter_add_(1, local[:, None], -inside.float()[:, None])  # minus the one-hot target
+            subtract_targets(g, targets, rows)
             g = g.to(dtype)
             grad_hidden += g @ w
             if lora:
@@ -105,10 +100,27 @@ class _VocabSlicedLoss(torch.autograd.Function):
         return (grad_hidden * grad_total.to(grad_hidden.dtype), None, None, None, None, *grad_params)
 
 
-def _targets_in(targets: torch.Tensor, rows: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+def targets_in(targets: torch.Tensor, rows: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Which targets fall in the slice's vocabulary rows, and their column in it (0 for the others: masked)."""
     inside = (targets >= rows[0]) & (targets < rows[1])
     return inside, torch.where(inside, targets - rows[0], torch.zeros_like(targets))
+
+
+def fold_slice(top: torch.Tensor, sumexp: torch.Tensor, target_logit: torch.Tensor, z: torch.Tensor,
+               targets: torch.Tensor, rows: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One vocabulary slice's fp32 logits `z` (tokens, rows) folded into each token's running maximum, sum of
+    exp(logit - maximum) and target logit (this loss and the tiled one): after the last slice, log-sum-exp is
+    top + log(sumexp)."""
+    new_top = torch.maximum(top, z.amax(1))
+    sumexp = sumexp * (top - new_top).exp() + (z - new_top[:, None]).exp_().sum(1)
+    inside, local = targets_in(targets, rows)
+    return new_top, sumexp, torch.where(inside, z.gather(1, local[:, None]).squeeze(1), target_logit)
+
+
+def subtract_targets(g: torch.Tensor, targets: torch.Tensor, rows: tuple[int, int]) -> None:
+    """A slice's softmax `g` becomes its cross-entropy gradient: minus the one-hot targets in it (in place)."""
+    inside, local = targets_in(targets, rows)
+    g.scatter_add_(1, local[:, None], -inside.float()[:, None])
 
 
 def nf4_head_ce_sum(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, logits_elems: int) -> torch.Tensor:

@@ -30,6 +30,7 @@ import torch.nn as nn
 
 from lit_qlora.lora_dropout import dropped_down
 from lit_qlora.nf4 import dequantize_nf4, is_nf4
+from lit_qlora.train.nf4_head_loss import fold_slice, subtract_targets
 
 LOSS_TILE_TOKENS = 4096
 """Tokens per tile; with LOGITS_CHUNK_ELEMS logits a slice (1024 vocabulary rows). A tile's fp32 temporaries are
@@ -117,11 +118,7 @@ class _TiledLoss(torch.autograd.Function):
             for v0, v1 in slices:
                 z = _logits(h, weight[v0:v1], None if bias is None else bias[v0:v1], p,
                             None if b is None else b[v0:v1], cap)
-                new_top = torch.maximum(top, z.amax(1))
-                sumexp = sumexp * (top - new_top).exp() + (z - new_top[:, None]).exp_().sum(1)
-                top = new_top
-                inside, local = _targets_in(tgt, v0, v1)
-                target_logit = torch.where(inside, z.gather(1, local[:, None]).squeeze(1), target_logit)
+                top, sumexp, target_logit = fold_slice(top, sumexp, target_logit, z, tgt, (v0, v1))
                 del z
             lse = top + sumexp.log()
             total += (lse - target_logit).sum()
@@ -133,8 +130,7 @@ class _TiledLoss(torch.autograd.Function):
                 w = weight[v0:v1]
                 z = _logits(h, w, None if bias is None else bias[v0:v1], p, None if b is None else b[v0:v1], cap)
                 g = (z - lse[:, None]).exp_()  # softmax of the slice
-                inside, local = _targets_in(tgt, v0, v1)
-                g.scatter_add_(1, local[:, None], -inside.float()[:, None])  # minus the one-hot target
+                subtract_targets(g, tgt, (v0, v1))
                 if cap is not None:  # through cap * tanh(z / cap): times 1 - (capped / cap)^2
                     g.mul_(1 - z.div_(cap).square_())
                 del z
@@ -179,12 +175,6 @@ def _add_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         acc.addmm_(a, b)
     else:
         acc += a @ b
-
-
-def _targets_in(targets: torch.Tensor, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Which targets fall in vocabulary rows start:stop, and their column there (0 for the others: masked)."""
-    inside = (targets >= start) & (targets < stop)
-    return inside, torch.where(inside, targets - start, torch.zeros_like(targets))
 
 
 def tiled_ce_sum(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, softcap: Optional[float],
