@@ -191,7 +191,7 @@ class Config:
         layer_types = hf.get("layer_types") if gemma else None
         if gemma and layer_types is None:  # transformers' defaults: Gemma 2 alternates, Gemma 3 every 6th is full
             every = 2 if model_type == "gemma2" else hf.get("sliding_window_pattern", 6)
-            layer_types = _sliding_pattern(hf["num_hidden_layers"], every)
+            layer_types = sliding_pattern(hf["num_hidden_layers"], every)
         if model_type == "qwen3" and window is not None:
             raise ValueError("This Qwen3 config.json sets use_sliding_window: true (sliding attention in the layers "
                              "from max_window_layers on), which lit-qlora does not model; the released Qwen3 "
@@ -330,7 +330,7 @@ def _llama3_scaling(factor: float, original: int) -> dict[str, Any]:
     }
 
 
-def _sliding_pattern(n_layer: int, every: int) -> list[str]:
+def sliding_pattern(n_layer: int, every: int) -> list[str]:
     """Gemma's layer pattern: every `every`-th layer attends fully, the others within the sliding window (Gemma 2:
     every 2nd, Gemma 3: every 6th)."""
     return ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n_layer)]
@@ -381,15 +381,15 @@ PRESETS: dict[str, Config] = {
         Config("Qwen3-8B", "qwen3", 151936, 36, 4096, 32, 8, 128, 12288, 1e-6, 1000000.0, None, 40960,
                qk_norm=True, bos_token_id=151643, eos_token_id=151645),
         Config("Gemma-2-2B", "gemma2", 256000, 26, 2304, 8, 4, 256, 9216, 1e-6, 10000.0, None, 8192,
-               tie_embeddings=True, sliding_window=4096, layer_types=_sliding_pattern(26, 2), norm_plus_one=True,
+               tie_embeddings=True, sliding_window=4096, layer_types=sliding_pattern(26, 2), norm_plus_one=True,
                embed_scale=True, sandwich_norms=True, mlp_activation="gelu_tanh", query_pre_attn_scalar=256,
                attn_softcap=50.0, final_softcap=30.0, bos_token_id=2, eos_token_id=1, pad_token_id=0),
         Config("Gemma-2-9B", "gemma2", 256000, 42, 3584, 16, 8, 256, 14336, 1e-6, 10000.0, None, 8192,
-               tie_embeddings=True, sliding_window=4096, layer_types=_sliding_pattern(42, 2), norm_plus_one=True,
+               tie_embeddings=True, sliding_window=4096, layer_types=sliding_pattern(42, 2), norm_plus_one=True,
                embed_scale=True, sandwich_norms=True, mlp_activation="gelu_tanh", query_pre_attn_scalar=256,
                attn_softcap=50.0, final_softcap=30.0, bos_token_id=2, eos_token_id=1, pad_token_id=0),
         Config("Gemma-3-1B", "gemma3_text", 262144, 26, 1152, 4, 1, 256, 6912, 1e-6, 1000000.0, None, 32768,
-               tie_embeddings=True, sliding_window=512, layer_types=_sliding_pattern(26, 6), rope_local_base=10000.0,
+               tie_embeddings=True, sliding_window=512, layer_types=sliding_pattern(26, 6), rope_local_base=10000.0,
                qk_norm=True, norm_plus_one=True, embed_scale=True, sandwich_norms=True, mlp_activation="gelu_tanh",
                query_pre_attn_scalar=256, bos_token_id=2, eos_token_id=[1, 106], pad_token_id=0),
         Config("Phi-3-mini-4k", "phi3", 32064, 32, 3072, 32, 32, 96, 8192, 1e-5, 10000.0, None, 4096,

@@ -93,8 +93,10 @@ def is_norm(hf_tensor_name: str) -> bool:
 
 
 def gemma_layer_types(arch: str, n_layer: int) -> list[str]:
-    every = GEMMA_SLIDING_EVERY[arch]
-    return ["full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(n_layer)]
+    """The sliding and full layers llama.cpp gives a Gemma model of `n_layer` layers."""
+    from lit_qlora.config import sliding_pattern
+
+    return sliding_pattern(n_layer, GEMMA_SLIDING_EVERY[arch])
 
 
 def gemma_query_scalar(arch: str, n_layer: int, n_embd: int, n_head: int, head_dim: int) -> float:
