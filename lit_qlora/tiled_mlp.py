@@ -97,12 +97,6 @@ def _replayed_rng(x: torch.Tensor, state: tuple):
         yield
 
 
-def run_output_features(run: Callable, x: torch.Tensor) -> int:
-    """The MLP's output width: its down projection's (the model's MLP), else x's."""
-    down = getattr(getattr(run, "__self__", None), "down_proj", None)
-    return down.out_features if down is not None else x.shape[-1]
-
-
 def tile_starts(n: int, tile_tokens: int) -> range:
     """Each tile's first token. (`litqlora estimate` traces only the first few: every tile allocates alike.)"""
     return range(0, n, tile_tokens)
@@ -118,7 +112,7 @@ class _TiledMLP(torch.autograd.Function):
         ctx.save_for_backward(x)
         if not output_read and torch._C._current_graph_task_id() != -1:
             # within backward: a checkpointed block's recompute, which wants x saved again, not this output
-            return x.new_empty(*x.shape[:-1], run_output_features(run, x))
+            return torch.empty_like(x)  # (an MLP maps n_embd back to n_embd)
         x2 = x.reshape(-1, x.shape[-1])
         out = None
         with torch.no_grad():
