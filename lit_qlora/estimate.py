@@ -215,6 +215,26 @@ def _cuda_attention() -> Iterator[None]:
         yield
 
 
+@contextmanager
+def cuda_code_paths() -> Iterator[None]:
+    """Inside, the model's code takes the paths a GPU takes, on fake CPU tensors: NF4 weights dequantized whole,
+    flex_attention where a mask needs it, CUDA's fused dropout, LoRA dropout replayed in backward (not the CPU's
+    hash mask). `trace_step` counts their allocations; `benchmarks/launch_count.py` counts their kernels."""
+    import torch
+
+    from lit_qlora import lora_dropout
+    from lit_qlora.train import loss
+
+    with ExitStack() as stack:
+        stack.enter_context(_patched(loss, "logits_chunk_elems", lambda device: loss.CUDA_LOGITS_CHUNK_ELEMS))
+        stack.enter_context(_gpu_nf4_paths())
+        stack.enter_context(_cuda_attention())
+        stack.enter_context(_patched(torch.nn.functional, "dropout", _cuda_dropout))
+        stack.enter_context(_patched(lora_dropout, "hash_dropout_applies", lambda x: False))
+        stack.enter_context(_patched(lora_dropout, "replayed_dropout_applies", lambda x: True))
+        yield
+
+
 def offload_decision(config: Config, precision: Precision, train: TrainArgs, device: str,
                      micro_batch_size: Optional[int] = None) -> tuple[bool, str, int]:
     """(offload or not, why, the pinned bytes it takes) for the recipe as a run on `device` would decide it
@@ -240,7 +260,6 @@ def trace_step(config: Config, quantize: Quantize, precision: Precision, lora: L
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from lit_qlora import lora_dropout
     from lit_qlora.config import ADAPTER_DTYPES, PRECISION_DTYPES
     from lit_qlora.lora import apply_lora
     from lit_qlora.loading import default_dtype, random_base
@@ -307,11 +326,7 @@ def trace_step(config: Config, quantize: Quantize, precision: Precision, lora: L
         ids = torch.zeros(batch, train.max_seq_length, dtype=torch.long)
         stack.enter_context(default_dtype(dtype))  # as the precision plugin sets it inside training steps
         if device == "cuda":
-            stack.enter_context(_gpu_nf4_paths())
-            stack.enter_context(_cuda_attention())
-            stack.enter_context(_patched(torch.nn.functional, "dropout", _cuda_dropout))
-            stack.enter_context(_patched(lora_dropout, "hash_dropout_applies", lambda x: False))
-            stack.enter_context(_patched(lora_dropout, "replayed_dropout_applies", lambda x: True))
+            stack.enter_context(cuda_code_paths())
         with trace:
             for _ in range(2):
                 for _ in range(min(accumulation, 2)):  # a second micro-batch runs with the gradients present

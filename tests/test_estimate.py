@@ -173,7 +173,8 @@ def test_tracing_two_loss_chunks_per_loss_predicts_what_tracing_all_of_them_does
     from lit_qlora import estimate as estimate_module
     from lit_qlora.train import loss
 
-    monkeypatch.setattr(loss, "LOGITS_CHUNK_ELEMS", 512 * 16)  # 16 tokens a chunk: 8 chunks per 2 x 64 batch
+    for name in ("LOGITS_CHUNK_ELEMS", "CUDA_LOGITS_CHUNK_ELEMS"):
+        monkeypatch.setattr(loss, name, 512 * 16)  # 16 tokens a chunk: 8 chunks per 2 x 64 batch
     config = Config.from_hf_config(TINY)
     train = TrainArgs(micro_batch_size=2, global_batch_size=4, max_seq_length=64, activation_checkpointing=True)
     real, heads = loss._head_ce_sum, []

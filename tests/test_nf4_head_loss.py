@@ -56,6 +56,41 @@ def test_vocab_sliced_loss_equals_the_token_chunked_loss(lora, dtype, tol):
         assert (r - g).norm() <= tol * r.norm() + 1e-6
 
 
+def test_gpu_slices_are_wider_and_give_the_same_loss_and_gradients(monkeypatch):
+    """Where weights are dequantized whole (CUDA), a slice's dense rows are bounded by the logits it holds, not by
+    the CPU's DENSE_CHUNK_ELEMS: fewer slices, each one launch fewer per step, and the same loss and gradients."""
+    from lit_qlora.nf4 import linear
+    from lit_qlora.train import nf4_head_loss
+
+    vocab, dim, n = 1000, 64, 86
+    head = nf4_head(vocab, dim, torch.float32, lora=True)
+    gen = torch.Generator().manual_seed(2)
+    hidden = torch.randn(n, dim, generator=gen)
+    targets = torch.randint(0, vocab, (n,), generator=gen)
+    monkeypatch.setattr(nf4_head_loss, "DENSE_CHUNK_ELEMS", 16 * dim)  # the CPU's bound: 16 rows a slice
+    real, calls = nf4_head_loss._dense_rows, []
+    monkeypatch.setattr(nf4_head_loss, "_dense_rows", lambda *args: calls.append(args[2:4]) or real(*args))
+    results = []
+    for gpu in (False, True):
+        monkeypatch.setattr(linear, "whole_weight", lambda weight, gpu=gpu: gpu)
+        calls.clear()
+        h = hidden.clone().requires_grad_()
+        total = nf4_head_ce_sum(head, h, targets, logits_elems=2048)  # 23 rows of logits a slice
+        total.backward()
+        results.append((total.detach(), h.grad, head.lora_A.grad, head.lora_B.grad, len(calls) // 2))
+        head.lora_A.grad = head.lora_B.grad = None
+    (cpu_total, *cpu_grads, cpu_slices), (gpu_total, *gpu_grads, gpu_slices) = results
+    assert (cpu_slices, gpu_slices) == (63, 44)  # 1000 rows in 16 (CPU) or 23 rounded to NF4 blocks (GPU)
+    assert gpu_total == pytest.approx(cpu_total.item(), rel=1e-6)
+    for c, g in zip(cpu_grads, gpu_grads):
+        assert (c - g).norm() <= 1e-5 * c.norm()
+
+
+def test_cuda_loss_chunks_hold_more_logits():
+    assert loss_module.logits_chunk_elems(torch.device("cpu")) == loss_module.LOGITS_CHUNK_ELEMS == 1 << 22
+    assert loss_module.logits_chunk_elems(torch.device("cuda")) == loss_module.CUDA_LOGITS_CHUNK_ELEMS == 1 << 25
+
+
 def test_vocab_sliced_loss_sees_the_adapter_without_gradients_and_not_when_disabled():
     head = nf4_head(512, 64, torch.float32, lora=True)
     hidden, targets = torch.randn(40, 64), torch.randint(0, 512, (40,))

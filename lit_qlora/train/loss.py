@@ -7,7 +7,6 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from lit_qlora.nf4 import native
 from lit_qlora.train.nf4_head_loss import nf4_head_ce_sum, vocab_sliced_head
 from lit_qlora.train.tiled_loss import tiled_ce_sum, use_tiled_loss
 
@@ -25,6 +24,17 @@ def _head_ce_sum(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Ten
 # MiB with the per-block heap release; SmolLM2 4x512 QLoRA: 1372 -> 1222 MiB). More chunks mean more
 # dequantizations of an NF4 lm_head, but SmolLM2 4x512 QLoRA steps took the same time (benchmarks/README.md).
 LOGITS_CHUNK_ELEMS = 1 << 22
+# On CUDA, 8x more: 128 MiB of fp32 logits a chunk. Each chunk or vocabulary slice costs a dozen kernel launches and
+# their Python, and an eager 8B step at 2x2048 is bound by its host: at 4M logits the loss launched 5.6k of the step's
+# 15.7k kernels (QLoRA: 126 head slices; LoRA: 128 token chunks; benchmarks/launch_count.py), at 32M 0.8k. The
+# chunk's transients (~0.5 GiB) stay under the step's peak, a checkpointed block's recompute (`litqlora estimate`).
+CUDA_LOGITS_CHUNK_ELEMS = 1 << 25
+
+
+def logits_chunk_elems(device: torch.device) -> int:
+    """Logits a loss chunk (or NF4 head slice) holds on `device`: LOGITS_CHUNK_ELEMS, CUDA_LOGITS_CHUNK_ELEMS on CUDA.
+    (`litqlora estimate --device cuda` patches it: its fake tensors are CPU tensors.)"""
+    return CUDA_LOGITS_CHUNK_ELEMS if device.type == "cuda" else LOGITS_CHUNK_ELEMS
 
 
 class _HeadLossWithEagerGradients(torch.autograd.Function):
@@ -97,7 +107,7 @@ def chunked_cross_entropy_sum(
 
 def lm_loss_sum(model, input_ids: torch.Tensor, labels: torch.Tensor,
                 positions: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """A fine-tune's summed next-token loss: the blocks, then the head in chunks of LOGITS_CHUNK_ELEMS logits
+    """A fine-tune's summed next-token loss: the blocks, then the head in chunks of `logits_chunk_elems` logits
     (long sequences: tiles of tokens x vocabulary slices, `tiled_loss`).
     `positions`: a packed batch's per-token positions (each document attends only within itself).
 
@@ -107,9 +117,10 @@ def lm_loss_sum(model, input_ids: torch.Tensor, labels: torch.Tensor,
     if use_tiled_loss(model.lm_head, labels[:, 1:].numel(), sliced):  # long sequences (padding counted: no sync)
         return tiled_ce_sum(model.lm_head, *next_token_pairs(hidden, labels), model.config.final_softcap,
                             LOGITS_CHUNK_ELEMS)
+    chunk_elems = logits_chunk_elems(hidden.device)
     if sliced:
-        return nf4_head_ce_sum(model.lm_head, *next_token_pairs(hidden, labels), LOGITS_CHUNK_ELEMS)
-    chunk_tokens = max(1, LOGITS_CHUNK_ELEMS // model.config.vocab_size)
+        return nf4_head_ce_sum(model.lm_head, *next_token_pairs(hidden, labels), chunk_elems)
+    chunk_tokens = max(1, chunk_elems // model.config.vocab_size)
     params = [p for p in model.lm_head.parameters() if p.requires_grad]
     return chunked_cross_entropy_sum(model.logits, hidden, labels, chunk_tokens, params)
 

@@ -23,6 +23,7 @@ import torch.nn as nn
 
 from lit_qlora.lora_dropout import dropped_down
 from lit_qlora.nf4 import is_nf4, row_slices
+from lit_qlora.nf4 import linear as nf4_linear
 from lit_qlora.nf4.linear import DENSE_CHUNK_ELEMS, _dense_rows
 
 
@@ -129,7 +130,10 @@ def nf4_head_ce_sum(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor
     from lit_qlora.lora import LoRALinear
 
     rows = max(1, logits_elems // max(1, targets.numel()))
-    slice_elems = min(DENSE_CHUNK_ELEMS, rows * hidden.shape[-1])
+    # On a GPU (weights dequantized whole, into one buffer per device) a slice's dense rows are bounded as its logits
+    # are: an 8B head in 16 slices at 2x2048, not 63 of DENSE_CHUNK_ELEMS (the CPU's bound, for its scratch buffer).
+    dense_cap = max(DENSE_CHUNK_ELEMS, logits_elems) if nf4_linear.whole_weight(head.weight) else DENSE_CHUNK_ELEMS
+    slice_elems = min(dense_cap, rows * hidden.shape[-1])
     params = (head.lora_A, head.lora_B) if isinstance(head, LoRALinear) and head.scale != 0 else ()
     grads = torch.is_grad_enabled() and (hidden.requires_grad or any(q.requires_grad for q in params))
     return _VocabSlicedLoss.apply(hidden, targets, head, slice_elems, grads, *params)
