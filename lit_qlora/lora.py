@@ -79,7 +79,7 @@ class LoRALinear(nn.Linear):
             if lora_dropout.hash_dropout_applies(x):
                 return out + dropped_lora(x, a, b, self.scale, self.lora_dropout.p)  # no per-element RNG, no mask kept
             if lora_dropout.replayed_dropout_applies(x):  # the mask is drawn again in backward, not kept
-                return out + (lora_dropout.replayed_dropout_down(x, a, self.lora_dropout.p) @ b.T) * self.scale
+                return lora_dropout.replayed_lora(x, out, a, b, self.scale, self.lora_dropout.p)
         return out + (self.lora_dropout(x) @ a.T @ b.T) * self.scale
 
     def lora_factors(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -292,6 +292,32 @@ def test_replayed_dropout_saves_the_input_and_no_mask():
     assert x.grad is not None and a.grad is not None
 
 
+def test_replayed_lora_term_equals_the_same_mask_through_autograd_and_saves_no_mask():
+    """The GPU's whole LoRA term in one node (`_ReplayedLoRA`): out + scale * dropout(x) a^T b^T, its gradients to
+    x, out, a and b as autograd's through the same mask; saved: x, a, b and the r-wide product, no mask."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 150, 64, generator=gen, requires_grad=True)
+    out = torch.randn(2, 150, 48, generator=gen, requires_grad=True)
+    a = torch.randn(8, 64, generator=gen, requires_grad=True)
+    b = torch.randn(48, 8, generator=gen, requires_grad=True)
+    torch.manual_seed(11)
+    state = torch.get_rng_state()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = lora_dropout.replayed_lora(x, out, a, b, 2.0, 0.1)
+    assert [tuple(t.shape) for t in saved] == [(2, 150, 64), (8, 64), (48, 8), (300, 8)]
+    leaves = [t.detach().clone().requires_grad_() for t in (x, out, a, b)]
+    dropped, keep = _replay_reference(leaves[0], leaves[2], 0.1, state)
+    want = leaves[1] + dropped @ leaves[3].T * 2.0
+    assert (y - want).norm() <= 1e-6 * want.norm()
+    assert abs(keep.float().mean().item() - 0.9) < 0.0087  # 19,200 draws: 4 sigma
+    g = torch.randn(y.shape, generator=gen)
+    y.backward(g)
+    want.backward(g)
+    for got, ref in zip((x, out, a, b), leaves):
+        assert (got.grad - ref.grad).norm() <= 1e-6 * ref.grad.norm()
+
+
 def test_replayed_dropout_under_checkpointing_equals_no_checkpointing(monkeypatch):
     monkeypatch.setattr(lora_dropout, "hash_dropout_applies", lambda x: False)
     monkeypatch.setattr(lora_dropout, "replayed_dropout_applies", lambda x: True)  # as on a GPU
