@@ -2,7 +2,7 @@
 exists), with torch's CUDA memory statistics from summary.json.
 
     python benchmarks/gpu_suite.py --models smollm2 llama-3.1-8b --quantize nf4 none [--compile false true]
-        --tokenizer_dir DIR --out results.json
+        [--offload false auto] --tokenizer_dir DIR --out results.json
 
 Each configuration is one `litqlora finetune` process (the users' command: load, first validation, steps, final
 validation, every export). Checkpoints are random bf16 Hugging Face directories of the model's shape, written
@@ -15,6 +15,7 @@ included), summary.json's peaks (allocated, reserved, active; during training an
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -65,7 +66,7 @@ def write_dataset(path: Path, rows: int = 400, words: int = 900) -> Path:
 
 
 def run(ckpt: Path, data: Path, out_dir: Path, quantize: str, micro: int, seq: int, steps: int, compile_: str | None,
-        checkpointing: bool) -> dict:
+        checkpointing: bool, offload: str | None = None) -> dict:
     cmd = [sys.executable, "-m", "lit_qlora.cli", "finetune", "--checkpoint_dir", str(ckpt), "--out_dir", str(out_dir),
            "--accelerator", "cuda", "--quantize", quantize, "--data.json_path", str(data), "--data.packing", "true",
            "--data.val_split", "0.02", "--lora.dropout", "0.05", "--train.max_steps", str(steps),
@@ -74,10 +75,12 @@ def run(ckpt: Path, data: Path, out_dir: Path, quantize: str, micro: int, seq: i
            "--train.warmup_steps", "1", "--overwrite", "true"]  # a rerun of the suite measures afresh
     if compile_ is not None:
         cmd += ["--compile", compile_]
+    if offload is not None:  # default auto: on from 1 GiB of checkpointed block inputs (an 8B at 2x2048: 1 GiB)
+        cmd += ["--train.offload_activations", offload]
     started = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     wall = time.perf_counter() - started
-    row = {"quantize": quantize, "compile": compile_, "micro_batch": micro, "seq": seq, "steps": steps,
+    row = {"quantize": quantize, "compile": compile_, "offload": offload, "micro_batch": micro, "seq": seq, "steps": steps,
            "checkpointing": checkpointing, "wall_seconds": round(wall, 1), "rc": proc.returncode}
     if proc.returncode:
         row["error"] = (proc.stdout + proc.stderr)[-3000:]
@@ -103,6 +106,7 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--quantize", nargs="+", default=["nf4", "none"])
     parser.add_argument("--compile", nargs="+", default=[None])
+    parser.add_argument("--offload", nargs="+", default=[None], help="--train.offload_activations values (default auto)")
     parser.add_argument("--no_checkpointing", action="store_true")
     parser.add_argument("--tokenizer_dir", type=Path, required=True)
     parser.add_argument("--work", type=Path, default=Path("/tmp/gpu_suite"))
@@ -119,20 +123,19 @@ def main() -> None:
         t0 = time.perf_counter()
         ckpt = write_random_checkpoint(preset, args.work / name, args.tokenizer_dir)
         print(f"{name}: checkpoint ready in {time.perf_counter() - t0:.0f} s", flush=True)
-        for compile_ in args.compile:
-            for quantize in args.quantize:
-                row = run(ckpt, data, args.work / f"out-{name}-{quantize}-{compile_}", quantize, micro, seq, steps,
-                          compile_, not args.no_checkpointing)
-                row["model"] = name
-                results["runs"].append(row)
-                print(json.dumps(row), flush=True)
-                args.out.write_text(json.dumps(results, indent=2) + "\n")
+        for compile_, offload, quantize in itertools.product(args.compile, args.offload, args.quantize):
+            row = run(ckpt, data, args.work / f"out-{name}-{quantize}-{compile_}-{offload}", quantize, micro, seq,
+                      steps, compile_, not args.no_checkpointing, offload)
+            row["model"] = name
+            results["runs"].append(row)
+            print(json.dumps(row), flush=True)
+            args.out.write_text(json.dumps(results, indent=2) + "\n")
     print(f"\n{device}, torch {torch.__version__}")
-    print("| model | BxS | quantize | compile | tok/s steady | first step tok/s | peak allocated (train) GiB | "
+    print("| model | BxS | quantize | compile | offload | tok/s steady | first step tok/s | peak allocated (train) GiB | "
           "peak reserved GiB | whole-run peak allocated GiB | wall s |")
-    print("|---|---|---|---|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---|---|---|---:|---:|---:|---:|---:|---:|")
     for r in results["runs"]:
-        print(f"| {r['model']} | {r['micro_batch']}x{r['seq']} | {r['quantize']} | {r['compile']} | "
+        print(f"| {r['model']} | {r['micro_batch']}x{r['seq']} | {r['quantize']} | {r['compile']} | {r.get('offload')} | "
               f"{r.get('steady_tokens_per_sec', 'error')} | {r.get('first_step_tokens_per_sec', '-')} | "
               f"{gib(r.get('peak_allocated_train_bytes'))} | {gib(r.get('peak_reserved_bytes'))} | "
               f"{gib(r.get('peak_allocated_bytes'))} | {r['wall_seconds']} |")
