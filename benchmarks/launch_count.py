@@ -31,7 +31,7 @@ from lit_qlora import estimate
 from lit_qlora.config import PRESETS
 from lit_qlora.loading import default_dtype, random_base
 from lit_qlora.lora import apply_lora
-from lit_qlora.memory_trace import _all_true
+from lit_qlora.memory_trace import masks_as_all_true
 from lit_qlora.nf4 import linear
 from lit_qlora.train import loss as loss_module
 from lit_qlora.train import nf4_head_loss
@@ -58,9 +58,7 @@ class KernelCount(TorchDispatchMode):
         name = func.overloadpacket.__name__
         if not self.quiet and name not in NO_KERNEL:
             self.counts[(self.phase, name)] += 1
-        if func is torch.ops.aten.index.Tensor and any(i is not None and i.dtype == torch.bool for i in args[1]):
-            args = (args[0], [_all_true(i) for i in args[1]])  # as the estimate: a boolean mask keeps every row
-        return func(*args, **(kwargs or {}))
+        return func(*masks_as_all_true(func, args), **(kwargs or {}))  # as the estimate: a mask keeps every row
 
     def one_launch(self, fn):
         def counted(*args, **kwargs):
@@ -112,7 +110,7 @@ def count_step(preset: str, quantize: str, batch: int, seq: int) -> collections.
         stack.enter_context(counted_paths(count))
         ids = torch.zeros(batch, seq, dtype=torch.long)
         with count:
-            for counted in (False, True):
+            for _ in range(2):  # the second step is the one counted
                 count.counts.clear()
                 count.phase = "blocks forward"
                 step_loss = loss_module.lm_loss_sum(model, ids, ids) / ids.numel()

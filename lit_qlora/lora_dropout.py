@@ -234,10 +234,9 @@ class _ReplayedDropoutDown(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, a, p: float):
-        gen = _default_generator(x.device)
-        ctx.state, ctx.p = gen.get_state(), p
+        keep = _recorded_keep_mask(x, p, ctx)
         ctx.save_for_backward(x, a)
-        return _dropped(x, _keep_mask(x, p, gen), p) @ a.T
+        return _dropped(x, keep, p) @ a.T
 
     @staticmethod
     def backward(ctx, grad):
@@ -260,10 +259,9 @@ class _ReplayedLoRA(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, out, a, b, scale: float, p: float):
-        gen = _default_generator(x.device)
-        ctx.state, ctx.p, ctx.scale = gen.get_state(), p, scale
+        ctx.scale = scale
         x2 = x.reshape(-1, x.shape[-1])
-        h = (x2 * _keep_mask(x2, p, gen)) @ a.T
+        h = (x2 * _recorded_keep_mask(x2, p, ctx)) @ a.T
         h.mul_(scale / (1.0 - p))  # r wide: the dropout's and the adapter's scale in one small kernel
         ctx.save_for_backward(x, a, b, h)
         return torch.addmm(out.reshape(-1, out.shape[-1]), h, b.T).view(out.shape)
@@ -286,6 +284,14 @@ def replayed_lora(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.
                   p: float) -> torch.Tensor:
     """``out + scale * dropout(x, p) @ a^T @ b^T`` in training, keeping no mask (`_ReplayedLoRA`)."""
     return _ReplayedLoRA.apply(x, out, a, b, scale, p)
+
+
+def _recorded_keep_mask(x: torch.Tensor, p: float, ctx) -> torch.Tensor:
+    """A keep mask for `x` drawn from the default generator, whose state (and `p`) `ctx` records for
+    `_replayed_keep_mask`."""
+    gen = _default_generator(x.device)
+    ctx.state, ctx.p = gen.get_state(), p
+    return _keep_mask(x, p, gen)
 
 
 def _replayed_keep_mask(x: torch.Tensor, ctx) -> torch.Tensor:

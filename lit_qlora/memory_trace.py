@@ -38,6 +38,14 @@ def _all_true(index: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return torch.arange(index.shape[0], device=index.device)
 
 
+def masks_as_all_true(func, args: tuple) -> tuple:
+    """`args` of an op about to run on fake tensors, with `aten.index`'s boolean masks taken as all true
+    (`_all_true`): what a dispatch mode over a fake step passes on."""
+    if func is torch.ops.aten.index.Tensor and any(i is not None and i.dtype == torch.bool for i in args[1]):
+        return (args[0], [_all_true(i) for i in args[1]])
+    return args
+
+
 class AllocationTrace(TorchDispatchMode):
     """Live and peak bytes of every storage created under it (plus those `hold` registers up front).
 
@@ -102,9 +110,7 @@ class AllocationTrace(TorchDispatchMode):
             self.peak, self.peak_by_category = self.current, dict(self.by_category)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten.index.Tensor and any(i is not None and i.dtype == torch.bool for i in args[1]):
-            args = (args[0], [_all_true(i) for i in args[1]])
-        out = func(*args, **(kwargs or {}))
+        out = func(*masks_as_all_true(func, args), **(kwargs or {}))
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 category = None
