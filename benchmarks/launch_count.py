@@ -133,7 +133,7 @@ def summarize(counts: collections.Counter, top: int = 12) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="Llama-3.1-8B")
+    parser.add_argument("--preset", default="Llama-3.1-8B", choices=sorted(PRESETS))
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--out", type=Path)
