@@ -37,6 +37,8 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from lit_qlora.nf4.native import is_fake
+
 MLP_TILE_ELEMS = 1 << 26
 """Intermediate values (tokens x intermediate size) per tile: 128 MiB per bf16 tensor, whatever the model (Llama-3-8B:
 4681 tokens a tile, SmolLM2-135M: 43690). A sequence with at most this many runs untiled: as fast as before."""
@@ -72,12 +74,8 @@ def tiled_mlp(run: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, modu
     return _TiledMLP.apply(x, run, tile_tokens, output_read, *params)
 
 
-def _is_fake(t: torch.Tensor) -> bool:
-    return type(t).__name__ == "FakeTensor"  # `litqlora estimate`'s step: no RNG state to keep
-
-
 def _rng_state(x: torch.Tensor) -> tuple:
-    if _is_fake(x):
+    if is_fake(x):  # `litqlora estimate`'s step: no RNG state to keep
         return ()
     cuda = torch.cuda.get_rng_state(x.device) if x.device.type == "cuda" else None
     return (torch.get_rng_state(), cuda)
