@@ -92,16 +92,16 @@ def _nf4_caches_set_aside() -> Iterator[None]:
     from lit_qlora.nf4.native import use_native
 
     use_native(torch.bfloat16)  # compile and self-test the C kernels for real now: on fake tensors the test fails
-    tables, scratch = dict(reference._TABLE_CACHE), dict(linear._scratch.__dict__)
-    reference._TABLE_CACHE.clear()
-    linear._scratch.__dict__.clear()
+    caches = (reference._TABLE_CACHE, linear._scratch.__dict__, linear._cuda_scratch.__dict__)  # (CPU, CUDA buffers)
+    saved = [dict(cache) for cache in caches]
+    for cache in caches:
+        cache.clear()
     try:
         yield
     finally:
-        reference._TABLE_CACHE.clear()
-        reference._TABLE_CACHE.update(tables)
-        linear._scratch.__dict__.clear()
-        linear._scratch.__dict__.update(scratch)
+        for cache, kept in zip(caches, saved):
+            cache.clear()
+            cache.update(kept)
 
 
 TRACED_LOSS_CHUNKS = 2

@@ -288,16 +288,18 @@ def replayed_lora(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.
 
 def _recorded_keep_mask(x: torch.Tensor, p: float, ctx) -> torch.Tensor:
     """A keep mask for `x` drawn from the default generator, whose state (and `p`) `ctx` records for
-    `_replayed_keep_mask`."""
-    gen = _default_generator(x.device)
-    ctx.state, ctx.p = gen.get_state(), p
+    `_replayed_keep_mask`. On fake tensors (a dry run; fake CUDA has no generator) there is no state to keep."""
+    gen = None if native.is_fake(x) else _default_generator(x.device)
+    ctx.state, ctx.p = None if gen is None else gen.get_state(), p
     return _keep_mask(x, p, gen)
 
 
 def _replayed_keep_mask(x: torch.Tensor, ctx) -> torch.Tensor:
     """The keep mask forward drew for `x` (its shape), drawn again from the generator state it saved."""
-    gen = torch.Generator(device=x.device)
-    gen.set_state(ctx.state)
+    gen = None
+    if ctx.state is not None:
+        gen = torch.Generator(device=x.device)
+        gen.set_state(ctx.state)
     return _keep_mask(x, ctx.p, gen)
 
 
@@ -307,7 +309,7 @@ def _default_generator(device: torch.device) -> torch.Generator:
     return torch.default_generator
 
 
-def _keep_mask(x: torch.Tensor, p: float, gen: torch.Generator) -> torch.Tensor:
+def _keep_mask(x: torch.Tensor, p: float, gen: Optional[torch.Generator]) -> torch.Tensor:
     """1 where an element of x is kept (probability 1 - p), else 0: uint8, drawn from `gen`."""
     return torch.empty_like(x, dtype=torch.uint8).bernoulli_(1.0 - p, generator=gen)
 

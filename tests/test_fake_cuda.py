@@ -127,5 +127,6 @@ def test_a_cpu_only_call_on_the_device_path_fails_the_dry_run(monkeypatch):
         return eager(qdata, scales, levels, out)
 
     monkeypatch.setattr(codec, "dequantize_eager", cpu_only)
+    monkeypatch.setattr(codec, "triton_available", lambda: False)  # the PyTorch path (with Triton: one kernel)
     with pytest.raises((RuntimeError, TypeError, NotImplementedError)):
         dry_run("nf4")

@@ -26,7 +26,7 @@ from torchao.quantization import NF4Tensor
 from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import SubclassTensorArgs
 
 from lit_qlora.nf4.layout import check_layout, nf4_layout, row_blocks, rows_per_chunk
-from lit_qlora.nf4.native import dequantize_blocks, native_error, native_lib, quantize_blocks, use_native
+from lit_qlora.nf4.native import dequantize_blocks, is_fake, native_error, native_lib, quantize_blocks, use_native
 from lit_qlora.nf4.ops import triton_available
 from lit_qlora.nf4.reference import (quant_chunk_elems, SUPPORTED_DTYPES, dequantize_eager, dequantize_scalers,
                                   double_quantize, level_table, quantize_eager)
@@ -199,6 +199,8 @@ def dequantize_into(t: NF4Tensor | NF4Fields, flat: torch.Tensor, blocks: Option
         dequantize_blocks(t.quantized_data, block_scales(t), t.nf4, storage, flat, blocks)
         return
     if device.type == "cuda" and triton_available():  # one launch: lit_qlora/nf4/triton.py
+        if is_fake(flat):
+            return  # a dry run on fake CUDA: no data; the kernel allocates nothing
         from lit_qlora.nf4 import triton as kernel
 
         kernel.dequantize_into(t.quantized_data, t.quantized_scalers, t.quantization_factor, t.scaler_mean, t.nf4,
