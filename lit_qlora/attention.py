@@ -19,6 +19,12 @@ mask reuse the code (checked with dynamo on CPU, tests/test_attention.py; the co
 alike in a one-off dynamo check). Each grad mode (training, validation), mask kind (sliding, global) and head
 layout has its own entries, hence RECOMPILE_LIMIT.
 
+A run never breaks on a shape inductor cannot lower (seen on an H200: head_dim 16, a packed BlockMask,
+`NoValidChoicesError`): before a forward first uses flex_attention for a shape, `flex_runs` tries it once, forward
+and (when training) backward, on zeros of that shape; a failure is said once on stderr and that shape falls back to
+the dense mask, the same attention through SDPA or `capped_attention` (O(L^2) memory). The verdict is kept per shape
+for the process, so compiled blocks trace the path that works.
+
 `LIT_QLORA_FLEX_ATTENTION`: unset, flex_attention on CUDA when Triton is installed; `0`, never (the dense paths, as
 before, also on CUDA); `1`, on every device, CPU included. On CPU flex_attention runs without inductor
 (AOTAutograd over its dense math): it materializes the scores (no memory saved) but is the reference semantics, so
@@ -32,11 +38,13 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import sys
 from contextlib import contextmanager
-from typing import Iterator, Optional
+from typing import Iterator, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import is_fake
 
 FLEX_ENV = "LIT_QLORA_FLEX_ATTENTION"
 
@@ -110,6 +118,11 @@ def flex_attend(q, k, v, block_mask, scale: float, cap: Optional[float] = None,
     gives wrong gradients for a score_mod with captured tensors (the soft cap) under activation checkpointing (its
     forward traces the score_mod's backward with make_fx, and checkpoint's saved-tensor hooks catch those saves).
     (`litqlora estimate` puts a stand-in here that allocates what the compiled kernels do.)"""
+    return _flex_attention(q, k, v, block_mask, scale, cap, gqa)
+
+
+def _flex_attention(q, k, v, block_mask, scale: float, cap: Optional[float], gqa: Optional[bool]) -> torch.Tensor:
+    """flex_attend's computation, which `flex_runs` tries as it is."""
     from torch.nn.attention.flex_attention import flex_attention
 
     score_mod = None if cap is None else _softcap_score_mod(q.new_full((), cap, dtype=torch.float32))
@@ -167,3 +180,61 @@ def _cpu_backward_allowed() -> Iterator[None]:
 
 def _no_device_check(query, key, value) -> None:
     return None
+
+
+class FlexShape(NamedTuple):
+    """What decides whether inductor can lower flex_attention for a forward: the shapes, dtype and grad mode of its
+    queries and keys, the score_mod (scale, soft cap) and the mask's kind (its mask_mod's code)."""
+
+    device: str
+    dtype: torch.dtype
+    batch: int
+    length: int
+    n_head: int
+    n_kv: int
+    head_dim: int
+    scale: float
+    cap: Optional[float]
+    grad: bool
+    mask_kind: str
+
+
+_flex_verdicts: dict[FlexShape, bool] = {}
+"""Whether flex_attention ran for each shape tried in this process (`flex_runs`)."""
+
+
+def flex_runs(block_mask, shape: FlexShape) -> bool:
+    """Whether flex_attention, as `flex_attend` runs it, computes `shape`: tried once per shape, on zeros (no random
+    numbers drawn: a run's dropout and data order stay as they were), forward and, with `shape.grad`, backward. A
+    failure (an inductor lowering error, or any other) is said once on stderr; the caller then attends with the
+    dense mask, which computes the same attention."""
+    if torch.compiler.is_compiling() or is_fake(block_mask.kv_num_blocks):  # (`litqlora estimate`'s dry run)
+        return True
+    verdict = _flex_verdicts.get(shape)
+    if verdict is None:
+        try:
+            _try_flex(block_mask, shape)
+            verdict = True
+        except torch.OutOfMemoryError:  # the real forward would run out too: not a lowering problem to hide
+            raise
+        except Exception as e:  # noqa: BLE001 - any failure to compile or run it: the dense path is exact
+            verdict = False
+            first_line = (str(e).strip().splitlines() or [""])[0][:300]
+            print(f"flex_attention failed for {shape.length} tokens x {shape.batch} rows, {shape.n_head} heads of "
+                  f"{shape.head_dim} ({shape.dtype}, {shape.mask_kind} mask{', training' if shape.grad else ''}): "
+                  f"{type(e).__name__}: {first_line}. Attending with the dense mask for this shape instead (the same "
+                  "attention, O(L^2) memory).", file=sys.stderr, flush=True)
+        _flex_verdicts[shape] = verdict
+    return verdict
+
+
+def _try_flex(block_mask, shape: FlexShape) -> None:
+    def zeros(heads: int) -> torch.Tensor:
+        return torch.zeros(shape.batch, heads, shape.length, shape.head_dim, dtype=shape.dtype, device=shape.device,
+                           requires_grad=shape.grad)
+
+    q, k, v = zeros(shape.n_head), zeros(shape.n_kv), zeros(shape.n_kv)
+    with torch.set_grad_enabled(shape.grad):
+        out = _flex_attention(q, k, v, block_mask, shape.scale, shape.cap, shape.n_head != shape.n_kv)
+        if shape.grad:
+            torch.autograd.grad(out.sum(), (q, k, v))

@@ -117,3 +117,12 @@ def dense_mask(mask_mod: MaskMod, batch: int, length: int, device=None) -> torch
     i = torch.arange(length, device=device)
     return mask_mod(b, torch.zeros((), dtype=torch.long, device=device), i[None, None, :, None],
                     i[None, None, None, :])
+
+
+def as_dense(block_mask) -> torch.Tensor:
+    """The boolean mask a BlockMask describes, (batch, 1, length, length): where flex_attention cannot run a shape
+    (`lit_qlora.attention.flex_runs`), the same attention through the dense paths."""
+    q_len, kv_len = block_mask.seq_lengths
+    if q_len != kv_len:
+        raise ValueError(f"a full-sequence BlockMask is square; this one is {q_len} x {kv_len}")
+    return dense_mask(block_mask.mask_mod, block_mask.kv_num_blocks.size(0), q_len, block_mask.kv_num_blocks.device)

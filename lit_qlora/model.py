@@ -17,8 +17,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from lit_qlora.attention import attend, softcap, use_flex_attention
-from lit_qlora.attention_mask import attention_mask, document_lengths
+from lit_qlora.attention import FlexShape, attend, flex_runs, softcap, use_flex_attention
+from lit_qlora.attention_mask import as_dense, attention_mask, document_lengths
 from lit_qlora.config import Config, rope_attention_factor, rope_inv_freq
 from lit_qlora.fused_projections import fused_projections
 from lit_qlora.lora_dropout import reusing_down_products
@@ -94,6 +94,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotate_half(x) * sin
 
 
+def attention_scale(config: Config) -> float:
+    """Queries are scaled by this before the softmax: 1/sqrt(head_dim), or Gemma's query_pre_attn_scalar."""
+    return (config.query_pre_attn_scalar or config.head_dim) ** -0.5
+
+
 class KVCache(nn.Module):
     def __init__(self, batch_size: int, n_kv: int, max_len: int, head_dim: int, device=None, dtype=None) -> None:
         super().__init__()
@@ -119,7 +124,7 @@ class Attention(nn.Module):
         if config.qk_norm:
             self.q_norm = RMSNorm(hd, config.norm_eps, config.norm_plus_one)
             self.k_norm = RMSNorm(hd, config.norm_eps, config.norm_plus_one)
-        self.scale = (config.query_pre_attn_scalar or hd) ** -0.5
+        self.scale = attention_scale(config)
         self.kv_cache: Optional[KVCache] = None
 
     def forward(self, x, cos, sin, mask: Optional[torch.Tensor], input_pos: Optional[torch.Tensor]) -> torch.Tensor:
@@ -277,6 +282,8 @@ class Transformer(nn.Module):
         masks = {sliding: attention_mask(row_pos, kv_len, self.config.sliding_window if sliding else None,
                                          self.max_cache_len > 0, positions, flex, self.config.attn_softcap is not None)
                  for sliding in kinds}
+        if flex:
+            masks = {sliding: self.flex_or_dense(mask, idx.size(0), x.dtype) for sliding, mask in masks.items()}
         ropes = {sliding: self.rope(row_pos if positions is None else positions, x.dtype, sliding) for sliding in kinds}
         for i, block in enumerate(self.model.layers):
             mask, (cos, sin) = masks[block.sliding], ropes[block.sliding]
@@ -286,6 +293,19 @@ class Transformer(nn.Module):
             else:
                 x = block(x, cos, sin, mask, input_pos)
         return self.model.norm(x)
+
+    def flex_or_dense(self, mask, rows: int, dtype: torch.dtype):
+        """A BlockMask where flex_attention runs this forward's shape, else its dense mask (attention.flex_runs)."""
+        if mask is None or isinstance(mask, torch.Tensor):
+            return mask
+        c = self.config
+        q_len = mask.seq_lengths[0]
+        if torch.is_autocast_enabled(mask.kv_num_blocks.device.type):  # 16-mixed: q, k and v come out of autocast
+            dtype = torch.get_autocast_dtype(mask.kv_num_blocks.device.type)
+        kind = mask.mask_mod.__qualname__.split(".")[0]  # document_mask_mod, causal_mask_mod
+        shape = FlexShape(mask.kv_num_blocks.device.type, dtype, rows, q_len, c.n_head, c.n_query_groups, c.head_dim,
+                          attention_scale(c), c.attn_softcap, torch.is_grad_enabled(), kind)
+        return mask if flex_runs(mask, shape) else as_dense(mask)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The head over final hidden states (soft-capped for Gemma 2): what forward returns and the loss reads."""

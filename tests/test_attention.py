@@ -176,3 +176,104 @@ def test_the_cuda_estimate_counts_flex_attentions_linear_memory_for_a_sliding_wi
     dense = [activations(n) for n in (1024, 2048, 4096)]
     assert all(b / a >= 3.5 for a, b in zip(dense, dense[1:])), dense
     assert dense[-1] > 20 * flex[-1]
+
+
+class _LoweringError(RuntimeError):
+    """Stands in for inductor's `InductorError: LoweringException: NoValidChoicesError` (seen on an H200)."""
+
+
+def _failing_flex(where: str):
+    """A compiled flex_attention that cannot run: it raises in its forward, or only in its backward."""
+
+    class BackwardFails(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v):
+            return torch.zeros_like(q)
+
+        @staticmethod
+        def backward(ctx, grad):
+            raise _LoweringError("No choices to select, please consider adding ATEN into max_autotune_gemm_backends "
+                                 "config. target: flex_attention_backward")
+
+    def flex(q, k, v, **kwargs):
+        flex.calls += 1
+        if where == "forward":
+            raise _LoweringError("No choices to select, please consider adding ATEN into max_autotune_gemm_backends "
+                                 "config. target: flex_attention")
+        return BackwardFails.apply(q, k, v)
+
+    flex.calls = 0
+    return lambda backend: flex
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+@pytest.mark.parametrize("case", ["gemma2-tight-softcaps", "mistral-sliding-window"])
+def test_a_shape_flex_attention_cannot_lower_falls_back_once_to_the_dense_path(case, where, monkeypatch, capsys):
+    """flex_attention that fails to compile for a shape (forced here: its forward raises, or only its backward) does
+    not break the run: each shape is tried once, said once on stderr, and that forward attends with the dense mask;
+    logits and the LoRA gradients of a packed, checkpointed batch equal the dense path's (fp32)."""
+    _, model, config = reference_and_ours(*CASES[case])
+    apply_lora(model, r=4, alpha=8)
+    model.checkpoint_blocks = config.n_layer
+    g = torch.Generator().manual_seed(1)
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            p.data = torch.randn(p.shape, generator=g) * 0.1
+    batch = Collate(pad_id=0)(pack(documents(config.vocab_size), max_seq_length=30))
+    monkeypatch.setattr(attention, "_flex_verdicts", {})
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        logits = model(batch["input_ids"], positions=batch["positions"])
+        logits.float().square().mean().backward()
+        return logits.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+    monkeypatch.setenv(FLEX_ENV, "0")
+    dense_logits, dense_grads = run()
+    monkeypatch.setenv(FLEX_ENV, "1")
+    failing = _failing_flex(where)
+    monkeypatch.setattr(attention, "_compiled_flex_attention", failing)
+    monkeypatch.setattr(attention, "flex_attend", lambda *a: pytest.fail("flex_attention after it failed"))
+    capsys.readouterr()
+    for _ in range(2):  # the second forward reuses the verdict: no new try, nothing said again
+        logits, grads = run()
+        assert (logits - dense_logits).abs().max() <= 1e-5
+        assert grads.keys() == dense_grads.keys()
+        for name in grads:
+            assert (grads[name] - dense_grads[name]).abs().max() <= 1e-5, name
+    assert failing("inductor").calls == 1  # sliding and global layers' masks share a shape: tried once
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("flex_attention failed")]
+    assert len(said) == 1, said
+    assert "_LoweringError" in said[0] and "target: flex_attention" in said[0] and "dense mask" in said[0]
+    assert f"{batch['input_ids'].size(1)} tokens x {batch['input_ids'].size(0)} rows" in said[0]
+    # validation (no grad) is another shape, tried once more, forward only: where only the backward failed, it runs
+    monkeypatch.setattr(attention, "flex_attend", attention._flex_attention)
+    with torch.no_grad():
+        logits = model(batch["input_ids"], positions=batch["positions"])
+    verdicts = {shape.grad: ran for shape, ran in attention._flex_verdicts.items()}
+    assert verdicts == {True: False, False: where == "backward"}
+    if where == "forward":
+        assert (logits - dense_logits).abs().max() <= 1e-5 and failing("inductor").calls == 2
+    else:  # the stand-in's forward ran in every layer
+        assert failing("inductor").calls == 2 + config.n_layer
+
+
+def test_shapes_flex_attention_runs_keep_their_block_masks_and_are_tried_once(monkeypatch):
+    """Where flex_attention runs, the forward keeps the BlockMask (flex_attention, O(L) memory) and the shape is tried
+    once, on zeros: no random numbers drawn, so a run's dropout and data order are what they were."""
+    _, model, config = reference_and_ours(*CASES["mistral-sliding-window"])
+    monkeypatch.setattr(attention, "_flex_verdicts", {})
+    monkeypatch.setenv(FLEX_ENV, "1")
+    tries, real_try = [], attention._try_flex
+    monkeypatch.setattr(attention, "_try_flex", lambda mask, shape: tries.append(shape) or real_try(mask, shape))
+    flex_masks, real_flex = [], attention.flex_attend
+    monkeypatch.setattr(attention, "flex_attend", lambda *a: flex_masks.append(a[3]) or real_flex(*a))
+    batch = Collate(pad_id=0)(pack(documents(config.vocab_size), max_seq_length=30))
+    rng = torch.get_rng_state()
+    for _ in range(2):
+        model(batch["input_ids"], positions=batch["positions"]).sum().backward()
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert len(tries) == 1 and tries[0].grad and tries[0].mask_kind == "document_mask_mod"
+    assert tries[0][2:7] == (*batch["input_ids"].shape, config.n_head, config.n_query_groups, config.head_dim)
+    assert attention._flex_verdicts == {tries[0]: True}
+    assert len(flex_masks) == 2 * config.n_layer and not any(isinstance(m, torch.Tensor) for m in flex_masks)
