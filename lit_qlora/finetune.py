@@ -124,7 +124,7 @@ def finetune(
                      accelerator=accelerator, devices=devices, num_nodes=num_nodes, strategy=strategy,
                      tensor_parallel=tensor_parallel, nf4_shards=nf4_shards, resume=resume_from or False, lora=lora,
                      train=train, data=data, ignore_modules=ignore_modules, compile=compile,
-                     precision_reason=precision_reason, logger=loggers, gguf=export.gguf))
+                     precision_reason=precision_reason, logger=loggers, export=export))
 
 
 COMPILE_EMULATED = (

@@ -151,6 +151,11 @@ class ExportArgs:
     """Also write final/model-<type>.gguf (the adapter merged, for llama.cpp, Ollama and LM Studio) and
     final/Modelfile, as `litqlora export_gguf --dtype <type>` would; the base's family and tokenizer are checked
     before training starts."""
+    merged: bool = True
+    """Write final/merged/, the base with the adapter merged (bf16 Hugging Face directory: 16 GB for an 8B model).
+    false skips it: `litqlora merge` builds it later from final/'s adapter."""
+    peft: bool = True
+    """Write final/peft/, the adapter in PEFT's format (`litqlora export_peft` builds it later)."""
 
 
 @dataclass

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import time
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -30,7 +30,8 @@ from lit_qlora.nf4 import count_linears
 from lit_qlora.parallel.distributed import build_strategy, keep_frozen_out_of_ddp, nf4_shards_for
 from lit_qlora.parallel.tensor_parallel import TensorParallelShard
 from lit_qlora.tokenizer import Tokenizer
-from lit_qlora.train.args import DataArgs, LoRAArgs, TrainArgs, total_steps_for
+from lit_qlora.train.args import DataArgs, ExportArgs, LoRAArgs, TrainArgs, total_steps_for
+from lit_qlora.train.disk import output_sizes, require_disk_space
 from lit_qlora.train.offload import offload_for_run, offload_summary
 from lit_qlora.train.report import print_report
 from lit_qlora.train.state import read_state
@@ -113,14 +114,14 @@ class Run:
     data: Any  # lit_qlora.data.module.SFTDataModule
     train_loader: Any  # torch.utils.data.DataLoader
     started: float  # perf_counter() at the start: this process's part of summary.json's wall_seconds
-    gguf: Optional[str] = None  # --export.gguf: the GGUF type written to final/ too
+    export: ExportArgs = field(default_factory=ExportArgs)  # what final/ holds besides the adapter
 
 
 def setup(checkpoint_dir: Path, out_dir: Path, quantize: str, precision: str, seed: int, accelerator: str,
           devices: int, num_nodes: int, strategy: str, tensor_parallel: int, nf4_shards: Optional[int],
           resume: Union[bool, str, Path], lora: LoRAArgs, train: TrainArgs, data: DataArgs,
           ignore_modules: Optional[list[str]], compile: bool = False, precision_reason: Optional[str] = None,
-          logger: Sequence[str] = ("tensorboard",), gguf: Optional[str] = None) -> Run:
+          logger: Sequence[str] = ("tensorboard",), export: ExportArgs = ExportArgs()) -> Run:
     """Check the settings, load the data and the base (NF4 unless quantize=none), add LoRA, build the Trainer.
     `precision` may be auto (resolved here); `precision_reason` says why it is what it is (summary.json); `logger`
     names the loggers besides metrics.jsonl (lit_qlora.train.loggers)."""
@@ -152,6 +153,8 @@ def setup(checkpoint_dir: Path, out_dir: Path, quantize: str, precision: str, se
     train.require_valid_offload(uses_cuda(accelerator))
     L.seed_everything(seed, verbose=False)
     ensure_default_checkpoint(checkpoint_dir)
+    # Before anything heavy: a run that cannot write its exports should not train first.
+    require_disk_space(out_dir, output_sizes(checkpoint_dir, lora, train, export, ADAPTER_DTYPES[precision].itemsize))
     dm = SFTDataModule(data, Tokenizer(checkpoint_dir), train.max_seq_length, train.micro_batch_size, seed)
     dm.setup("fit")
     total_steps = total_steps_for(train, len(dm.train_set))
@@ -215,7 +218,7 @@ def setup(checkpoint_dir: Path, out_dir: Path, quantize: str, precision: str, se
     # The ranks of one tensor-parallel group (consecutive global ranks) take the same samples.
     loader = dm.step_dataloader(train.global_batch_size, config.start_step, total_steps,
                                 trainer.global_rank // tensor_parallel, config.data_ranks)
-    return Run(config, trainer, module, dm, loader, started, gguf)
+    return Run(config, trainer, module, dm, loader, started, export)
 
 
 def fit(run: Run) -> dict[str, Any]:
@@ -276,10 +279,10 @@ def train_and_export(run: Run) -> dict[str, Any]:
     adapter_config = {**config.adapter_config(), **(best_fields(periodic.record) if periodic else {})}
     with config.oom(lambda: "while exporting final/"):
         export_final(module.model, config.out_dir / "final", config.checkpoint_dir, adapter_config, adapter,
-                     gguf=run.gguf)
+                     gguf=run.export.gguf, merged=run.export.merged, peft=run.export.peft)
     summary = {**run_summary(run), **(best_fields(periodic.record) if periodic else {}), **train_peaks}
-    if run.gguf:
-        summary["gguf"] = str(config.out_dir / "final" / f"model-{run.gguf}.gguf")
+    if run.export.gguf:
+        summary["gguf"] = str(config.out_dir / "final" / f"model-{run.export.gguf}.gguf")
     if summary.get("stopped_at_step") is not None:  # the steps trained (and checkpointed) before the stop
         summary["steps"] = summary["stopped_at_step"]
     atomic_write_text(config.out_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
