@@ -236,9 +236,11 @@ def cuda_code_paths() -> Iterator[None]:
 
 
 def offload_decision(config: Config, precision: Precision, train: TrainArgs, device: str,
-                     micro_batch_size: Optional[int] = None) -> tuple[bool, str, int]:
-    """(offload or not, why, the pinned bytes it takes) for the recipe as a run on `device` would decide it
-    (lit_qlora.train.offload.offload_choice), but for the host's available memory, which is not known here."""
+                     micro_batch_size: Optional[int] = None,
+                     device_total: Optional[int] = None) -> tuple[bool, str, int]:
+    """(offload or not, why, the pinned bytes it takes) for the recipe as a run on `device` (a card of
+    `device_total` bytes, where known: --device_memory) would decide it (lit_qlora.train.offload.offload_choice),
+    but for the host's available memory, which is not known here."""
     from lit_qlora.config import PRECISION_DTYPES
     from lit_qlora.train.offload import block_input_bytes, offload_choice, pinned_size
 
@@ -246,7 +248,8 @@ def offload_decision(config: Config, precision: Precision, train: TrainArgs, dev
     blocks = config.n_layer if n_ckpt is True else int(n_ckpt or 0)
     batch = micro_batch_size or train.micro_batch_size
     one = block_input_bytes(config.n_embd, 1, batch, train.max_seq_length, PRECISION_DTYPES[precision].itemsize)
-    on, why = offload_choice(train.offload_activations, device == "cuda", blocks, one * blocks)
+    on, why = offload_choice(train.offload_activations, device == "cuda", blocks, one * blocks,
+                             device_total=device_total)
     if not on:
         return on, why, 0
     # CUDA's pinned pieces: only each block's last one is rounded up to a power of two (lit_qlora.train.offload)
@@ -254,7 +257,8 @@ def offload_decision(config: Config, precision: Precision, train: TrainArgs, dev
 
 
 def trace_step(config: Config, quantize: Quantize, precision: Precision, lora: LoRAArgs, train: TrainArgs,
-               device: str = "cuda", micro_batch_size: Optional[int] = None) -> AllocationTrace:
+               device: str = "cuda", micro_batch_size: Optional[int] = None,
+               device_total: Optional[int] = None) -> AllocationTrace:
     """Two optimizer steps of a fine-tune (each: forward, loss, backward per micro-batch, clipping, AdamW) on fake
     tensors; the trace holds the peak of allocated bytes and its categories."""
     import torch
@@ -281,7 +285,7 @@ def trace_step(config: Config, quantize: Quantize, precision: Precision, lora: L
         apply_lora(model, lora.r, lora.alpha, lora.dropout, lora.targets, lora.rslora, lora_dtype)
         n_ckpt = train.activation_checkpointing
         model.checkpoint_blocks = config.n_layer if n_ckpt is True else int(n_ckpt or 0)
-        if offload_decision(config, precision, train, device, batch)[0]:
+        if offload_decision(config, precision, train, device, batch, device_total)[0]:
             from lit_qlora.train.offload import ActivationOffload
 
             model.activation_offload = ActivationOffload()
@@ -439,7 +443,7 @@ def estimate(
         offload = (train.offload_activations if offload is None else offload) if checkpointing else False
         trace = trace_step(config, quantize, precision, lora, replace(
             train, activation_checkpointing=checkpointing, offload_activations=offload,
-            max_seq_length=length or train.max_seq_length), device, micro_batch_size)
+            max_seq_length=length or train.max_seq_length), device, micro_batch_size, budget)
         parts = parallel_bytes(trace.peak_by_category, config, strategy, world_size, tensor_parallel)
         return sum(parts.values()), parts, trace.host_peak
 
@@ -453,7 +457,7 @@ def estimate(
         searched = longest_context(lambda length: predict(train.micro_batch_size, train.activation_checkpointing,
                                                           length, train.offload_activations)[0], budget, device)
         train = replace(train, max_seq_length=searched["max_seq_length"] or LENGTH_STEP)
-    offload, offload_reason, pinned = offload_decision(config, precision, train, device)
+    offload, offload_reason, pinned = offload_decision(config, precision, train, device, device_total=budget)
     print(f"Offloaded activation checkpoints: {'on' if offload else 'off'} ({offload_reason})")
     peak, by_category, host = predict(train.micro_batch_size, train.activation_checkpointing, train.max_seq_length,
                                       train.offload_activations)

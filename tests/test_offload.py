@@ -175,6 +175,27 @@ def test_resolution_on_cuda():
         offload_choice("sometimes", True, 32, 1)
 
 
+def test_auto_stays_off_where_the_inputs_are_a_small_share_of_the_card_and_says_so():
+    """The 8B preset at 2 x 2048 (1 GiB of block inputs): off on an H200 (141 GB) and a 24 GB card, on for a 16 GB
+    T4; at 65,536 tokens (16 GiB) on everywhere. The reason names the share and the card."""
+    from lit_qlora.train.offload import AUTO_MIN_DEVICE_SHARE
+
+    preset = block_input_bytes(4096, 32, 2, 2048, 2)
+    long = block_input_bytes(4096, 32, 1, 65536, 2)
+    h200, card24, t4 = 143771 << 20, 24 << 30, 15 << 30
+    on, why = offload_choice("auto", True, 32, preset, device_total=h200)
+    assert not on and "under 1/16 of the card's 140.4 GiB" in why and "1.00 GiB" in why
+    assert offload_choice("auto", True, 32, preset, device_total=card24)[0] is False
+    assert offload_choice("auto", True, 32, preset, device_total=t4)[0] is True
+    for total in (h200, card24, t4):
+        on, why = offload_choice("auto", True, 32, long, device_total=total)
+        assert on and "1/16 of the card's memory" in why
+    assert preset < AUTO_MIN_DEVICE_SHARE * card24 <= 2 * preset  # the threshold sits between the two sizes
+    assert offload_choice(True, True, 32, preset, device_total=h200) == (True, "--train.offload_activations true")
+    # without the card's size (an estimate without --device_memory) the byte floor alone decides, as before
+    assert offload_choice("auto", True, 32, preset)[0] is True
+
+
 def test_finetune_refuses_true_on_the_cpu_before_loading_anything(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["finetune", "--accelerator", "cpu", "--out_dir", str(tmp_path / "o"),

@@ -49,6 +49,10 @@ import torch
 # and below 1 GiB the memory saved is small next to any card's (6% of a 16 GB T4). Llama-3.1-8B reaches it at 4096
 # tokens per micro-batch (32 blocks x 8 KiB x 4096), SmolLM2-135M at ~31k.
 AUTO_MIN_BYTES = 1 << 30
+# ... and at least this share of the card's memory: below it the memory saved is small next to what the card has, and
+# the copies are time spent for nothing (the 8B preset at 2 x 2048, 1 GiB, on a 141 GB H200: the offloaded run did not
+# finish where the same run without offload took 87 s). On a 24 GB card that is 1.5 GiB, on an 80 GB card 5 GiB.
+AUTO_MIN_DEVICE_SHARE = 1 / 16
 # `auto` stays off when the pinned host memory would take more than this share of the host's available memory:
 # pinned pages cannot be swapped, and a host that runs out of them stalls every process on it.
 AUTO_MAX_HOST_SHARE = 0.5
@@ -223,7 +227,9 @@ def offload_for_run(choice: Any, device: torch.device, checkpoint_blocks: int, n
                     max_seq_length: int, dtype: torch.dtype) -> tuple[Optional[ActivationOffload], str]:
     """A run's ActivationOffload (None: off) on `device` and why (offload_choice, with this host's free memory)."""
     input_bytes = block_input_bytes(n_embd, checkpoint_blocks, micro_batch_size, max_seq_length, dtype.itemsize)
-    on, why = offload_choice(choice, device.type == "cuda", checkpoint_blocks, input_bytes, available_host_bytes())
+    cuda = device.type == "cuda"
+    device_total = torch.cuda.get_device_properties(device).total_memory if cuda else None
+    on, why = offload_choice(choice, cuda, checkpoint_blocks, input_bytes, available_host_bytes(), device_total)
     return (ActivationOffload() if on else None), why
 
 
@@ -236,10 +242,11 @@ def offload_summary(offload: Optional[ActivationOffload]) -> dict[str, Any]:
 
 
 def offload_choice(choice: Any, cuda: bool, checkpoint_blocks: int, input_bytes: int,
-                   host_available: Optional[int] = None) -> tuple[bool, str]:
+                   host_available: Optional[int] = None, device_total: Optional[int] = None) -> tuple[bool, str]:
     """(whether to offload, why) for `--train.offload_activations` `choice` (true, false or auto): a run on CUDA or
     not, with `checkpoint_blocks` checkpointed blocks whose inputs take `input_bytes` per micro-batch, on a host with
-    `host_available` bytes free. `true` where it cannot apply is a UserError (TrainArgs.require_valid_offload)."""
+    `host_available` bytes free and a card of `device_total` bytes (None: not known, e.g. an estimate without
+    --device_memory). `true` where it cannot apply is a UserError (TrainArgs.require_valid_offload)."""
     from lit_qlora.train.args import TrainArgs
 
     TrainArgs(offload_activations=choice).require_valid_offload(cuda, checkpoint_blocks > 0)
@@ -254,6 +261,10 @@ def offload_choice(choice: Any, cuda: bool, checkpoint_blocks: int, input_bytes:
     size = f"{input_bytes / (1 << 30):.2f} GiB of checkpointed block inputs per micro-batch"
     if input_bytes < AUTO_MIN_BYTES:
         return False, f"auto: {size}, under {AUTO_MIN_BYTES >> 30} GiB"
+    if device_total is not None and input_bytes < AUTO_MIN_DEVICE_SHARE * device_total:
+        return False, (f"auto: {size}, under 1/{round(1 / AUTO_MIN_DEVICE_SHARE)} of the card's "
+                       f"{device_total / (1 << 30):.1f} GiB: too little saved to be worth the copies")
     if host_available is not None and input_bytes > AUTO_MAX_HOST_SHARE * host_available:
         return False, f"auto: {size}, more than half the host's available memory ({host_available / (1 << 30):.1f} GiB)"
-    return True, f"auto: {size}, at least {AUTO_MIN_BYTES >> 30} GiB"
+    share = "" if device_total is None else f" and 1/{round(1 / AUTO_MIN_DEVICE_SHARE)} of the card's memory"
+    return True, f"auto: {size}, at least {AUTO_MIN_BYTES >> 30} GiB{share}"
