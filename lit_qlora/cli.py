@@ -318,7 +318,9 @@ def usage_error(argv: list[str], table: dict[str, Command]) -> Optional[str]:
         given += file_options(tree, options.groups, path)
     for option in given:
         if not options.knows(option.key):
-            close = difflib.get_close_matches(option.key, options.names(), n=1, cutoff=0.6)
+            # a group's field given at the top (--lr for --train.lr) is the likeliest slip; then a typo
+            in_group = [key for key in options.types if key.rpartition(".")[2] == option.key and "." in key]
+            close = in_group or difflib.get_close_matches(option.key, options.names(), n=1, cutoff=0.6)
             where = f" in {option.source}" if option.source else ""
             suggestion = f"; did you mean `{close[0]}`?" if close else "."
             return f"{name}: unknown option `{option.key}`{where}{suggestion} {help_hint}"
@@ -326,11 +328,27 @@ def usage_error(argv: list[str], table: dict[str, Command]) -> Optional[str]:
         hint = options.types.get(option.key)
         if hint is not None and not accepts(hint, option.value, from_file=option.source is not None):
             got = "no value" if option.value is None and not option.source else repr(option.value)
-            return f"{name}: {option.label()}: expected {describe(hint)}, got {got}. {help_hint}"
+            nearest = nearest_value(hint, option.value)
+            suggestion = f" The nearest lit-qlora takes: {nearest!r}." if nearest else ""
+            return f"{name}: {option.label()}: expected {describe(hint)}, got {got}.{suggestion} {help_hint}"
     missing = [key for key in options.required if key not in {option.key for option in given}]
     if missing:
         return f"{name}: --{missing[0]} is required. {help_hint}"
     return None
+
+
+def nearest_value(hint: Any, value: Any) -> Optional[str]:
+    """For a choice option given a value it does not take: the nearest choice (a precision name users type from
+    elsewhere, PRECISION_NEAREST; else the closest spelling), or None."""
+    from lit_qlora.hardware import PRECISION_NEAREST, PrecisionChoice
+
+    choices = [str(c) for arm in union_arms(hint) if typing.get_origin(arm) is Literal for c in typing.get_args(arm)]
+    if not choices or value is None:
+        return None
+    if set(typing.get_args(PrecisionChoice)) <= set(choices) and str(value).lower() in PRECISION_NEAREST:
+        return PRECISION_NEAREST[str(value).lower()]
+    close = difflib.get_close_matches(str(value), choices, n=1, cutoff=0.5)
+    return close[0] if close else None
 
 
 def jsonargparse_message(error: ArgumentError, argv: list[str], table: dict[str, Command]) -> str:
@@ -348,6 +366,8 @@ def build_parser(table: dict[str, Command]) -> ArgumentParser:
     printing the whole usage; allow_abbrev=False: a typo must not silently become the option it abbreviates."""
     parser = ArgumentParser(prog="litqlora", description=DESCRIPTION, exit_on_error=False,
                             allow_abbrev=False)
+    parser.add_argument("--version", action="version", version=f"litqlora {installed_version()}",
+                        help="Print lit-qlora's version and exit.")
     subcommands = parser.add_subcommands(required=True)
     for name, command in table.items():
         summary = inspect.getdoc(command).split("\n\n")[0].replace("\n", " ")
@@ -358,6 +378,16 @@ def build_parser(table: dict[str, Command]) -> ArgumentParser:
         sub.add_argument("--debug", type=bool, nargs="?", const=True, default=False, help=DEBUG_HELP)
         subcommands.add_subcommand(name, sub, help=summary)
     return parser
+
+
+def installed_version() -> str:
+    """The installed lit-qlora's version (pyproject.toml's), or `unknown` when run from a source tree uninstalled."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("lit-qlora")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 def run(parser: ArgumentParser, table: dict[str, Command], cfg: Namespace) -> None:

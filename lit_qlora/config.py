@@ -35,17 +35,20 @@ HF_DEFAULTS: dict[str, dict[str, Any]] = {
 # Everything below is a view of it. (`auto` is not a row: lit_qlora.hardware resolves it to one.)
 _PRECISION_TABLE = (
     ("bf16-true", "bfloat16", torch.bfloat16, torch.bfloat16),
+    ("bf16-mixed", "bfloat16", torch.bfloat16, torch.float32),  # bf16 compute, fp32 adapters and AdamW state
     ("16-mixed", "float16", torch.float16, torch.float32),  # fp16 compute, fp32 adapters and AdamW state
     ("16-true", "float16", torch.float16, torch.float16),
     ("32-true", "float32", torch.float32, torch.float32),
 )
-Precision = Literal["bf16-true", "16-mixed", "16-true", "32-true"]
+Precision = Literal["bf16-true", "bf16-mixed", "16-mixed", "16-true", "32-true"]
 """A resolved precision (what `--precision auto` becomes: lit_qlora.hardware.choose_precision)."""
 PRECISION_DTYPES: dict[str, torch.dtype] = {precision: dtype for precision, _, dtype, _ in _PRECISION_TABLE}
 ADAPTER_DTYPES: dict[str, torch.dtype] = {precision: lora for precision, _, _, lora in _PRECISION_TABLE}
 MIXED_PRECISIONS = frozenset(p for p, _, dtype, lora in _PRECISION_TABLE if dtype != lora)
-"""Precisions whose trainable weights are wider than the compute: they train with dynamic loss scaling."""
-DTYPES: dict[str, torch.dtype] = {name: dtype for _, name, dtype, _ in _PRECISION_TABLE}
+"""Precisions whose trainable weights (and AdamW state) are fp32 over a narrower base and compute."""
+LOSS_SCALED_PRECISIONS = frozenset(p for p in MIXED_PRECISIONS if PRECISION_DTYPES[p] == torch.float16)
+"""Mixed precisions that train with dynamic loss scaling: fp16's range needs it, bf16's does not."""
+DTYPES: dict[str, torch.dtype] = {name: dtype for _, name, dtype, _ in _PRECISION_TABLE}  # (a dtype per name)
 DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for _, name, dtype, _ in _PRECISION_TABLE}
 
 

@@ -53,7 +53,8 @@ def finetune(
         precision: auto picks by hardware: bf16-true on a GPU with bf16 (compute capability >= 8.0) or a CPU with
             native bf16 (AVX512-BF16, AMX); 16-mixed on older GPUs (T4, V100: fp16 compute, fp32 adapters and
             AdamW state, dynamic loss scaling); 32-true on other CPUs (they emulate bf16, 5-10x slower than
-            fp32). An explicit bf16-true, 16-mixed, 16-true or 32-true wins.
+            fp32). An explicit bf16-true, bf16-mixed (bf16 compute, fp32 adapters and AdamW state), 16-mixed,
+            16-true or 32-true wins; Lightning's short names bf16, 16 and 32 mean bf16-mixed, 16-mixed and 32-true.
         seed: Seeds adapter init, data order and dropout: CPU runs repeat exactly.
         accelerator: cpu, cuda, auto...
         devices: Devices per node.

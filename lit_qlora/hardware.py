@@ -14,8 +14,18 @@ from __future__ import annotations
 import os
 from typing import Literal
 
-PrecisionChoice = Literal["auto", "bf16-true", "16-mixed", "16-true", "32-true"]
-"""What `--precision` accepts: auto, or one of Lightning's names."""
+PrecisionChoice = Literal["auto", "bf16-true", "bf16-mixed", "16-mixed", "16-true", "32-true", "bf16", "16", "32"]
+"""What `--precision` accepts: auto, one of Lightning's names, or one of Lightning's short aliases (PRECISION_ALIASES)."""
+
+PRECISION_ALIASES = {"bf16": "bf16-mixed", "16": "16-mixed", "32": "32-true"}
+"""Lightning's short names and what they mean there (and here)."""
+
+PRECISION_NEAREST = {"64": "32-true", "64-true": "32-true", "double": "32-true", "fp32": "32-true",
+                     "float32": "32-true", "fp16": "16-mixed", "float16": "16-mixed", "half": "16-mixed",
+                     "bfloat16": "bf16-true", "bf16-true-mixed": "bf16-mixed", "transformer-engine": "bf16-true",
+                     "transformer-engine-float16": "16-mixed"}
+"""Names users type that lit-qlora does not take, and the nearest it does (a base in fp64 or Transformer Engine's FP8
+is not something QLoRA computes in)."""
 
 # oneDNN's ISA levels, oldest first, as ONEDNN_MAX_CPU_ISA names them (oneDNN's enum dnnl_cpu_isa_t). bf16 matmuls
 # are native from AVX512_CORE_BF16 on (vdpbf16ps; AMX after it).
@@ -91,7 +101,7 @@ def cpu_emulates(precision: str) -> str | None:
     """Why this CPU emulates `precision`'s matmuls (bf16 or fp16 without native support), else None."""
     if precision == "32-true":
         return None
-    if precision == "bf16-true":
+    if precision.startswith("bf16"):
         native, why = cpu_native_bf16()
         return None if native else why
     caps = cpu_flags()
@@ -119,6 +129,8 @@ def uses_cuda(accelerator: str) -> bool:
 
 def choose_precision(precision: str, accelerator: str = "auto") -> tuple[str, str]:
     """(the precision a run uses, why): an explicit choice wins; `auto` looks at the device the run lands on."""
+    if precision in PRECISION_ALIASES:
+        return PRECISION_ALIASES[precision], f"--precision {precision}, Lightning's short name for it"
     if precision != "auto":
         return precision, "given with --precision"
     if uses_cuda(accelerator):

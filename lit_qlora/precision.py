@@ -1,6 +1,8 @@
 """`NF4Precision`: the QLoRA precision plugin, one class for Lightning Fabric and the Trainer.
 
-Under `16-mixed` (GPUs without bf16) it also does what Lightning's 16-mixed does for the trainable weights: they
+Under `bf16-mixed` the trainable weights and AdamW's state are fp32 over the bf16 (or NF4) base, which computes in
+bf16 as under `bf16-true`: Lightning's meaning of the name, without a second fp32 copy of the base. Under `16-mixed`
+(GPUs without bf16) it also does what Lightning's 16-mixed does for the trainable weights: they
 stay fp32, the loss is scaled before backward and the gradients unscaled before clipping and the step, which a
 torch.amp.GradScaler skips (and lowers its scale) when they overflowed. Unlike Lightning's 16-mixed, the frozen base
 is stored in fp16 and computes in fp16 without autocast (LoRA casts its fp32 factors to the activations' dtype): a
@@ -21,7 +23,7 @@ from lightning.fabric.plugins.precision.utils import _convert_fp_tensor, _DtypeC
 from lightning.pytorch.plugins.precision import Precision as TrainerPrecision
 from lightning_utilities import apply_to_collection
 
-from lit_qlora.config import MIXED_PRECISIONS, PRECISION_DTYPES, Precision
+from lit_qlora.config import LOSS_SCALED_PRECISIONS, MIXED_PRECISIONS, PRECISION_DTYPES, Precision
 from lit_qlora.nf4 import count_linears, is_nf4, quantize_linears
 
 
@@ -45,6 +47,7 @@ class NF4Precision(TrainerPrecision, FabricPrecision):
         self.precision = precision  # type: ignore[assignment]
         self.dtype = PRECISION_DTYPES[precision]
         self.mixed = precision in MIXED_PRECISIONS
+        self.loss_scaled = precision in LOSS_SCALED_PRECISIONS
         self.ignore_modules = tuple(ignore_modules)
         self.world_size = world_size
         self.quantize = quantize
@@ -117,7 +120,7 @@ class NF4Precision(TrainerPrecision, FabricPrecision):
     # The Trainer's backward hooks call into `module.trainer`, which a plain module in a user's Fabric loop lacks
     # (the first `fabric.backward` crashed before this): each call goes to the base class of whoever drives it.
     def pre_backward(self, tensor: torch.Tensor, module: Any) -> Any:
-        if self.mixed:
+        if self.loss_scaled:
             tensor = self._scaler_for(tensor.device).scale(tensor)
         base = TrainerPrecision if _under_trainer(module) else FabricPrecision
         return base.pre_backward(self, tensor, module)

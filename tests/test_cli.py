@@ -37,6 +37,27 @@ def test_download_offline_is_one_clear_line(tmp_path):
     assert len(lines) == 1 and "offline" in lines[0] and "convert_gguf" in lines[0]
 
 
+def test_version_and_lightnings_names_and_misplaced_flags_are_understood():
+    from importlib.metadata import version
+
+    out = litqlora("--version")
+    assert (out.returncode, out.stdout.strip()) == (0, f"litqlora {version('lit-qlora')}")
+    out = litqlora("finetune", "--lr", "1e-3")
+    assert out.returncode == 2 and "unknown option `lr`; did you mean `train.lr`?" in out.stderr
+    for given, nearest in (("64-true", "32-true"), ("64", "32-true"), ("fp16", "16-mixed"), ("bf16-mixd", "bf16-mixed")):
+        out = litqlora("finetune", "--precision", given)
+        assert out.returncode == 2 and f"got '{given}'. The nearest lit-qlora takes: '{nearest}'." in out.stderr
+
+
+def test_lightnings_short_precision_names_mean_what_they_mean_there():
+    from lit_qlora.hardware import choose_precision
+
+    for short, full in (("bf16", "bf16-mixed"), ("16", "16-mixed"), ("32", "32-true")):
+        chosen, why = choose_precision(short, "cpu")
+        assert chosen == full and "Lightning's short name" in why
+    assert choose_precision("bf16-mixed", "cpu") == ("bf16-mixed", "given with --precision")
+
+
 def test_missing_checkpoint_is_a_clear_error(tmp_path):
     out = litqlora("generate", "--checkpoint_dir", tmp_path / "nope", "--prompt", "hi")
     assert out.returncode == 1

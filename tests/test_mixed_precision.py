@@ -28,9 +28,14 @@ def build(tiny_llama_dir, out_dir, data, precision="16-mixed", quantize="nf4", r
                  data=data, ignore_modules=None)
 
 
+@pytest.mark.parametrize("precision, compute, scale", [("16-mixed", torch.float16, 65536.0),
+                                                      ("bf16-mixed", torch.bfloat16, None)])
 @pytest.mark.parametrize("quantize", ["nf4", "none"])
-def test_16_mixed_keeps_adapters_and_adamw_in_fp32_and_computes_in_fp16(tiny_llama_dir, tmp_path, quantize):
-    run = build(tiny_llama_dir, tmp_path / "run", data_args(tmp_path), quantize=quantize, max_steps=2)
+def test_16_mixed_keeps_adapters_and_adamw_in_fp32_and_computes_in_fp16(tiny_llama_dir, tmp_path, quantize, precision,
+                                                                       compute, scale):
+    """And bf16-mixed (Lightning's meaning: fp32 adapters and AdamW state) computes in bf16, without loss scaling."""
+    run = build(tiny_llama_dir, tmp_path / "run", data_args(tmp_path), precision=precision, quantize=quantize,
+                max_steps=2)
     seen = {}
 
     def record(module, args, output):
@@ -42,24 +47,24 @@ def test_16_mixed_keeps_adapters_and_adamw_in_fp32_and_computes_in_fp16(tiny_lla
     summary = fit(run)
     for h in hooks:
         h.remove()
-    assert summary["precision"] == "16-mixed"
-    assert len(seen) == 2 and all(v == (torch.float16, torch.float16) for v in seen.values()), seen  # fp16 matmuls
+    assert summary["precision"] == precision
+    assert len(seen) == 2 and all(v == (compute, compute) for v in seen.values()), seen  # fp16 (bf16) matmuls
     lora = {n: p for n, p in model.named_parameters() if p.requires_grad}
     frozen = {n: p for n, p in model.named_parameters() if not p.requires_grad}
     assert lora and all(p.dtype == torch.float32 for p in lora.values())
     from lit_qlora.nf4 import is_nf4
 
     assert any(is_nf4(p) for p in frozen.values()) == (quantize == "nf4")
-    assert all(p.dtype == torch.float16 for p in frozen.values() if not is_nf4(p))  # embeddings, norms, dense base
+    assert all(p.dtype == compute for p in frozen.values() if not is_nf4(p))  # embeddings, norms, dense base
     optimizer = run.trainer.optimizers[0]
     moments = [s["exp_avg"] for s in optimizer.state.values()]
     assert moments and all(m.dtype == torch.float32 for m in moments)
-    assert run.trainer.precision_plugin.loss_scale() == 65536.0  # no overflow in two healthy steps
+    assert run.trainer.precision_plugin.loss_scale() == scale  # no overflow in two healthy steps
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert all(r["loss"] is not None and "skipped" not in r for r in rows)
     assert any(bool((p != 0).any()) for n, p in lora.items() if "lora_B" in n)  # the adapters trained
     final = json.loads((tmp_path / "run" / "final" / "adapter_config.json").read_text())
-    assert (final["precision"], final["base_dtype"], final["lora_dtype"]) == ("16-mixed", "float16", "float32")
+    assert (final["precision"], final["base_dtype"], final["lora_dtype"]) == (precision, str(compute)[6:], "float32")
     assert all(t.dtype == torch.float32 for t in load_file(tmp_path / "run" / "final" / "adapter.safetensors").values())
 
 
