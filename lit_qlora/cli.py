@@ -14,10 +14,10 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import inspect
-import logging
 import os
 import sys
 import typing
+import warnings
 from pathlib import Path
 from types import UnionType
 from typing import Any, Callable, Literal, Optional
@@ -26,6 +26,7 @@ import yaml
 from jsonargparse import ActionConfigFile, ArgumentError, ArgumentParser, Namespace, set_parsing_settings
 
 from lit_qlora.errors import UserError
+from lit_qlora.quiet import quiet_third_party
 from lit_qlora.train.signals import Interrupted, TrainingStopped
 
 Command = Callable[..., Any]
@@ -82,11 +83,11 @@ def is_user_error(error: Exception) -> bool:
 
 
 def quiet_library_logs() -> None:
-    # torchao warns at import about CUDA-only kernels it cannot load on CPU, torch about a pytree
-    # deprecation inside torchao: neither concerns NF4, and both would bury our output. (What Lightning's Trainer
-    # prints during a fine-tune: lit_qlora.train.progress.quiet_lightning.)
-    for name in ("torchao", "torch.utils._pytree"):
-        logging.getLogger(name).setLevel(logging.ERROR)
+    """Third-party noise off (lit_qlora.quiet; what Lightning's Trainer prints during a fine-tune:
+    lit_qlora.train.progress.quiet_lightning), and Python warnings, ours included, as one line each instead of a
+    file name, line number and source line."""
+    quiet_third_party()
+    warnings.formatwarning = lambda message, category, filename, lineno, line=None: f"litqlora: warning: {message}\n"
 
 
 # Commands whose first argument may be given bare (`litqlora download REPO_ID`); every other argument is a flag.
@@ -103,7 +104,8 @@ DESCRIPTION = ("Fine-tune LLMs with QLoRA (an NF4 base, LoRA adapters) or LoRA, 
 CONFIG_HELP = "A YAML file of this command's options (keys as in --print_config); the command line overrides it."
 COMPARE_CONFIG_HELP = ("A `litqlora finetune` recipe (e.g. config_hub/finetune/smollm2-135m/lora.yaml) that both fine-tunes "
                        "run; the same as --recipe.")
-DEBUG_HELP = "Show the full traceback of an error (also LITQLORA_DEBUG=1 or `debug: true` in a --config file)."
+DEBUG_HELP = ("Show the full traceback of an error, and what other libraries print (torchao's import warnings, "
+              "progress bars of datasets); also LITQLORA_DEBUG=1 or `debug: true` in a --config file.")
 
 BUILTIN_OPTIONS = ("config", "print_config", "help", "debug")
 """Options every command has besides its own parameters."""
@@ -407,7 +409,9 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     debug = debug_requested(argv)
     argv = expand_positional(argv)
-    if not debug:
+    if debug:
+        os.environ["LITQLORA_DEBUG"] = "1"  # for the processes a command starts (LitServe's workers, ranks)
+    else:
         quiet_library_logs()
     set_parsing_settings(docstring_parse_attribute_docstrings=True)  # dataclass field docstrings become --help
     table = commands()

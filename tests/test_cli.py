@@ -58,6 +58,31 @@ def test_lightnings_short_precision_names_mean_what_they_mean_there():
     assert choose_precision("bf16-mixed", "cpu") == ("bf16-mixed", "given with --precision")
 
 
+NOISE = ("Failed to load", "_pytree", "Generating train split", "UserWarning")
+
+
+def test_a_run_prints_nothing_of_other_libraries_unless_debugging(tiny_llama_dir, tmp_path):
+    """torchao's import warnings, torch's pytree deprecation and the datasets library's progress bar stay out of a
+    CSV fine-tune's output, and our own warnings are one line each; --debug true shows the libraries' lines."""
+    rows = "instruction,output\n" + "".join(f"Add {i} and 1.,It is {i + 1}.\n" for i in range(8))
+    (tmp_path / "rows.csv").write_text(rows)
+    args = ["finetune", "--checkpoint_dir", tiny_llama_dir, "--data.path", tmp_path / "rows.csv", "--precision",
+            "32-true", "--train.max_steps", "1", "--train.micro_batch_size", "2", "--train.global_batch_size", "2",
+            "--train.max_seq_length", "8", "--export.merged", "false", "--export.peft", "false"]
+    out = litqlora(*args, "--out_dir", tmp_path / "quiet")
+    assert out.returncode == 0, out.stderr
+    assert not [line for line in (out.stdout + out.stderr).splitlines() if any(n in line for n in NOISE)]
+    assert "litqlora: warning: " in out.stderr and "truncated" in out.stderr  # ours, one line (max_seq_length 8)
+    debug = litqlora(*args, "--out_dir", tmp_path / "debug", "--debug", "true")
+    assert debug.returncode == 0 and "_pytree" in debug.stderr  # (the CSV's split is cached by now: no bar)
+    # a process the CLI did not start (LitServe spawns its workers) is quiet from lit_qlora.nf4's import on
+    code = "import lit_qlora.nf4"
+    quiet = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    loud = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, "LITQLORA_DEBUG": "1"})
+    assert quiet.stderr == "" and "_pytree" in loud.stderr
+
+
 def test_missing_checkpoint_is_a_clear_error(tmp_path):
     out = litqlora("generate", "--checkpoint_dir", tmp_path / "nope", "--prompt", "hi")
     assert out.returncode == 1

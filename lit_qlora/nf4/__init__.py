@@ -12,12 +12,16 @@ Modules, lowest first (each imports only those above it):
 Nothing here knows about LoRA: the adapter layer imports this package, never the reverse.
 """
 
-from lit_qlora.nf4.codec import clone_nf4, dequantize_nf4, is_nf4, nf4_nbytes, quantize_nf4
-from lit_qlora.nf4.convert import base_linears, count_linears, is_ignored, quantize_linears, quantize_weight
-from lit_qlora.nf4.layout import NF4Layout, block_aligned_rows, nf4_layout, row_slices
-from lit_qlora.nf4.linear import FrozenNF4Linear, NF4Linear, frozen_linear, nf4_linear
-from lit_qlora.nf4.native import nf4_backend
-from lit_qlora.nf4.reference import NF4_LEVELS
+from lit_qlora.quiet import quiet_third_party
+
+quiet_third_party()  # before torchao loads: its import warns about kernels NF4 never uses
+
+from lit_qlora.nf4.codec import clone_nf4, dequantize_nf4, is_nf4, nf4_nbytes, quantize_nf4  # noqa: E402
+from lit_qlora.nf4.convert import base_linears, count_linears, is_ignored, quantize_linears, quantize_weight  # noqa: E402
+from lit_qlora.nf4.layout import NF4Layout, block_aligned_rows, nf4_layout, row_slices  # noqa: E402
+from lit_qlora.nf4.linear import FrozenNF4Linear, NF4Linear, frozen_linear, nf4_linear  # noqa: E402
+from lit_qlora.nf4.native import nf4_backend  # noqa: E402
+from lit_qlora.nf4.reference import NF4_LEVELS  # noqa: E402
 
 __all__ = [
     "NF4_LEVELS",
