@@ -8,6 +8,8 @@ run's files unless told to."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import shlex
@@ -323,6 +325,19 @@ def test_a_resumed_runs_summary_covers_the_whole_run(tiny_llama_dir, rows, tmp_p
         (rows_logged[2]["tokens"] + rows_logged[4]["tokens"]) / (seconds[2] + seconds[4]), rel=1e-6)
     assert summary["first_step_seconds"] == pytest.approx(seconds[1], rel=1e-6)
     assert first_wall < summary["wall_seconds"] <= first_wall + resumed_wall
+    # this process's part is said apart: the whole run's time less what the checkpoint counted before it
+    assert 0 < summary["process_wall_seconds"] <= resumed_wall
+    assert summary["wall_seconds"] - first_wall == pytest.approx(summary["process_wall_seconds"], abs=0.5)
+    assert "s of it in this process (resumed at step 2)" in capsys_report(out)
+
+
+def capsys_report(out):
+    from lit_qlora.train.report import print_report
+
+    buffer = io.StringIO()
+    with contextlib.redirect_stdout(buffer):
+        print_report(json.loads((out / "summary.json").read_text()), out)
+    return buffer.getvalue()
 
 
 def test_an_out_dir_holding_another_run_is_refused_without_resume_or_overwrite(tiny_llama_dir, rows, tmp_path,

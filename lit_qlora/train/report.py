@@ -25,7 +25,7 @@ def print_report(summary: dict[str, Any], out_dir: Path) -> None:
           if summary.get("offload_activations") else []),
         ("NF4 linears", f"{summary['quantized_linears']} / {summary['total_linears']}"),
         ("trainable params", f"{summary['trainable_params']:,} of {summary['total_params']:,}"),
-        ("wall time", f"{summary['wall_seconds']:.1f} s"),
+        ("wall time", wall_time(summary)),
     ]
     width = max(len(k) for k, _ in rows)
     print("\n".join([f"\nRun finished: {out_dir}"] + [f"  {k:<{width}}  {v}" for k, v in rows]))
@@ -44,6 +44,15 @@ def compile_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
         return []
     first = summary.get("first_step_seconds")
     return [("compile time", f"{summary['compile_seconds']:.1f} s" + (f" (first step {first:.1f} s)" if first else ""))]
+
+
+def wall_time(summary: dict[str, Any]) -> str:
+    """The whole run's wall time; after a resume, also this process's part of it."""
+    whole = f"{summary['wall_seconds']:.1f} s"
+    if not summary.get("resumed_from_step") or summary.get("process_wall_seconds") is None:
+        return whole
+    return f"{whole} in all, {summary['process_wall_seconds']:.1f} s of it in this process (resumed at step " \
+           f"{summary['resumed_from_step']})"
 
 
 def loss(value: Any) -> str:

@@ -308,7 +308,8 @@ def best_fields(record: Any) -> dict[str, Any]:
 def run_summary(run: Run) -> dict[str, Any]:
     """summary.json: the run's losses, steady throughput (after each process's warm-up: its first step, and with
     --compile any step that compiled), compile time, memory peaks and sizes. Steps, throughput and wall time are
-    the whole run's, a resumed one's included (the checkpoint resumed from counted the part before: run_totals)."""
+    the whole run's, a resumed one's included (the checkpoint resumed from counted the part before: run_totals);
+    process_wall_seconds is this process's alone."""
     from lit_qlora.train.callbacks import ResumableCheckpoints
 
     module, history = run.module, run.module.history
@@ -327,7 +328,8 @@ def run_summary(run: Run) -> dict[str, Any]:
         "compile": run.config.compile,
         # Validation's and training's compilation, this process's (a resumed run compiles again).
         "compile_seconds": compile_seconds() if run.config.compile else None,
-        "wall_seconds": totals["wall_seconds"],
+        "wall_seconds": totals["wall_seconds"],  # the whole run: every process that trained it, resumes included
+        "process_wall_seconds": time.perf_counter() - run.started,  # this process alone (its load, steps, exports)
         **peak_memory_stats(run.trainer.strategy.root_device),
         **offload_summary(getattr(module.model, "activation_offload", None)),  # host memory beside the device's
         "quantized_linears": quantized,
