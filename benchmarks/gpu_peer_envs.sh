@@ -9,7 +9,7 @@
 # reach, so a .pth file adds the base's own site-packages after the venv's: the venv's pins win, torch is shared.
 # Installs are --no-deps from a pinned list, so nothing can pull a second torch.
 #
-#   WHEELS=.devcarry/peerwhl bash benchmarks/gpu_peer_envs.sh   # offline (GPU machine): from a wheel folder
+#   WHEELS=.devcarry/peers bash benchmarks/gpu_peer_envs.sh     # offline (GPU machine): from a wheel folder
 #   bash benchmarks/gpu_peer_envs.sh                            # online: the same pins from PyPI
 #   bash benchmarks/gpu_peer_envs.sh download DIR               # here: the GPU machine's wheels into DIR
 #                                                               # (PYVER=3.11 for wheels of this machine's Python)

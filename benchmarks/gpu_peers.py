@@ -1,6 +1,6 @@
 """The peers' LoRA/QLoRA on one CUDA GPU (issue 28 item 4), each run one process in the peer's own venv.
 
-    WHEELS=.devcarry/peerwhl bash benchmarks/gpu_peer_envs.sh   # once per machine (online: without WHEELS)
+    WHEELS=.devcarry/peers bash benchmarks/gpu_peer_envs.sh     # once per machine (online: without WHEELS)
     python benchmarks/gpu_peers.py --out gpu_peers.json [--time_budget 540] [--eager] [--ours]
     python benchmarks/gpu_peers.py --runs --ours                 # ours alone, on the same checkpoint
     python benchmarks/gpu_peers.py --device cpu --preset tiny --seq 64 --steps 3   # smoke test
@@ -345,7 +345,7 @@ def main() -> None:
     parser.add_argument("--ours_compile", choices=["true", "false"], help="ours: finetune --compile, when given")
     parser.add_argument("--preset", default="Llama-3.1-8B", help="a lit_qlora preset, or tiny (smoke tests)")
     parser.add_argument("--checkpoint_dir", type=Path, help="an existing HF checkpoint instead of --preset's")
-    parser.add_argument("--tokenizer_dir", type=Path, default=ROOT / ".devcarry/smol")
+    parser.add_argument("--tokenizer_dir", type=Path, default=ROOT / ".devcarry/kit/smol")
     parser.add_argument("--device", default="cuda")
     for name, default in (("batch", 2), ("seq", 2048), ("steps", 6)):
         parser.add_argument(f"--{name}", type=int, default=default)

@@ -17,7 +17,7 @@ from lit_qlora.train.run import fit, setup
 print("device", torch.cuda.get_device_name(), torch.cuda.get_device_capability(), "torch", torch.__version__)
 print("auto ->", choose_precision("auto", "auto"))
 tmp = Path("/tmp/gpucheck"); tmp.mkdir(exist_ok=True)
-base = write_tiny_llama(Path(sys.argv[1] if len(sys.argv) > 1 else ".devcarry/smol"), tmp / "tiny")
+base = write_tiny_llama(Path(sys.argv[1] if len(sys.argv) > 1 else ".devcarry/kit/smol"), tmp / "tiny")
 rows = [{"instruction": f"Add {i} and {i + 3}.", "output": f"{i} + {i + 3} = {2 * i + 3}."} for i in range(40)]
 (tmp / "rows.json").write_text(json.dumps(rows))
 out = {}

@@ -19,11 +19,13 @@ import itertools
 import json
 import os
 import random
+import shlex
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Sequence
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -66,8 +68,12 @@ def write_dataset(path: Path, rows: int = 400, words: int = 900) -> Path:
 
 
 def run(ckpt: Path, data: Path, out_dir: Path, quantize: str, micro: int, seq: int, steps: int, compile_: str | None,
-        checkpointing: bool, offload: str | None = None) -> dict:
-    cmd = [sys.executable, "-m", "lit_qlora.cli", "finetune", "--checkpoint_dir", str(ckpt), "--out_dir", str(out_dir),
+        checkpointing: bool, offload: str | None = None, extra: Sequence[str] = (),
+        launcher: Sequence[str] | None = None) -> dict:
+    """One `litqlora finetune` process; `extra` options go last (they win), `launcher` replaces `python -m
+    lit_qlora.cli` (benchmarks/gpu/check.py's memory-capped one)."""
+    cmd = [*(launcher or [sys.executable, "-m", "lit_qlora.cli"]), "finetune", "--checkpoint_dir", str(ckpt),
+           "--out_dir", str(out_dir),
            "--accelerator", "cuda", "--quantize", quantize, "--data.json_path", str(data), "--data.packing", "true",
            "--data.val_split", "0.02", "--lora.dropout", "0.05", "--train.max_steps", str(steps),
            "--train.micro_batch_size", str(micro), "--train.global_batch_size", str(micro),
@@ -77,6 +83,7 @@ def run(ckpt: Path, data: Path, out_dir: Path, quantize: str, micro: int, seq: i
         cmd += ["--compile", compile_]
     if offload is not None:  # default auto: on from 1 GiB of checkpointed block inputs (an 8B at 2x2048: 1 GiB)
         cmd += ["--train.offload_activations", offload]
+    cmd += list(extra)
     started = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     wall = time.perf_counter() - started
@@ -92,7 +99,8 @@ def run(ckpt: Path, data: Path, out_dir: Path, quantize: str, micro: int, seq: i
         "first_step_tokens_per_sec": round(metrics[0]["tokens_per_sec"], 1),
         "steady_tokens_per_sec": round(statistics.median(rates), 1) if rates else None,
         "losses": [round(m["loss"], 4) for m in metrics],
-        **{k: v for k, v in summary.items() if k.startswith("peak_") or k in ("compile_seconds", "val_loss")},
+        **{k: v for k, v in summary.items()
+           if k.startswith(("peak_", "offload_")) or k in ("compile_seconds", "val_loss")},
     })
     return row
 
@@ -108,6 +116,7 @@ def main() -> None:
     parser.add_argument("--compile", nargs="+", default=[None])
     parser.add_argument("--offload", nargs="+", default=[None], help="--train.offload_activations values (default auto)")
     parser.add_argument("--no_checkpointing", action="store_true")
+    parser.add_argument("--finetune_args", default="", help="more finetune options, last: '--export.merged false'")
     parser.add_argument("--tokenizer_dir", type=Path, required=True)
     parser.add_argument("--work", type=Path, default=Path("/tmp/gpu_suite"))
     parser.add_argument("--out", type=Path, default=Path("gpu_suite.json"))
@@ -125,7 +134,7 @@ def main() -> None:
         print(f"{name}: checkpoint ready in {time.perf_counter() - t0:.0f} s", flush=True)
         for compile_, offload, quantize in itertools.product(args.compile, args.offload, args.quantize):
             row = run(ckpt, data, args.work / f"out-{name}-{quantize}-{compile_}-{offload}", quantize, micro, seq,
-                      steps, compile_, not args.no_checkpointing, offload)
+                      steps, compile_, not args.no_checkpointing, offload, shlex.split(args.finetune_args))
             row["model"] = name
             results["runs"].append(row)
             print(json.dumps(row), flush=True)
