@@ -1,10 +1,11 @@
 """`litqlora serve` (lit_qlora/deploy/serve.py), called as apps call it: the official `openai` client, streaming and
-not, gets what `litqlora generate` answers at temperature 0; concurrent clients get their own answers; a wrong key
-gets 401 and a malformed body 422, and the server goes on serving."""
+not, gets what `litqlora generate` answers at temperature 0 with `usage` counting the exact prompt and reply tokens
+(streamed: in the last chunk when `stream_options` asks); concurrent clients get their own answers; /v1/models
+names the served model; every error (400, 401, 404, 405, 422, 500) is an OpenAI error object, and the server goes
+on serving."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -13,6 +14,7 @@ import sys
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
 
 import pytest
 
@@ -57,48 +59,201 @@ def server(smollm2_dir):
 
 @pytest.fixture(scope="module")
 def expected(smollm2_dir):
-    """`litqlora generate`'s replies at temperature 0 (the same chat template, 32 tokens at most)."""
-    from lit_qlora.generate import generate_command
+    """What `litqlora generate` answers at temperature 0 (its own stream_reply, 32 tokens at most), with the token
+    ids behind it: the prompt through the chat template, as generate feeds it, and the reply's generated ids."""
+    from lit_qlora.generate import stream_reply
+    from lit_qlora.loading import load_model
+    from lit_qlora.sampling import generate
+    from lit_qlora.tokenizer import Tokenizer
 
-    return {q: generate_command(q, checkpoint_dir=smollm2_dir, max_new_tokens=32, precision="32-true")
-            for q in QUESTIONS}
+    model, tok = load_model(smollm2_dir, "none", "32-true"), Tokenizer(smollm2_dir)
+    answers = {}
+    for q in QUESTIONS:
+        prompt = tok.encode_prompt(q)
+        assert prompt == tok.encode_chat([{"role": "user", "content": q}])  # what serve feeds for one user turn
+        reply = list(generate(model, prompt, 32, stop_ids=tok.eos_ids))
+        answers[q] = Answer(stream_reply(model, tok, prompt, 32, 0.0, None, 1234), prompt, reply, tok)
+        assert tok.decode(reply) == answers[q].text
+    return answers
+
+
+class Answer(NamedTuple):
+    text: str
+    prompt: list  # token ids fed to the model
+    reply: list  # token ids generated
+    tok: object
 
 
 def client(url, key=KEY):
     return openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=300)
 
 
-def ask(url, question, stream=False):
-    kwargs = dict(model="smollm2", messages=[{"role": "user", "content": question}], temperature=0, max_tokens=32)
+def ask(url, question, stream=False, **kwargs):
+    kwargs = dict(model="smollm2", messages=[{"role": "user", "content": question}], temperature=0, max_tokens=32,
+                  **kwargs)
     if not stream:
         return client(url).chat.completions.create(**kwargs).choices[0].message.content
     chunks = client(url).chat.completions.create(stream=True, **kwargs)
     return "".join(c.choices[0].delta.content or "" for c in chunks)
 
 
-def test_the_openai_client_gets_generates_answer_streamed_and_not(server, expected, smollm2_dir):
+def create(url, question, **kwargs):
+    kwargs = {"model": "anything", "temperature": 0, "max_tokens": 32, **kwargs}
+    return client(url).chat.completions.create(messages=[{"role": "user", "content": question}], **kwargs)
+
+
+def test_the_openai_client_gets_generates_answer_and_real_usage_streamed_and_not(server, expected, smollm2_dir):
     q = QUESTIONS[0]
-    assert ask(server, q).strip() == expected[q].strip() and "Paris" in expected[q]
-    assert ask(server, q, stream=True).strip() == expected[q].strip()
+    answer = expected[q]
+    assert "Paris" in answer.text and len(answer.reply) < 32  # the model stopped on its own
+    usage = {"prompt_tokens": len(answer.prompt), "completion_tokens": len(answer.reply),
+             "total_tokens": len(answer.prompt) + len(answer.reply)}
+
+    reply = create(server, q)
+    assert reply.choices[0].message.content == answer.text and reply.choices[0].finish_reason == "stop"
+    assert reply.usage.model_dump(include=set(usage)) == usage
+    assert reply.model == smollm2_dir.name  # the served model answers, whatever name the request gave
+
+    chunks = list(create(server, q, stream=True, stream_options={"include_usage": True}))
+    *content, finish, last = chunks
+    assert "".join(c.choices[0].delta.content for c in content) == answer.text
+    assert content[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in content] == [None] * len(content)
+    assert finish.choices[0].finish_reason == "stop" and finish.choices[0].delta.content is None
+    assert last.choices == [] and last.usage.model_dump(include=set(usage)) == usage  # as OpenAI sends it
+    assert all(c.usage is None for c in content + [finish])
+    assert len({c.id for c in chunks}) == 1
+
+    plain = list(create(server, q, stream=True))  # no stream_options: no usage chunk, as OpenAI does
+    assert all(c.usage is None and c.choices for c in plain) and plain[-1].choices[0].finish_reason == "stop"
+
+
+def test_a_reply_cut_by_max_tokens_counts_them_and_says_length(server, expected):
+    q = QUESTIONS[0]
+    answer = expected[q]
+    reply = create(server, q, max_tokens=3)
+    assert reply.choices[0].finish_reason == "length"
+    assert reply.choices[0].message.content == answer.tok.decode(answer.reply[:3])
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens, reply.usage.total_tokens) == (
+        len(answer.prompt), 3, len(answer.prompt) + 3)
+    chunks = list(create(server, q, max_completion_tokens=3, stream=True, stream_options={"include_usage": True}))
+    assert chunks[-2].choices[0].finish_reason == "length" and chunks[-1].usage.completion_tokens == 3
+    # n choices: the prompt counted once, every choice's reply counted
+    both = create(server, q, max_tokens=4, n=2)
+    assert [c.index for c in both.choices] == [0, 1]
+    assert {c.message.content for c in both.choices} == {answer.tok.decode(answer.reply[:4])}
+    assert (both.usage.prompt_tokens, both.usage.completion_tokens) == (len(answer.prompt), 8)
+
+
+def test_a_seed_repeats_a_sampled_reply_and_no_seed_samples_afresh(server):
+    q = "Write one line of a poem about the sea."
+    seeded = [create(server, q, temperature=1.0, max_tokens=16, seed=7).choices[0].message.content for _ in range(2)]
+    assert seeded[0] == seeded[1]
+    unseeded = {create(server, q, temperature=1.0, max_tokens=16).choices[0].message.content for _ in range(3)}
+    assert len(unseeded) > 1
+
+
+def test_the_models_routes_list_and_name_the_served_model(server, smollm2_dir):
     models = client(server).models.list()
-    assert [m.id for m in models.data] == [smollm2_dir.name]
+    assert [(m.id, m.object, m.owned_by) for m in models.data] == [(smollm2_dir.name, "model", "lit-qlora")]
+    assert client(server).models.retrieve(smollm2_dir.name).id == smollm2_dir.name
+    with pytest.raises(openai.NotFoundError) as missing:
+        client(server).models.retrieve("gpt-4o")
+    assert error_object(missing.value, 404) == ("model", "model_not_found")
+    assert "'gpt-4o'" in missing.value.body["message"]
 
 
 def test_concurrent_clients_get_their_own_answers(server, expected):
     with ThreadPoolExecutor(len(QUESTIONS)) as pool:
         answers = list(pool.map(lambda q: ask(server, q, stream=q != QUESTIONS[0]), QUESTIONS))
-    assert [a.strip() for a in answers] == [expected[q].strip() for q in QUESTIONS]
+    assert [a.strip() for a in answers] == [expected[q].text.strip() for q in QUESTIONS]
 
 
-def test_a_wrong_key_gets_401_and_a_malformed_body_422_and_serving_goes_on(server, expected):
-    with pytest.raises(openai.AuthenticationError):
+def error_object(error, status):
+    """(param, code) of an openai client error, after checking its raw response is exactly an OpenAI error object
+    with the right status, type and a message, and that the client read its fields."""
+    body = error.response.json()
+    assert error.status_code == status and list(body) == ["error"], body
+    assert set(body["error"]) == {"message", "type", "param", "code"}, body
+    assert body["error"]["type"] == error.type == ("server_error" if status >= 500 else "invalid_request_error")
+    assert body["error"]["message"] and error.body["message"] == body["error"]["message"]
+    assert (error.param, error.code) == (body["error"]["param"], body["error"]["code"])
+    return error.param, error.code
+
+
+def test_every_error_is_an_openai_error_object_and_serving_goes_on(server, expected, smollm2_dir):
+    with pytest.raises(openai.AuthenticationError) as unauthorized:
         client(server, key="wrong").chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
-    request = urllib.request.Request(f"{server}/v1/chat/completions", data=json.dumps({"messages": "hi"}).encode(),
-                                     headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
-    with pytest.raises(urllib.error.HTTPError) as bad:
-        urllib.request.urlopen(request, timeout=30)
-    assert bad.value.code == 422 and "messages" in bad.value.read().decode()
-    assert ask(server, QUESTIONS[0]).strip() == expected[QUESTIONS[0]].strip()
+    assert error_object(unauthorized.value, 401) == (None, "invalid_api_key")
+
+    with pytest.raises(openai.UnprocessableEntityError) as malformed:  # the body does not match the schema
+        client(server).chat.completions.create(model="m", messages="oops")
+    assert error_object(malformed.value, 422) == ("messages", "list_type")
+    assert malformed.value.body["message"] == "Invalid 'messages': Input should be a valid list."
+
+    for bad, param, code in ((dict(max_tokens=0), "max_tokens", "below_min_value"),
+                             (dict(temperature=2.5), "temperature", "above_max_value"),
+                             (dict(stream_options={"include_usage": True}), "stream_options", "invalid_value")):
+        with pytest.raises(openai.BadRequestError) as refused:
+            create(server, "hi", **bad)
+        assert error_object(refused.value, 400) == (param, code), bad
+    with pytest.raises(openai.BadRequestError) as image:
+        client(server).chat.completions.create(model="m", messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}]}])
+    assert error_object(image.value, 400) == ("messages[0].content[0]", "unsupported_content")
+
+    # Past the context: refused with its token count before any reply, streamed or not (a 400, not a 200 stream)
+    from lit_qlora.tokenizer import Tokenizer
+
+    long = "word " * 8200
+    tokens = len(Tokenizer(smollm2_dir).encode_chat([{"role": "user", "content": long}]))
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as too_long:
+            create(server, long, stream=stream)
+        assert error_object(too_long.value, 400) == ("messages", "context_length_exceeded")
+        assert f"{tokens} tokens" in too_long.value.body["message"] and "8192" in too_long.value.body["message"]
+
+    with pytest.raises(openai.NotFoundError) as no_route:
+        client(server).post("/completions", body={"prompt": "hi"}, cast_to=object)
+    assert error_object(no_route.value, 404) == (None, "not_found")
+    with pytest.raises(openai.APIStatusError) as wrong_method:
+        client(server).get("/chat/completions", cast_to=object)
+    assert error_object(wrong_method.value, 405) == (None, "method_not_allowed")
+
+    assert ask(server, QUESTIONS[0]).strip() == expected[QUESTIONS[0]].text.strip()
+
+
+def test_an_unexpected_failure_is_a_500_error_object(tmp_path):
+    """The handlers the server installs, on its app in this process (no worker): an exception nothing expected, and
+    a worker that failed mid-reply (LitServe hands over its pickled exception)."""
+    import asyncio
+    import pickle
+
+    from fastapi import HTTPException
+    from fastapi.testclient import TestClient
+    from litserve.utils import LitAPIStatus
+
+    from lit_qlora.deploy.litserve_api import ChatSpec
+    from lit_qlora.deploy.serve import build_server
+
+    server = build_server(tmp_path, api_key=KEY)
+
+    def broken():
+        raise RuntimeError("a bug")
+
+    server.app.add_api_route("/v1/broken", broken, methods=["GET"])
+    response = TestClient(server.app, raise_server_exceptions=False).get("/v1/broken",
+                                                                          headers={"Authorization": f"Bearer {KEY}"})
+    assert response.status_code == 500
+    assert response.json() == {"error": {"message": "The server failed while answering; its log has the traceback.",
+                                          "type": "server_error", "param": None, "code": "internal_error"}}
+
+    async def worker_failed():
+        yield pickle.dumps(RuntimeError("out of memory")), LitAPIStatus.ERROR
+
+    with pytest.raises(HTTPException) as failed:  # what the handler above then turns into the error object
+        asyncio.run(ChatSpec("m").non_streaming_completion(None, [worker_failed()]))
+    assert failed.value.status_code == 500 and failed.value.detail["code"] == "internal_error"
 
 
 def test_a_bad_checkpoint_or_adapter_is_a_one_line_error_before_serving(tmp_path):

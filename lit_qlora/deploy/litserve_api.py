@@ -1,20 +1,139 @@
-"""What `litqlora serve` runs inside LitServe: the chat LitAPI and the bearer-token check. A module of its own, imported
-only when serving (it imports litserve), whose classes LitServe can pickle into its worker process by name."""
+"""What `litqlora serve` runs inside LitServe: the chat LitAPI (the worker), the OpenAI spec's responses with real
+usage (the API server), OpenAI error objects for every error and the bearer-token check. A module of its own,
+imported only when serving (it imports litserve), whose classes LitServe can pickle into its worker process by name.
+
+The worker's `encode_response` yields `{"content": piece}` for each piece of a reply, then one
+`{"finish_reason": ..., "usage": {...}}`; only `ChatSpec` reads them, so that protocol is this module's own.
+"""
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any, Iterator, Optional
+import json
+import secrets
+import time
+from typing import Any, AsyncIterator, Iterator, Optional
 
 import litserve as ls
+from fastapi import BackgroundTasks, HTTPException
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from litserve.specs.openai import (ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
+                                   ChatCompletionResponseChoice, ChatCompletionStreamingChoice, ChatMessage,
+                                   ChoiceDelta, OpenAISpec, UsageInfo, shortuuid)
+from litserve.utils import LitAPIStatus
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.base import BaseHTTPMiddleware
-from starlette.responses import JSONResponse
 
+
+# ---- OpenAI error objects ----------------------------------------------------------------------------------------
+
+def error_body(status: int, message: str, param: Optional[str] = None, code: Optional[str] = None) -> dict[str, Any]:
+    """`{"error": {"message", "type", "param", "code"}}`, what the OpenAI API answers (and its SDKs read) on errors."""
+    kind = "server_error" if status >= 500 else "invalid_request_error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, param: Optional[str] = None, code: Optional[str] = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code), status_code=status)
+
+
+def refusal(status: int, message: str, param: Optional[str] = None, code: Optional[str] = None) -> HTTPException:
+    """An HTTPException the error handlers turn into an OpenAI error object. It pickles (LitServe sends a worker's
+    HTTPException to the API server as its status and detail), so the worker raises these too."""
+    return HTTPException(status, {"message": message, "param": param, "code": code})
+
+
+def install_error_handlers(app: Any) -> None:
+    """Every error response of `app` becomes an OpenAI error object: HTTP errors (ours, LitServe's, an unknown route
+    404, a wrong method 405), a body that does not match the request schema (FastAPI's 422), anything unexpected."""
+
+    async def http_error(request: Any, exc: StarletteHTTPException) -> JSONResponse:
+        detail, status = exc.detail, exc.status_code
+        if isinstance(detail, dict):
+            return error_response(status, str(detail.get("message")), detail.get("param"), detail.get("code"))
+        if status == 404 and detail == "Not Found":
+            return error_response(404, f"No route {request.method} {request.url.path}: this server answers POST "
+                                  "/v1/chat/completions, GET /v1/models and GET /v1/models/{model}.", None, "not_found")
+        if status == 405:
+            return error_response(405, f"{request.method} is not allowed on {request.url.path}.", None,
+                                  "method_not_allowed")
+        return error_response(status, str(detail), None, "internal_error" if status >= 500 else None)
+
+    async def invalid_body(request: Any, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0]
+        param = None if first["type"] == "json_invalid" else _param_path(first["loc"])
+        message = f"Invalid '{param}': {first['msg']}." if param else f"Invalid request body: {first['msg']}."
+        if len(errors) > 1:
+            message += f" ({len(errors) - 1} more problem{'s' if len(errors) > 2 else ''} in the body.)"
+        return error_response(422, message, param, first["type"])
+
+    async def unexpected(request: Any, exc: Exception) -> JSONResponse:
+        return error_response(500, "The server failed while answering; its log has the traceback.", None,
+                              "internal_error")
+
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(RequestValidationError, invalid_body)
+    app.add_exception_handler(Exception, unexpected)
+
+
+def _param_path(loc: tuple) -> Optional[str]:
+    """A pydantic location as OpenAI names parameters: ("body", "messages", 0, "content") -> messages[0].content."""
+    path = ""
+    for part in loc[1:] if loc and loc[0] == "body" else loc:
+        path += f"[{part}]" if isinstance(part, int) else f".{part}" if path else str(part)
+    return path or None
+
+
+# ---- requests ----------------------------------------------------------------------------------------------------
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class ChatRequest(ChatCompletionRequest):
+    """LitServe's request model with what OpenAI's API adds that we honour: `stream_options` and `seed`."""
+
+    stream_options: Optional[StreamOptions] = None
+    seed: Optional[int] = None
+
+
+def check_request(request: ChatRequest) -> None:
+    """Values the schema lets through but no reply can honour: a 400 naming the parameter, as OpenAI answers."""
+    bounds = {"max_tokens": (1, None), "max_completion_tokens": (1, None), "n": (1, 128), "temperature": (0, 2),
+              "top_p": (0, 1)}
+    for name, (low, high) in bounds.items():
+        value = getattr(request, name)
+        if value is not None and value < low:
+            raise refusal(400, f"Invalid '{name}': {value} is below the minimum value {low}.", name, "below_min_value")
+        if value is not None and high is not None and value > high:
+            raise refusal(400, f"Invalid '{name}': {value} is above the maximum value {high}.", name, "above_max_value")
+    if request.stream_options is not None and not request.stream:
+        raise refusal(400, "'stream_options' is only allowed with 'stream': true.", "stream_options", "invalid_value")
+    if not request.messages:
+        raise refusal(400, "'messages' is empty: send at least one message.", "messages", "empty_array")
+    for i, message in enumerate(request.messages):
+        for j, part in enumerate(message.content if isinstance(message.content, list) else []):
+            if getattr(part, "text", None) is None:
+                raise refusal(400, f"'{part.type}' content is not supported: this model reads text only.",
+                              f"messages[{i}].content[{j}]", "unsupported_content")
+
+
+def chat_messages(request: ChatRequest) -> list[dict[str, str]]:
+    """The request's messages as the chat template takes them (text parts joined; no content is empty text)."""
+    def text(content: Any) -> str:
+        return content if isinstance(content, str) else "".join(part.text for part in content or ())
+
+    return [{"role": m.role, "content": text(m.content)} for m in request.messages]
+
+
+# ---- the worker --------------------------------------------------------------------------------------------------
 
 class ChatAPI(ls.LitAPI):
     """OpenAI chat completions through the checkpoint's chat template; the model loads in the worker (`setup`)."""
 
-    def __init__(self, checkpoint_dir: Path, adapter_dir: Optional[Path], quantize: Optional[str], precision: str,
+    def __init__(self, checkpoint_dir: Any, adapter_dir: Optional[Any], quantize: Optional[str], precision: str,
                  max_new_tokens: int, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.checkpoint_dir, self.adapter_dir, self.quantize = checkpoint_dir, adapter_dir, quantize
@@ -29,23 +148,168 @@ class ChatAPI(ls.LitAPI):
         if not self.tokenizer.has_chat_template:
             raise ValueError(f"{self.checkpoint_dir} has no chat template: serve answers chat messages through it.")
 
-    def predict(self, request: Any, context: Any = None) -> Iterator[str]:
+    def prompt_ids(self, request: ChatRequest) -> list[int]:
+        """The token ids the model is fed for `request`: its messages through the chat template (400 when the
+        template refuses them or they leave no room in the context for a reply)."""
+        from jinja2.exceptions import TemplateError
+
+        try:
+            ids = self.tokenizer.encode_chat(chat_messages(request))
+        except TemplateError as e:
+            raise refusal(400, f"The model's chat template refused these messages: {e}", "messages",
+                          "invalid_messages") from None
+        context = self.model.config.max_seq_length
+        if len(ids) >= context:
+            raise refusal(400, f"The messages are {len(ids)} tokens through the chat template; the model's context is "
+                          f"{context} tokens, and a reply needs at least one more.", "messages",
+                          "context_length_exceeded")
+        return ids
+
+    def predict(self, request: ChatRequest, context: Any = None) -> Iterator[Any]:
+        """The reply's text pieces as they are generated, then its finish reason and token counts."""
         from lit_qlora.sampling import decoded_pieces, generate
 
         tok = self.tokenizer
-        messages = [{"role": m.role, "content": m.content if isinstance(m.content, str) else
-                     "".join(part.text for part in m.content if getattr(part, "text", None))}
-                    for m in request.messages]
-        ids = tok.encode_chat(messages)
-        limit = min(request.max_completion_tokens or request.max_tokens or self.max_new_tokens, self.max_new_tokens)
-        limit = max(1, min(limit, self.model.config.max_seq_length - len(ids) - 1))
+        ids = self.prompt_ids(request)
+        asked = request.max_completion_tokens or request.max_tokens or self.max_new_tokens
+        limit = min(asked, self.max_new_tokens, self.model.config.max_seq_length - len(ids))
         temperature = 0.7 if request.temperature is None else request.temperature
         top_p = request.top_p if request.top_p is not None and request.top_p < 1 else None
-        yield from decoded_pieces(tok, generate(self.model, ids, limit, temperature, None, tok.eos_ids, top_p=top_p))
+        seed = secrets.randbits(63) if request.seed is None else request.seed % 2**63
+        generated = 0
 
-    def encode_response(self, output: Iterator[str], context: Any = None) -> Iterator[dict[str, str]]:
-        for piece in output:
-            yield {"role": "assistant", "content": piece}
+        def counted(tokens: Iterator[int]) -> Iterator[int]:
+            nonlocal generated
+            for token in tokens:
+                generated += 1
+                yield token
+
+        tokens = generate(self.model, ids, limit, temperature, None, tok.eos_ids, seed=seed, top_p=top_p)
+        yield from decoded_pieces(tok, counted(tokens))
+        # `generate` stops at a stop id (not counted) or after `limit` tokens: a full count means it was cut short.
+        yield {"finish_reason": "length" if generated == limit else "stop",
+               "usage": {"prompt_tokens": len(ids), "completion_tokens": generated}}
+
+    def encode_response(self, output: Iterator[Any], context: Any = None) -> Iterator[dict[str, Any]]:
+        for item in output:
+            yield {"content": item} if isinstance(item, str) else item
+
+
+# ---- the API server's side ---------------------------------------------------------------------------------------
+
+class Usage:
+    """Token counts of one request: its prompt once (OpenAI counts it once for n choices), every choice's reply."""
+
+    def __init__(self) -> None:
+        self.prompt_tokens = self.completion_tokens = 0
+
+    def add(self, counts: dict[str, int], first_choice: bool) -> None:
+        if first_choice:
+            self.prompt_tokens = counts["prompt_tokens"]
+        self.completion_tokens += counts["completion_tokens"]
+
+    def info(self) -> UsageInfo:
+        return UsageInfo(prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
+                         total_tokens=self.prompt_tokens + self.completion_tokens)
+
+
+class ChatSpec(OpenAISpec):
+    """LitServe's OpenAI spec, answering with the served model's name, real `usage` (non-streamed, and streamed in a
+    last chunk when `stream_options.include_usage` asks), `finish_reason` "length" for a reply cut short, one id per
+    completion, and an error status for a request refused before its reply starts, streamed or not."""
+
+    def __init__(self, model_name: str) -> None:
+        super().__init__()
+        self.model_name = model_name
+
+    async def chat_completion(self, request: ChatRequest, background_tasks: BackgroundTasks) -> Any:
+        check_request(request)
+        response = await super().chat_completion(request, background_tasks)
+        if isinstance(response, StreamingResponse):
+            # The stream's first event waits for the reply's first piece: a refusal before it (the context, the chat
+            # template) raises here and gets its status instead of a 200 stream carrying an error.
+            body = response.body_iterator
+            first = await body.__anext__()
+            response.body_iterator = _prepend(first, body)
+        return response
+
+    async def _outputs(self, pipe: AsyncIterator) -> AsyncIterator[dict[str, Any]]:
+        async for data, status in pipe:
+            if status == LitAPIStatus.ERROR:
+                if isinstance(data, HTTPException):
+                    raise data
+                raise refusal(500, "The model failed while answering; the server's log has the traceback.", None,
+                              "internal_error")
+            yield json.loads(data)
+
+    async def non_streaming_completion(self, request: ChatRequest, pipes: list[AsyncIterator]) -> ChatCompletionResponse:
+        choices, usage = [], Usage()
+        for i, pipe in enumerate(pipes):
+            pieces, finish = [], None
+            async for item in self._outputs(pipe):
+                if "content" in item:
+                    pieces.append(item["content"])
+                else:
+                    finish = item["finish_reason"]
+                    usage.add(item["usage"], first_choice=i == 0)
+            message = ChatMessage(role="assistant", content="".join(pieces))
+            choices.append(ChatCompletionResponseChoice(index=i, message=message, finish_reason=finish))
+        return ChatCompletionResponse(model=self.model_name, choices=choices, usage=usage.info())
+
+    async def streaming_completion(self, request: ChatRequest, pipes: list[AsyncIterator]) -> AsyncIterator[str]:
+        ident, created, usage = f"chatcmpl-{shortuuid()}", int(time.time()), Usage()
+
+        def event(choices: list, usage_info: Optional[UsageInfo] = None) -> str:
+            chunk = ChatCompletionChunk(id=ident, created=created, model=self.model_name, choices=choices,
+                                        usage=usage_info)
+            return f"data: {chunk.model_dump_json(by_alias=True)}\n\n"
+
+        started = False
+        try:
+            for i, pipe in enumerate(pipes):  # one worker answers the n choices one after the other
+                role = "assistant"
+                async for item in self._outputs(pipe):
+                    if "content" in item:
+                        delta, finish = ChoiceDelta(role=role, content=item["content"]), None
+                        role = None
+                    else:
+                        delta, finish = ChoiceDelta(), item["finish_reason"]
+                        usage.add(item["usage"], first_choice=i == 0)
+                    yield event([ChatCompletionStreamingChoice(index=i, delta=delta, finish_reason=finish)])
+                    started = True
+            if request.stream_options is not None and request.stream_options.include_usage:
+                yield event([], usage.info())
+            yield "data: [DONE]\n\n"
+        except HTTPException as e:
+            if not started:
+                raise
+            detail = e.detail if isinstance(e.detail, dict) else {"message": str(e.detail)}
+            body = error_body(e.status_code, str(detail.get("message")), detail.get("param"), detail.get("code"))
+            yield f"data: {json.dumps(body)}\n\n"
+
+
+async def _prepend(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
+    yield first
+    async for item in rest:
+        yield item
+
+
+def add_model_routes(app: Any, name: str) -> None:
+    """`GET /v1/models` lists the one served model; `GET /v1/models/{model}` is it, or a 404 error object."""
+    created = int(time.time())
+    card = {"id": name, "object": "model", "created": created, "owned_by": "lit-qlora"}
+
+    def models() -> dict[str, Any]:
+        return {"object": "list", "data": [card]}
+
+    def model(model_id: str) -> Any:
+        if model_id != name:
+            raise refusal(404, f"The model '{model_id}' does not exist: this server serves '{name}'.", "model",
+                          "model_not_found")
+        return card
+
+    app.add_api_route("/v1/models", models, methods=["GET"])
+    app.add_api_route("/v1/models/{model_id:path}", model, methods=["GET"])
 
 
 class BearerToken(BaseHTTPMiddleware):
@@ -57,8 +321,6 @@ class BearerToken(BaseHTTPMiddleware):
 
     async def dispatch(self, request: Any, call_next: Any) -> Any:
         if request.url.path.startswith("/v1") and request.headers.get("authorization") != f"Bearer {self.api_key}":
-            return JSONResponse({"error": {"message": "Invalid or missing API key: send Authorization: Bearer KEY with "
-                                           "the key the server was started with (--api_key).",
-                                           "type": "invalid_request_error", "code": "invalid_api_key"}},
-                                status_code=401)
+            return error_response(401, "Invalid or missing API key: send Authorization: Bearer KEY with the key the "
+                                  "server was started with (--api_key).", None, "invalid_api_key")
         return await call_next(request)

@@ -2,11 +2,15 @@
 and its OpenAI spec.
 
 * `POST /v1/chat/completions`, streamed (server-sent events) or not, through the checkpoint's chat template;
-  `temperature`, `top_p` and `max_tokens`/`max_completion_tokens` are honoured;
-* `GET /v1/models` lists the one model;
+  `temperature`, `top_p`, `max_tokens`/`max_completion_tokens`, `n` and `seed` are honoured; `usage` counts the
+  prompt's token ids as fed to the model and the tokens generated (streamed: in a last chunk when
+  `stream_options: {"include_usage": true}` asks, as OpenAI does); `finish_reason` is "length" for a cut reply;
+* `GET /v1/models` lists the one model, `GET /v1/models/{model}` is it (404 for another name);
 * 127.0.0.1 unless `--host` says otherwise; `--api_key` (or LIT_QLORA_API_KEY) makes every /v1 route require
   `Authorization: Bearer KEY`, what the OpenAI clients send (401 otherwise);
-* a malformed body gets a 4xx JSON error (the OpenAI spec's request model validates it) and the server goes on;
+* every error is an OpenAI error object, `{"error": {"message", "type", "param", "code"}}`: 400 for a value no reply
+  can honour (and a conversation past the context), 401, 404, 422 for a body that does not match the schema, 500;
+  the server goes on;
 * one worker answers one request at a time from a queue: concurrent requests never share a batch or a KV cache.
 """
 
@@ -15,9 +19,8 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import time
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Literal, Optional
 
 from lit_qlora.hardware import PrecisionChoice
 
@@ -28,22 +31,16 @@ def build_server(checkpoint_dir: Path, adapter_dir: Optional[Path] = None, quant
                  precision: str = "auto", api_key: Optional[str] = None, max_new_tokens: int = 512,
                  model_name: Optional[str] = None):
     import litserve as ls
-    from litserve.specs.openai import OpenAISpec
 
-    from lit_qlora.deploy.litserve_api import BearerToken, ChatAPI
+    from lit_qlora.deploy.litserve_api import BearerToken, ChatAPI, ChatSpec, add_model_routes, install_error_handlers
 
     name = model_name or (Path(adapter_dir).name if adapter_dir else Path(checkpoint_dir).name)
-    api = ChatAPI(Path(checkpoint_dir), adapter_dir, quantize, precision, max_new_tokens, spec=OpenAISpec())
+    api = ChatAPI(Path(checkpoint_dir), adapter_dir, quantize, precision, max_new_tokens, spec=ChatSpec(name))
     middlewares = [(BearerToken, {"api_key": api_key})] if api_key else None
     server = ls.LitServer(api, accelerator="auto", devices=1, workers_per_device=1, timeout=600,
                           middlewares=middlewares)
-    created = int(time.time())
-
-    def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": created,
-                                            "owned_by": "lit-qlora"}]}
-
-    server.app.add_api_route("/v1/models", models, methods=["GET"])
+    add_model_routes(server.app, name)
+    install_error_handlers(server.app)
     return server
 
 
