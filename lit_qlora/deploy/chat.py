@@ -3,7 +3,12 @@
 Each turn renders the whole conversation through the checkpoint's chat template, as training rendered it, and the
 model computes only what is new: the KV cache holds the tokens of the turns before (the prompt's longest prefix
 already in the cache is kept, the rest is computed), so a long conversation does not get slower turn by turn.
-Replies stream as they are generated. `/reset` starts over, `/quit` (or Ctrl-D) ends.
+Replies stream as they are generated. `/reset` starts over; `/exit`, `/quit`, Ctrl-D or Ctrl-C at the prompt ends.
+
+Ctrl-C while a reply is being generated stops that reply and returns to the prompt. What was already shown stays
+in the conversation as the assistant's turn (the model sees it in the next turn, as a chat app keeps a stopped
+reply); a reply stopped before it showed anything leaves no turn, as if the question had not been asked. The KV
+cache needs no repair: it is only trusted up to the tokens recorded as fed, and the next turn rewrites the rest.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from lit_qlora.hardware import PrecisionChoice
 
 # torch and the model are imported inside the functions: the CLI imports this module to build --help.
 
-COMMANDS = "/reset starts a new conversation, /quit (or Ctrl-D) ends it"
+COMMANDS = "/reset starts a new conversation, /exit (or Ctrl-D, or Ctrl-C at the prompt) ends it, Ctrl-C stops a reply"
 
 
 class ChatSession:
@@ -58,7 +63,8 @@ class ChatSession:
 
     def reply(self, text: str, max_new_tokens: int = 256, temperature: float = 0.0, top_k: Optional[int] = None,
               top_p: Optional[float] = None) -> Iterator[str]:
-        """Stream the reply to the user's `text` as decoded text pieces; the turn is kept in the conversation."""
+        """Stream the reply to the user's `text` as decoded text pieces; the turn is kept in the conversation, also
+        when the reply is stopped (Ctrl-C, or the generator closed) after showing something: as far as it went."""
         from lit_qlora.sampling import decoded_pieces, sample
 
         tok = self.tokenizer
@@ -81,11 +87,16 @@ class ChatSession:
                 yield token
                 logits = self._forward([token])
 
-        pieces = []
-        for piece in decoded_pieces(tok, tokens()):
-            pieces.append(piece)
-            yield piece
-        self.messages = messages + [{"role": "assistant", "content": "".join(pieces).strip()}]
+        pieces, finished = [], False
+        try:
+            for piece in decoded_pieces(tok, tokens()):
+                pieces.append(piece)
+                yield piece
+            finished = True
+        finally:  # also on KeyboardInterrupt inside the model, or GeneratorExit when the caller stops reading
+            said = "".join(pieces).strip()
+            if finished or said:
+                self.messages = messages + [{"role": "assistant", "content": said}]
 
 
 def chat_command(
@@ -100,7 +111,8 @@ def chat_command(
     max_new_tokens: int = 256,
     seed: int = 1234,
 ) -> None:
-    """Chat with a model in the terminal, several turns, replies streamed (/reset starts over, /quit ends).
+    """Chat with a model in the terminal, several turns, replies streamed (/reset starts over, /exit ends, Ctrl-C
+    stops a reply and, at the prompt, ends).
 
     Args:
         checkpoint_dir: Hugging Face model directory with a chat template; default: the bundled SmolLM2-135M-Instruct.
@@ -127,9 +139,13 @@ def chat_command(
     print(f"Chatting with {checkpoint_dir}{f' + {adapter_dir}' if adapter_dir else ''}: {COMMANDS}.", flush=True)
     try:
         while True:
-            if interactive:
-                print("> ", end="", flush=True)
-            line = sys.stdin.readline()
+            try:
+                if interactive:
+                    print("> ", end="", flush=True)
+                line = sys.stdin.readline()
+            except KeyboardInterrupt:  # Ctrl-C at the prompt leaves, as /exit does (exit status 0)
+                print(flush=True)
+                break
             if not line:
                 break
             text = line.strip()
@@ -139,14 +155,22 @@ def chat_command(
                 session.reset()
                 print("(new conversation)", flush=True)
                 continue
-            if not text:
-                continue
-            try:
-                for piece in session.reply(text, max_new_tokens, temperature, top_k, top_p):
-                    print(piece, end="", flush=True)
-            except ValueError as e:
-                print(f"({e})", flush=True)
-                continue
-            print(flush=True)
+            if text:
+                answer(session, text, max_new_tokens, temperature, top_k, top_p)
     finally:
         session.close()
+
+
+def answer(session: ChatSession, text: str, max_new_tokens: int, temperature: float, top_k: Optional[int],
+           top_p: Optional[float]) -> None:
+    """Print the reply to `text` as it streams; Ctrl-C stops it (what was shown stays in the conversation)."""
+    reply = session.reply(text, max_new_tokens, temperature, top_k, top_p)
+    try:
+        for piece in reply:
+            print(piece, end="", flush=True)
+        print(flush=True)
+    except ValueError as e:
+        print(f"({e})", flush=True)
+    except KeyboardInterrupt:
+        reply.close()  # when Ctrl-C came while printing, the reply's generator records the turn now
+        print("\n(stopped)", flush=True)
