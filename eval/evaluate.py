@@ -150,6 +150,10 @@ def evaluate(
 
         tokenizer = Tokenizer(checkpoint_dir)
         acfg = read_adapter_config(adapter_dir) if adapter_dir is not None else None
+        if acfg and acfg.get("prompt_style"):
+            print(f"Prompt format: lm-eval's tasks format their own prompts (truthfulqa_mc2: its 6-example QA "
+                  f"preamble, 0-shot), not the {acfg['prompt_style']} style the adapter trained in; every harness "
+                  "user's scores are on that same text.")
         quantize = resolve_quantize(quantize, acfg)
         precision = resolved(precision, run_device.type)  # results.json records what ran
         model = load_model(checkpoint_dir, quantize, precision, adapter_dir, device=run_device)
@@ -187,6 +191,7 @@ def evaluate(
         "max_length": lm.max_length,
         "model_bytes": module_bytes(model),
         "adapter_config": acfg,
+        "prompt_format": "the tasks' own (lm-eval formats each task's prompts)",
         "wall_seconds": round(finished - started, 3),
         "load_seconds": round(loaded - started, 3),
         "eval_seconds": round(finished - loaded, 3),

@@ -365,19 +365,33 @@ def copy_tokenizer_files(src_dir: Path, out_dir: Path) -> list[str]:
     return copied
 
 
+def set_chat_template(out_dir: Path, template: str) -> None:
+    """Make `template` the chat template of the tokenizer files in `out_dir` (tokenizer_config.json's, where
+    transformers and llama.cpp's converter read it; a chat_template.jinja beside it would win, so it goes)."""
+    config_file = Path(out_dir) / "tokenizer_config.json"
+    config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
+    config["chat_template"] = template
+    atomic_write_text(config_file, json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+    remove_path(Path(out_dir) / "chat_template.jinja")
+
+
 def save_hf_checkpoint(
     out_dir: Path | str,
     config: Config,
     specs: list[TensorSpec],
     tokenizer_dir: Optional[Path] = None,
     dtype: torch.dtype = torch.bfloat16,
+    chat_template: Optional[str] = None,
 ) -> Path:
-    """Write a Hugging Face directory (`config.json`, `model.safetensors`, tokenizer files) that transformers loads."""
+    """Write a Hugging Face directory (`config.json`, `model.safetensors`, tokenizer files) that transformers loads;
+    `chat_template`: the tokenizer's template instead of `tokenizer_dir`'s (a fine-tune's prompt style)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     write_safetensors(out_dir / "model.safetensors", hf_layout_specs(config, specs), metadata={"format": "pt"})
     if tokenizer_dir is not None:
         copy_tokenizer_files(Path(tokenizer_dir), out_dir)
+        if chat_template is not None:
+            set_chat_template(out_dir, chat_template)
     hf = config.to_hf_config(torch_dtype=str(dtype).removeprefix("torch."))
     atomic_write_text(out_dir / "config.json", json.dumps(hf, indent=2) + "\n")
     return out_dir

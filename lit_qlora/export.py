@@ -42,7 +42,8 @@ def hf_tensor_specs(model: nn.Module, dtype: torch.dtype, merge: bool = True) ->
 
 
 def export_config(model: nn.Module, merged: bool):
-    """The model config to write: a merged adapter on a tied head unties it (the head now differs)."""
+    """The model config to write: a merged adapter on a tied head unties it (the head now differs). (A QLoRA model's
+    tied head is already a weight of its own, dequant(NF4(W)), which the merged model keeps: it is what trained.)"""
     from lit_qlora.lora import LoRALinear
 
     config = model.config
@@ -66,12 +67,13 @@ def merge(checkpoint_dir: Path, adapter_dir: Path, out_dir: Path,
     import torch
 
     from lit_qlora.checkpoint import save_hf_checkpoint
+    from lit_qlora.data.inference import trained_chat_template
     from lit_qlora.loading import load_model
 
     model = load_model(checkpoint_dir, quantize, adapter_dir=adapter_dir)
     specs = hf_tensor_specs(model, torch.bfloat16, merge=True)
     return save_hf_checkpoint(out_dir, export_config(model, True), specs, tokenizer_dir=Path(checkpoint_dir),
-                              dtype=torch.bfloat16)
+                              dtype=torch.bfloat16, chat_template=trained_chat_template(adapter_dir))
 
 
 def peft_config(acfg: dict, base_name: str) -> dict:
@@ -180,6 +182,7 @@ def _export_parts(model: nn.Module, staging: Path, checkpoint_dir: Path, adapter
     import torch
 
     from lit_qlora.checkpoint import save_hf_checkpoint
+    from lit_qlora.data.inference import exported_chat_template
     from lit_qlora.loading import load_model
     from lit_qlora.parallel.distributed import is_sharded
 
@@ -188,15 +191,16 @@ def _export_parts(model: nn.Module, staging: Path, checkpoint_dir: Path, adapter
     if is_sharded(model):
         model = load_model(checkpoint_dir, adapter_dir=staging)
     model = model.eval()
+    template = exported_chat_template(adapter_config.get("prompt_style"))  # the format it trained in
     if merged:
         save_hf_checkpoint(staging / "merged", export_config(model, True), hf_tensor_specs(model, torch.bfloat16),
-                           tokenizer_dir=Path(checkpoint_dir), dtype=torch.bfloat16)
+                           tokenizer_dir=Path(checkpoint_dir), dtype=torch.bfloat16, chat_template=template)
     if peft:
         write_peft_adapter(model, adapter_config, staging / "peft", str(Path(checkpoint_dir).resolve()))
     if gguf:
         from lit_qlora.deploy.gguf_export import write_gguf
 
-        write_gguf(model, Path(checkpoint_dir), staging / f"model-{gguf}.gguf", gguf)
+        write_gguf(model, Path(checkpoint_dir), staging / f"model-{gguf}.gguf", gguf, chat_template=template)
 
 
 class ExportFailed(UserError):

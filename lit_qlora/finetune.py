@@ -104,7 +104,10 @@ def finetune(
         from lit_qlora.deploy.gguf_export import require_exportable
         from lit_qlora.lora import resolve_targets
 
-        require_exportable(Path(checkpoint_dir), head_adapted="lm_head" in resolve_targets(lora.targets))
+        from lit_qlora.config import Config
+
+        tied = Config.from_checkpoint(checkpoint_dir).tie_embeddings
+        require_exportable(Path(checkpoint_dir), head_adapted="lm_head" in resolve_targets(lora.targets, tied))
     precision, precision_reason = choose_precision(precision, accelerator)
     compile = compile_choice(compile, accelerator, precision)
     train.require_fixed_length()

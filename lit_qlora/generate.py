@@ -43,7 +43,8 @@ def generate_command(
         quantize: nf4 = NF4-quantize every linear as the checkpoint loads (QLoRA's base); none = keep the
             precision's dtype. With --adapter_dir it defaults to what the adapter was trained with, else none.
         adapter_dir: A fine-tune's out_dir (or its final/ directory): apply its LoRA adapter on top of the base.
-        chat_template: Wrap the prompt in the checkpoint's chat template when it has one.
+        chat_template: Format the prompt as a chat turn: in the prompt style the adapter trained with (recorded
+            beside it), else in the checkpoint's chat template when it has one. false: the text as it is.
         compare_base: With --adapter_dir: first answer with the base alone (the adapter switched off), then with
             the adapter, each on a labelled line: what the fine-tune changed.
     """
@@ -52,9 +53,9 @@ def generate_command(
     from lit_qlora.loading import load_model
     from lit_qlora.lora import adapters_disabled
     from lit_qlora.nf4 import is_nf4
-    from lit_qlora.tokenizer import Tokenizer
+    from lit_qlora.data.inference import trained_tokenizer
 
-    tokenizer = Tokenizer(checkpoint_dir)
+    tokenizer = trained_tokenizer(checkpoint_dir, adapter_dir)
     model = load_model(checkpoint_dir, quantize, precision, adapter_dir)
     ids = tokenizer.encode_prompt(prompt) if chat_template else tokenizer.encode(prompt)
 

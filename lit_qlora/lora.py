@@ -150,10 +150,13 @@ def adapters_disabled(model: nn.Module) -> Iterator[None]:
             layer.scale = scale
 
 
-def resolve_targets(targets: Iterable[str] | str) -> list[str]:
+def resolve_targets(targets: Iterable[str] | str, tied_head: bool = False) -> list[str]:
+    """The targets `targets` names, in canonical order. `all` leaves out a head tied to the embedding (`tied_head`):
+    adapting it would untie it in every export (a larger file, `tie_word_embeddings` false, peft's warning); naming
+    lm_head adapts it anyway."""
     names = [targets] if isinstance(targets, str) else list(targets)
     if "all" in names:
-        return list(TARGETS)
+        return [t for t in TARGETS if not (tied_head and t == "lm_head") or t in names]
     unknown = [t for t in names if t not in TARGETS]
     if unknown:
         raise ValueError(f"Unknown LoRA target(s) {unknown}: choose from {', '.join(TARGETS)} or 'all'.")
@@ -162,10 +165,24 @@ def resolve_targets(targets: Iterable[str] | str) -> list[str]:
     return [t for t in TARGETS if t in names]  # canonical order
 
 
+def tied_head_note(targets: Iterable[str] | str, tied_head: bool) -> Optional[str]:
+    """What a run says about a head tied to the embedding: left out by `all` (and how to adapt it), or adapted by
+    name (and what that does to the exports); None for an untied head."""
+    if not tied_head:
+        return None
+    if "lm_head" not in resolve_targets(targets, tied_head):
+        return (f"LoRA targets: {', '.join(resolve_targets(targets, tied_head))} (lm_head is tied to the embedding, "
+                "so `all` leaves it out and every export keeps it tied; to adapt it anyway, name it: --lora.targets "
+                "'[all, lm_head]', which unties it in the exports)")
+    return ("LoRA targets include lm_head, which is tied to the embedding: the merged, PEFT and GGUF exports untie it "
+            "(the head is written apart from the embedding, and the files grow by its size)")
+
+
 def apply_lora(model: nn.Module, r: int, alpha: float, dropout: float = 0.0, targets: Iterable[str] | str = "all",
                rslora: bool = False, dtype: Optional[torch.dtype] = None) -> nn.Module:
-    """Wrap every targeted linear of `model` in a LoRALinear (in place), freeze everything else."""
-    suffixes = tuple(TARGETS[t] for t in resolve_targets(targets))
+    """Wrap every targeted linear of `model` in a LoRALinear (in place), freeze everything else. `all` leaves out a
+    head tied to the embedding (resolve_targets)."""
+    suffixes = tuple(TARGETS[t] for t in resolve_targets(targets, tied_head(model)))
     for p in model.parameters():
         p.requires_grad_(False)
     for name, module in list(model.named_modules()):
@@ -174,6 +191,13 @@ def apply_lora(model: nn.Module, r: int, alpha: float, dropout: float = 0.0, tar
             parent = model.get_submodule(parent_name) if parent_name else model
             setattr(parent, leaf, LoRALinear(module, r, alpha, dropout, rslora, dtype))
     return model
+
+
+def tied_head(model: nn.Module) -> bool:
+    """Whether `model`'s checkpoint ties its head to the embedding (config.tie_embeddings; a QLoRA model's head is
+    an NF4 copy of it, lit_qlora.nf4.convert)."""
+    tied = getattr(getattr(model, "config", None), "tie_embeddings", False)
+    return bool(tied or getattr(model, "head_tied_in_checkpoint", False))
 
 
 def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 from lit_qlora.config import require_checkpoint_dir
 
@@ -80,6 +80,10 @@ class Tokenizer:
             if index is not None and template and text in template:
                 eos_ids.append(index)
         self.eos_ids: list[int] = list(dict.fromkeys(eos_ids))
+        self.prompt_format: Optional[Callable[[list[dict[str, Any]]], list[int]]] = None
+        """Set to a fine-tune's prompt format (lit_qlora.data.inference): encode_chat and encode_prompt use it."""
+        self.prompt_style: Optional[str] = None
+        """The name of that format's prompt style."""
 
     @property
     def vocab_size(self) -> int:
@@ -104,13 +108,15 @@ class Tokenizer:
 
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
         """Token ids of `messages` through the chat template, ending where the assistant's reply starts (the
-        template writes any BOS itself)."""
+        template writes any BOS itself), or through a fine-tune's prompt format where one is set."""
+        if self.prompt_format is not None:
+            return self.prompt_format(messages)
         return self.encode(self.apply_chat_template(messages, add_generation_prompt=True), bos=False)
 
     def encode_prompt(self, prompt: str) -> list[int]:
         """A user's prompt as a model should answer it: one user turn through the chat template when the checkpoint
-        has one, else the text itself."""
-        if self.has_chat_template:
+        has one (or a fine-tune's prompt format, where one is set), else the text itself."""
+        if self.has_chat_template or self.prompt_format is not None:
             return self.encode_chat([{"role": "user", "content": prompt}])
         return self.encode(prompt)
 

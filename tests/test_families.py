@@ -116,6 +116,11 @@ def random_adapter(model, out_dir: Path, quantize: str, targets: list[str] = ["a
                                          "base_dtype": "float32", "lora_dtype": "float32"})
 
 
+def tied_head(checkpoint_dir: Path) -> set[str]:
+    """{"lm_head"} where the checkpoint ties its head to the embedding (`--lora.targets all` then leaves it out)."""
+    return {"lm_head"} if Config.from_checkpoint(checkpoint_dir).tie_embeddings else set()
+
+
 def tokens(shape: tuple[int, ...], seed: int = 2) -> torch.Tensor:
     return torch.randint(0, VOCAB, shape, generator=torch.Generator().manual_seed(seed))
 
@@ -175,7 +180,7 @@ def test_nf4_load_quantizes_every_linear_and_leaves_the_norms_alone(family, tmp_
     assert set(norms) == {name for name in reference if "norm" in name}  # by their Hugging Face names
     for name, p in norms.items():
         assert not is_nf4(p) and not p.requires_grad and torch.equal(p, reference[name].bfloat16()), name
-    assert {name.rpartition(".")[2] for name in lora_modules(model)} == PEFT_TARGETS
+    assert {name.rpartition(".")[2] for name in lora_modules(model)} == PEFT_TARGETS - tied_head(tmp_path / "hf")
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -191,7 +196,7 @@ def test_merged_and_peft_exports_load_in_transformers_and_peft_with_our_outputs(
                                                                dtype=torch.float32).eval()
     assert merged.config.model_type == json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"]
     peft_dir = export_peft(tmp_path / "hf", adapter_dir, tmp_path / "p")
-    targets = PHI3_PEFT_TARGETS if family.startswith("phi3") else PEFT_TARGETS
+    targets = (PHI3_PEFT_TARGETS if family.startswith("phi3") else PEFT_TARGETS) - tied_head(tmp_path / "hf")
     assert set(json.loads((peft_dir / "adapter_config.json").read_text())["target_modules"]) == targets
     base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
     with_adapter = peft.PeftModel.from_pretrained(base, peft_dir)
@@ -224,7 +229,8 @@ def test_qlora_finetune_writes_every_artifact_and_lowers_the_loss(family, smollm
     for name in ("adapter.safetensors", "adapter_config.json", "merged/model.safetensors", "merged/config.json",
                  "peft/adapter_model.safetensors", "peft/adapter_config.json"):
         assert (final / name).is_file(), name
-    assert len(load_file(str(final / "adapter.safetensors"))) == 2 * LINEARS  # A and B of each; none on a norm
+    adapted = LINEARS - len(tied_head(tmp_path / "hf"))  # `all` leaves a tied head out
+    assert len(load_file(str(final / "adapter.safetensors"))) == 2 * adapted  # A and B of each; none on a norm
 
     # The merged model is the trained one: NF4 base + adapter here, dequant(NF4(W)) + BA in bf16 there. Its norms,
     # never quantized, are the checkpoint's (in bf16).

@@ -202,8 +202,11 @@ def test_a_run_prints_its_steps_losses_and_tokens_per_sec_and_nothing_of_lightni
     for line, pattern in zip(lines, expected):
         assert re.fullmatch(pattern, line), (line, pattern)
     # stdout: the precision chosen and why, first, what the data holds, then the report (which repeats the precision)
+    # (the prompt style and the LoRA targets, where the checkpoint ties its head, are said too)
     assert re.match(rf"Precision: {summary['precision']} \(auto: [^\n]+\)\n"
+                    rf"Prompt style: chat_template \(auto: [^\n]+\)\n"
                     rf"Data: {re.escape(str(data.json_path))}: 24 alpaca rows \(detected from their columns\)\n"
+                    rf"LoRA targets: q, k, v, o, gate, up, down \(lm_head is tied [^\n]+\)\n"
                     rf"\nRun finished: {re.escape(str(out))}\n", proc.stdout), proc.stdout
     assert re.search(rf"\n  precision +{summary['precision']}\n", proc.stdout)
     for noise in ("max_epochs", "v_num", "it/s", "GPU available", "TPU available", "Warning"):

@@ -13,7 +13,9 @@ import torch
 
 from lit_qlora.deploy.gguf_export import GGUFExportError, export_gguf, permute_rope_rows
 from lit_qlora.deploy.gguf_import import convert_gguf, unpermute_rope_rows
+from lit_qlora.attention import softcap
 from lit_qlora.loading import load_model
+from lit_qlora.lora import LoRALinear
 from lit_qlora.tokenizer import Tokenizer
 from test_families import hf_checkpoint, random_adapter, tokens
 
@@ -55,6 +57,15 @@ def logits(model, ids):
         return model(ids)
 
 
+def gguf_logits(model, ids):
+    """What the GGUF of `model` computes: its logits, but with an unadapted head of a tied checkpoint written tied,
+    the embedding W, where QLoRA computed with dequant(NF4(W)) (gguf_export.gguf_config)."""
+    if not getattr(model, "head_tied_in_checkpoint", False) or isinstance(model.lm_head, LoRALinear):
+        return logits(model, ids)
+    with torch.no_grad():
+        return softcap(model.forward_hidden(ids) @ model.model.embed_tokens.weight.T, model.config.final_softcap)
+
+
 def test_the_rope_permutation_is_the_inverse_of_the_imports():
     w = np.arange(64 * 3, dtype=np.float32).reshape(64, 3)
     assert not np.array_equal(permute_rope_rows(w, 4), w)
@@ -68,12 +79,7 @@ def test_f32_export_reads_back_to_the_merged_models_logits(family, quantize, smo
     back = load_model(convert_gguf(path, tmp_path / "back"), "none", "32-true")
     assert back.config.model_type == merged.config.model_type.replace("mistral", "llama")
     ids = tokens((2, 24))
-    want, got = logits(merged, ids), logits(back, ids)
-    if family == "gemma2" and quantize == "nf4":  # llama.cpp's gemma2 head is the embedding W, not dequant(NF4(W))
-        with torch.no_grad():
-            hidden = merged.forward_hidden(ids)
-            cap = merged.config.final_softcap
-            want = cap * torch.tanh(hidden @ merged.model.embed_tokens.weight.T / cap)
+    want, got = gguf_logits(merged, ids), logits(back, ids)
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
     base = logits(load_model(tmp_path / "base", quantize, "32-true"), ids)
     assert (base - want).abs().max() > 100 * (got - want).abs().max()  # the adapter is in the file
@@ -151,19 +157,21 @@ def test_what_llama_cpp_would_not_get_right_is_refused_before_writing(smollm2_di
 
 
 def test_a_gemma2_head_adapter_is_refused_and_finetune_says_so_before_training(smollm2_dir, tmp_path):
-    """llama.cpp's gemma2 reads its head from the embedding: an adapter on lm_head (the default `all`) cannot go
-    into the file, and `finetune --export.gguf` refuses before its first step."""
+    """llama.cpp's gemma2 reads its head from the embedding: an adapter on lm_head (named: `all` leaves a tied head
+    out) cannot go into the file, and `finetune --export.gguf` refuses before its first step."""
     from lit_qlora.finetune import finetune
-    from lit_qlora.train.args import ExportArgs, TrainArgs
+    from lit_qlora.train.args import ExportArgs, LoRAArgs, TrainArgs
 
     kind, extra = FAMILIES["gemma2"]
     hf_checkpoint(kind, extra, tmp_path / "base", smollm2_dir)
-    adapter = random_adapter(load_model(tmp_path / "base", "none", "32-true"), tmp_path / "adapter", "none")
+    adapter = random_adapter(load_model(tmp_path / "base", "none", "32-true"), tmp_path / "adapter", "none",
+                             ["all", "lm_head"])
     with pytest.raises(GGUFExportError, match="head apart from the embedding.*--lora.targets"):
         export_gguf(tmp_path / "base", tmp_path / "g.gguf", adapter_dir=adapter)
     with pytest.raises(GGUFExportError, match="head apart from the embedding"):
         finetune(checkpoint_dir=tmp_path / "base", out_dir=tmp_path / "out", precision="32-true",
-                 train=TrainArgs(max_steps=1), export=ExportArgs(gguf="f16"))
+                 lora=LoRAArgs(targets=["all", "lm_head"]), train=TrainArgs(max_steps=1),
+                 export=ExportArgs(gguf="f16"))
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob("*.gguf"))
 
 
@@ -247,7 +255,7 @@ def test_finetune_export_gguf_writes_the_trained_models_file_into_final(tiny_lla
     back = load_model(convert_gguf(final / "model-f32.gguf", tmp_path / "back"), "none", "32-true")
     trained = load_model(tiny_llama_dir, adapter_dir=final, precision="32-true")
     ids = tokens((1, 16))
-    want, got = logits(trained, ids), logits(back, ids)
+    want, got = gguf_logits(trained, ids), logits(back, ids)
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
 
 

@@ -14,7 +14,7 @@ from lit_qlora.checkpoint import save_hf_checkpoint
 from lit_qlora.config import Config, Quantize
 from lit_qlora.export import hf_tensor_specs
 from lit_qlora.loading import load_model, resolve_quantize
-from lit_qlora.lora import apply_lora, lora_state_dict, save_adapter
+from lit_qlora.lora import apply_lora, lora_state_dict, resolve_targets, save_adapter, tied_head
 from lit_qlora.model import Transformer
 from lit_qlora.nf4 import FrozenNF4Linear, count_linears, dequantize_nf4, is_nf4, quantize_nf4
 from lit_qlora.parallel.tensor_parallel import TensorParallelShard, tp_layout_weight
@@ -102,7 +102,7 @@ def train_adapter(ckpt, quantize: str, out_dir, ignore_modules=(), nf4_world_siz
         optimizer.zero_grad()
     assert all(bool(v.abs().sum() > 0) for k, v in lora_state_dict(model).items() if k.endswith("lora_B"))
     save_adapter(model, out_dir, {
-        "r": 4, "alpha": 8, "dropout": 0.0, "targets": ["q", "k", "v", "o", "gate", "up", "down", "lm_head"],
+        "r": 4, "alpha": 8, "dropout": 0.0, "targets": resolve_targets("all", tied_head(model)),
         "rslora": False, "quantize": quantize, "precision": "bf16-true", "base_dtype": "bfloat16",
         "lora_dtype": "bfloat16", "ignore_modules": list(ignore_modules), "nf4_world_size": nf4_world_size})
     return model.eval()

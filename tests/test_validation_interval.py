@@ -2,6 +2,7 @@
 
 import json
 import shutil
+from dataclasses import replace
 
 import pytest
 from safetensors.torch import load_file
@@ -12,14 +13,17 @@ from lit_qlora.train.args import LoRAArgs, TrainArgs
 from test_finetune import metrics_rows, small_data, tensorboard_scalars
 
 
-def run(tiny_llama_dir, out_dir, data, resume=False, **train_kw):
+def run(tiny_llama_dir, out_dir, data, resume=False, targets=("all",), **train_kw):
     """A tiny LoRA run in fp32 (fast and exact on any CPU), with adapter dropout: dropout draws from torch's RNG,
     so a validation that disturbed it would change the training losses."""
     kw = dict(micro_batch_size=2, global_batch_size=4, max_seq_length=64, lr=1e-2, warmup_steps=1, max_steps=20)
     kw.update(train_kw)
     return finetune(checkpoint_dir=tiny_llama_dir, out_dir=out_dir, quantize="none", precision="32-true",
-                    accelerator="cpu", resume=resume, lora=LoRAArgs(r=4, alpha=8, dropout=0.1), data=data,
-                    train=TrainArgs(**kw))
+                    accelerator="cpu", resume=resume, lora=LoRAArgs(r=4, alpha=8, dropout=0.1, targets=list(targets)),
+                    data=data, train=TrainArgs(**kw))
+
+
+HEAD_TOO = ("all", "lm_head")
 
 
 def val_rows(out_dir):
@@ -110,8 +114,10 @@ def test_early_stopping_stops_after_patience_validations_without_improvement(tin
     """lr 1 on the tiny model: validation loss falls, then rises; with patience 2 the run stops at the second
     validation in a row above the best, and final/ is the best adapter."""
     out = tmp_path / "run"
-    summary = run(tiny_llama_dir, out, small_data(tmp_path), lr=1.0, eval_interval=2, early_stopping_patience=2,
-                  save_interval=2, keep_last=20)
+    # the head adapted too (the tiny model ties it: named) and alpaca rows: lr 1 then overshoots within 20 steps
+    data = replace(small_data(tmp_path), prompt_style="alpaca")
+    summary = run(tiny_llama_dir, out, data, lr=1.0, eval_interval=2, early_stopping_patience=2,
+                  save_interval=2, keep_last=20, targets=HEAD_TOO)
     rows = val_rows(out)[1:]
     best, since, expected_stop = rows[0], 0, None
     for r in rows[1:]:  # the rule, restated: strictly lower is an improvement
@@ -135,16 +141,16 @@ def test_early_stopping_stops_after_patience_validations_without_improvement(tin
     assert state["validation"]["stopped_early"] == expected_stop
     # A resume of the stopped run says it is complete and changes nothing.
     before = (out / "summary.json").read_text()
-    again = run(tiny_llama_dir, out, small_data(tmp_path), resume="auto", lr=1.0, eval_interval=2,
-                early_stopping_patience=2, save_interval=2, keep_last=20)
+    again = run(tiny_llama_dir, out, data, resume="auto", lr=1.0, eval_interval=2,
+                early_stopping_patience=2, save_interval=2, keep_last=20, targets=HEAD_TOO)
     assert (out / "summary.json").read_text() == before and again == json.loads(before)
     assert max(r["step"] for r in metrics_rows(out)) == expected_stop
     assert (again["best_step"], again["stopped_at_step"]) == (best["step"], expected_stop)
     assert same_tensors(out / "final", out / "best")
     # A run killed while exporting after the stop (summary.json gone) exports again without training on.
     (out / "summary.json").unlink()
-    again = run(tiny_llama_dir, out, small_data(tmp_path), resume="auto", lr=1.0, eval_interval=2,
-                early_stopping_patience=2, save_interval=2, keep_last=20)
+    again = run(tiny_llama_dir, out, data, resume="auto", lr=1.0, eval_interval=2,
+                early_stopping_patience=2, save_interval=2, keep_last=20, targets=HEAD_TOO)
     assert max(r["step"] for r in metrics_rows(out)) == expected_stop
     assert (again["steps"], again["stopped_at_step"]) == (expected_stop, expected_stop)
     assert same_tensors(out / "final", out / "best")

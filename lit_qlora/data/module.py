@@ -12,7 +12,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from lit_qlora.data.errors import DataError
-from lit_qlora.data.prompts import get_prompt_style
+from lit_qlora.data.inference import use_prompt_style
+from lit_qlora.data.prompts import get_prompt_style, resolve_prompt_style
 from lit_qlora.data.formats import read_source, rename_columns, to_rows
 from lit_qlora.data.sft import DEMO_DATASET, Collate, SFTDataset, pack, tokenize_rows, validate_rows
 from lit_qlora.train.args import DataArgs, data_source
@@ -62,7 +63,9 @@ class SFTDataModule(L.LightningDataModule):
             raise DataError(str(e)) from None
         self.args, self.tokenizer = args, tokenizer
         self.max_seq_length, self.micro_batch_size, self.seed = max_seq_length, micro_batch_size, seed
-        self.style = get_prompt_style(args.prompt_style, tokenizer)
+        style, self.style_reason = resolve_prompt_style(args.prompt_style, tokenizer)
+        self.style = get_prompt_style(style, tokenizer)
+        use_prompt_style(tokenizer, style)  # the validation sample is prompted as inference will prompt it
         self.collate = Collate(pad_id_of(tokenizer))
         self.formats: dict[str, int] = {}  # the formats of the rows read, with their counts
         self.train_set: Optional[SFTDataset] = None
@@ -92,6 +95,7 @@ class SFTDataModule(L.LightningDataModule):
         if self.train_set is not None:
             return
         args = self.args
+        print(f"Prompt style: {self.style.name} ({self.style_reason})")
         rows = self.read(self.source, args.split)
         if args.val_path is not None:
             train_rows, val_rows = rows, self.read(args.val_path, "train" if Path(args.val_path).exists() else args.split)

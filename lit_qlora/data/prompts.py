@@ -265,7 +265,42 @@ class ChatTemplate(PromptStyle):
 PROMPT_STYLES: dict[str, type[PromptStyle]] = {s.name: s for s in (Alpaca, ChatML, Llama3, ChatTemplate)}
 
 
+def resolve_prompt_style(name: str, tokenizer: Any) -> tuple[str, str]:
+    """(the style, why): `auto` is the checkpoint's chat template where it has one (train as it will be served:
+    generate, chat, serve and the exported model's template speak it), else alpaca (a base model)."""
+    if name != "auto":
+        return name, "given with --data.prompt_style"
+    if tokenizer.has_chat_template:
+        return "chat_template", "auto: the checkpoint's own chat template, as generate, chat and serve use it"
+    return "alpaca", "auto: the checkpoint has no chat template"
+
+
 def get_prompt_style(name: str, tokenizer: Any) -> PromptStyle:
+    name = resolve_prompt_style(name, tokenizer)[0]
     if name not in PROMPT_STYLES:
-        raise DataError(f"Unknown prompt style {name!r}; choose one of {', '.join(PROMPT_STYLES)}.")
+        raise DataError(f"Unknown prompt style {name!r}; choose one of auto, {', '.join(PROMPT_STYLES)}.")
     return PROMPT_STYLES[name](tokenizer)
+
+
+# Each style as a chat template (Jinja, as transformers and llama.cpp read them): what a merged or GGUF export of a
+# fine-tune trained in that style carries, so other runtimes format prompts as training did. `chat_template` needs
+# none: the checkpoint's own is exported. Each renders what the style's `render_messages` renders (tested).
+STYLE_TEMPLATES = {
+    "alpaca": (
+        "{%- set system = messages | selectattr('role', 'equalto', 'system') | map(attribute='content') | list -%}"
+        "{{- system | join('\n\n') + '\n\n' if system else '" + Alpaca.HEADER.replace("\n", "\\n") + "' -}}"
+        "{%- for m in messages -%}"
+        "{%- if m['role'] == 'user' -%}{{- '### Instruction:\n' + m['content'] + '\n\n' -}}"
+        "{%- elif m['role'] == 'assistant' -%}{{- '### Response:\n' + m['content'] + eos_token + '\n\n' -}}"
+        "{%- endif -%}{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{- '### Response:\n' -}}{%- endif -%}"),
+    "chatml": (
+        "{%- for m in messages -%}{{- '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' -}}"
+        "{%- endfor -%}{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}"),
+    "llama3": (
+        "{{- bos_token -}}{%- for m in messages -%}"
+        "{{- '<|start_header_id|>' + m['role'] + '<|end_header_id|>\n\n' + m['content'] | trim + '<|eot_id|>' -}}"
+        "{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' -}}{%- endif -%}"),
+}
+

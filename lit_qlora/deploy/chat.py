@@ -127,14 +127,15 @@ def chat_command(
         max_new_tokens: Longest reply, in tokens.
         seed: Seed of the sampler (a conversation repeats with the same inputs).
     """
+    from lit_qlora.data.inference import trained_tokenizer
     from lit_qlora.finetune import DEFAULT_CHECKPOINT, ensure_default_checkpoint
     from lit_qlora.loading import load_model
-    from lit_qlora.tokenizer import Tokenizer
 
     checkpoint_dir = Path(checkpoint_dir or DEFAULT_CHECKPOINT)
     ensure_default_checkpoint(checkpoint_dir)
     model = load_model(checkpoint_dir, quantize, precision, adapter_dir)
-    session = ChatSession(model, Tokenizer(checkpoint_dir), system, seed)
+    # the conversation in the prompt format the adapter trained with (lit_qlora.data.inference)
+    session = ChatSession(model, trained_tokenizer(checkpoint_dir, adapter_dir), system, seed)
     interactive = sys.stdin.isatty()
     print(f"Chatting with {checkpoint_dir}{f' + {adapter_dir}' if adapter_dir else ''}: {COMMANDS}.", flush=True)
     try:

@@ -177,13 +177,31 @@ def export_gguf(checkpoint_dir: Path, out: Path, adapter_dir: Optional[Path] = N
                 quantize: Optional[Literal["nf4", "none"]] = None) -> Path:
     """Write `out` (GGUF) and a Modelfile beside it for the checkpoint, with the adapter merged when given; returns
     the GGUF path. See the module docstring."""
+    from lit_qlora.data.inference import trained_chat_template
     from lit_qlora.loading import load_model
 
     checkpoint_dir = Path(checkpoint_dir)
     tokenizer = require_exportable(checkpoint_dir)  # every refusal before anything loads or is written
     model = load_model(checkpoint_dir, quantize, "32-true" if quantize == "none" or adapter_dir is None else None,
                        adapter_dir=adapter_dir)
-    return write_gguf(model, checkpoint_dir, out, dtype, merged=adapter_dir is not None, tokenizer=tokenizer)
+    return write_gguf(model, checkpoint_dir, out, dtype, merged=adapter_dir is not None, tokenizer=tokenizer,
+                      chat_template=trained_chat_template(adapter_dir))
+
+
+def gguf_config(model, merged: bool):
+    """The config written. An unadapted head of a checkpoint that ties it to the embedding is written tied, as the
+    embedding W: QLoRA computed it from an NF4 copy, dequant(NF4(W)), but a GGUF is quantized for llama.cpp anyway,
+    and tied it keeps the checkpoint's shape and size (one vocabulary-sized matrix; llama.cpp's gemma2 has no head of
+    its own at all). The merged Hugging Face model keeps QLoRA's head exactly (export.export_config)."""
+    from lit_qlora.export import export_config
+    from lit_qlora.lora import LoRALinear
+
+    config = export_config(model, merged=merged)
+    if getattr(model, "head_tied_in_checkpoint", False) and not isinstance(getattr(model, "lm_head", None), LoRALinear):
+        print("export_gguf: the head is tied to the embedding, as in the checkpoint: the embedding W (QLoRA computed "
+              "it from dequant(NF4(W))).", file=sys.stderr)
+        config = config.replace(tie_embeddings=True)
+    return config
 
 
 def require_exportable(checkpoint_dir: Path, head_adapted: bool = False) -> dict[str, Any]:
@@ -197,17 +215,20 @@ def require_exportable(checkpoint_dir: Path, head_adapted: bool = False) -> dict
 
 
 def write_gguf(model, checkpoint_dir: Path, out: Path, dtype: GGUFType = "f16", merged: bool = True,
-               tokenizer: Optional[dict[str, Any]] = None) -> Path:
+               tokenizer: Optional[dict[str, Any]] = None, chat_template: Optional[str] = None) -> Path:
     """`model` (a LoRA model: its adapters merged on the fly, in fp32) as the GGUF file `out`, the tokenizer and chat
-    template from `checkpoint_dir` (`tokenizer`: its fields when already read), and an Ollama Modelfile beside it."""
+    template from `checkpoint_dir` (`tokenizer`: its fields when already read; `chat_template`: the template to embed
+    instead, a fine-tune's prompt style), and an Ollama Modelfile beside it."""
     import gguf
 
     from lit_qlora.checkpoint import remove_path
 
     out = Path(out)
-    config = _export_config(model, merged, Path(checkpoint_dir))
+    config = gguf_config(model, merged)
     arch = architecture(config)
     tokenizer = tokenizer or tokenizer_metadata(Path(checkpoint_dir))
+    if chat_template is not None:
+        tokenizer = {**tokenizer, "chat_template": chat_template}
     tensors = gguf_tensors(model, config, arch, merged)
     qtype = getattr(gguf.GGMLQuantizationType, dtype.upper())
     block = gguf.GGML_QUANT_SIZES[qtype][0]
@@ -242,23 +263,6 @@ def write_gguf(model, checkpoint_dir: Path, out: Path, dtype: GGUFType = "f16", 
         raise
     write_modelfile(out, tokenizer)
     return out
-
-
-def _export_config(model, merged: bool, checkpoint_dir: Path):
-    """The config written. QLoRA gives a tied head its own NF4 copy of the embedding; llama.cpp's gemma2 has no head of
-    its own, so an unadapted Gemma 2 head is written tied again: the embedding W, not dequant(NF4(W))."""
-    from lit_qlora.config import Config
-    from lit_qlora.export import export_config
-    from lit_qlora.lora import LoRALinear
-
-    config = export_config(model, merged=merged)
-    if (config.model_type == "gemma2" and not config.tie_embeddings
-            and not isinstance(getattr(model, "lm_head", None), LoRALinear)
-            and Config.from_checkpoint(checkpoint_dir).tie_embeddings):
-        print("export_gguf: llama.cpp's gemma2 reads its head from the embedding, so the head is the embedding W "
-              "(QLoRA computed it from dequant(NF4(W))).", file=sys.stderr)
-        config = config.replace(tie_embeddings=True)
-    return config
 
 
 def gguf_tensors(model, config, arch: str, merged: bool) -> list[tuple[str, tuple[int, ...], Any]]:

@@ -140,12 +140,13 @@ class ChatAPI(ls.LitAPI):
         self.precision, self.max_new_tokens = precision, max_new_tokens
 
     def setup(self, device: str) -> None:
+        from lit_qlora.data.inference import trained_tokenizer
         from lit_qlora.loading import load_model
-        from lit_qlora.tokenizer import Tokenizer
 
         self.model = load_model(self.checkpoint_dir, self.quantize, self.precision, self.adapter_dir)
-        self.tokenizer = Tokenizer(self.checkpoint_dir)
-        if not self.tokenizer.has_chat_template:
+        # the prompt format the adapter trained with (lit_qlora.data.inference): the ids training saw
+        self.tokenizer = trained_tokenizer(self.checkpoint_dir, self.adapter_dir)
+        if not self.tokenizer.has_chat_template and self.tokenizer.prompt_format is None:
             raise ValueError(f"{self.checkpoint_dir} has no chat template: serve answers chat messages through it.")
 
     def prompt_ids(self, request: ChatRequest) -> list[int]:

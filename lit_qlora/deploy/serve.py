@@ -71,16 +71,17 @@ def serve_command(
     """
     from lit_qlora.finetune import DEFAULT_CHECKPOINT, ensure_default_checkpoint
     from lit_qlora.lora import read_adapter_config
-    from lit_qlora.tokenizer import Tokenizer
+    from lit_qlora.data.inference import trained_style, trained_tokenizer
 
     checkpoint_dir = Path(checkpoint_dir or DEFAULT_CHECKPOINT)
     ensure_default_checkpoint(checkpoint_dir)
     # Checked here, where a bad path is a one-line error: in LitServe's worker it is a traceback and a failed start.
     if adapter_dir is not None:
         read_adapter_config(adapter_dir)
-    if not Tokenizer(checkpoint_dir).has_chat_template:
-        raise ValueError(f"{checkpoint_dir} has no chat template (tokenizer_config.json chat_template): serve answers "
-                         "chat messages through it. Serve a chat model, or use `litqlora generate` for this one.")
+    if not trained_tokenizer(checkpoint_dir, adapter_dir).has_chat_template and trained_style(adapter_dir) is None:
+        raise ValueError(f"{checkpoint_dir} has no chat template (tokenizer_config.json chat_template) and no "
+                         "fine-tune's prompt style was given (--adapter_dir): serve answers chat messages through one "
+                         "of them. Serve a chat model or a fine-tune of it, or use `litqlora generate` for this one.")
     server = build_server(checkpoint_dir, adapter_dir, quantize, precision,
                           api_key or os.environ.get("LIT_QLORA_API_KEY"), max_new_tokens, model_name)
     print(f"Serving {checkpoint_dir}{f' + {adapter_dir}' if adapter_dir else ''} on http://{host}:{port}/v1",

@@ -57,7 +57,8 @@ def quantize_linears(model: nn.Module, ignore_modules: Iterable[str] = (), world
     head = getattr(model, "lm_head", None)
     if config is not None and config.tie_embeddings and head is not None and is_nf4(head.weight):
         if embedding is not None and embedding.weight is not head.weight:
-            model.config = config.replace(tie_embeddings=False)  # exports now write their own lm_head.weight
+            model.config = config.replace(tie_embeddings=False)  # the head is a weight of its own now
+            model.head_tied_in_checkpoint = True  # a GGUF writes it tied again while unadapted (gguf_export.gguf_config)
     return count
 
 

@@ -18,7 +18,8 @@ class LoRAArgs:
     dropout: float = 0.05
     """Dropout on the adapters' input."""
     targets: list[str] = field(default_factory=lambda: ["all"])
-    """Projections that get adapters: q, k, v, o, gate, up, down, lm_head, or all."""
+    """Projections that get adapters: q, k, v, o, gate, up, down, lm_head, or all (every one, but a head tied to the
+    embedding, which stays tied in the exports; name lm_head to adapt it anyway)."""
     rslora: bool = False
     """Rank-stabilized scaling alpha / sqrt(r)."""
 
@@ -179,8 +180,10 @@ class DataArgs:
     """Kept for older recipes: the same as --data.path with a JSON / JSONL file."""
     hf_dataset: Optional[str] = None
     """Kept for older recipes: the same as --data.path with a Hub dataset name."""
-    prompt_style: Literal["alpaca", "chatml", "llama3", "chat_template"] = "alpaca"
-    """How rows become text: alpaca, chatml, llama3, or chat_template (the checkpoint's own chat template)."""
+    prompt_style: Literal["auto", "alpaca", "chatml", "llama3", "chat_template"] = "auto"
+    """How rows become text: auto (the checkpoint's chat template where it has one, as generate, chat, serve and
+    the exports will format prompts; else alpaca), alpaca, chatml, llama3, or chat_template. The style trained with
+    is recorded beside the adapter, and inference and exports follow it."""
     val_split: Union[float, str] = 0.1
     """Fraction of rows held out for validation (at least one row when > 0; 0 disables validation), or the name of
     the dataset's validation split (e.g. `validation`, `test`)."""

@@ -18,12 +18,12 @@ import torch
 
 from lit_qlora.checkpoint import atomic_write_text
 from lit_qlora.compile import compile_seconds
-from lit_qlora.config import ADAPTER_DTYPES, DTYPE_NAMES, MIXED_PRECISIONS, PRECISION_DTYPES, Quantize
+from lit_qlora.config import ADAPTER_DTYPES, DTYPE_NAMES, MIXED_PRECISIONS, PRECISION_DTYPES, Config, Quantize
 from lit_qlora.export import export_final
 from lit_qlora.finetune import ensure_default_checkpoint, recipe, resolve_resume
 from lit_qlora.guards import oom_advice
 from lit_qlora.hardware import choose_precision, uses_cuda
-from lit_qlora.lora import apply_lora, full_lora_state_dict, load_adapter, resolve_targets
+from lit_qlora.lora import apply_lora, full_lora_state_dict, load_adapter, resolve_targets, tied_head_note
 from lit_qlora.loading import load_model
 from lit_qlora.memory import peak_memory_stats, release_free_memory
 from lit_qlora.nf4 import count_linears
@@ -60,6 +60,8 @@ class RunConfig:
     initial_val_loss: Optional[float] = None  # a resumed run's, from its checkpoint
     compile: bool = False
     precision_reason: str = "given with --precision"
+    tied_head: bool = False  # the base's head is its embedding: `all` leaves it out (lit_qlora.lora.resolve_targets)
+    prompt_style: Optional[str] = None  # the style rows were rendered in (--data.prompt_style, auto resolved)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -88,10 +90,12 @@ class RunConfig:
         lora, dtype_name = self.lora, DTYPE_NAMES[self.dtype]
         lora_dtype_name = DTYPE_NAMES[self.lora_dtype]
         return {
-            "r": lora.r, "alpha": lora.alpha, "dropout": lora.dropout, "targets": resolve_targets(lora.targets),
+            "r": lora.r, "alpha": lora.alpha, "dropout": lora.dropout,
+            "targets": resolve_targets(lora.targets, self.tied_head),
             "rslora": lora.rslora, "quantize": self.quantize.value, "precision": self.precision, "base_dtype": dtype_name,
             "lora_dtype": lora_dtype_name, "base_model": str(Path(self.checkpoint_dir).resolve()),
             "ignore_modules": self.ignore_modules, "nf4_world_size": self.nf4_shards,
+            "prompt_style": self.prompt_style,  # inference and exports format prompts as training did
             **({"nf4_tensor_parallel": self.tensor_parallel} if self.quantize is Quantize.NF4 and self.tensor_parallel > 1
                else {}),
         }
@@ -166,7 +170,8 @@ def setup(checkpoint_dir: Path, out_dir: Path, quantize: str, precision: str, se
     config = RunConfig(Path(checkpoint_dir), out_dir, Quantize(quantize), precision, seed, lora, train, data,
                        list(ignore_modules or []), world_size, strategy, tensor_parallel,
                        nf4_shards_for(strategy, world_size, nf4_shards), resume_state.get("step", 0), total_steps,
-                       resume_from, resume_state.get("initial_val_loss"), compile, precision_reason)
+                       resume_from, resume_state.get("initial_val_loss"), compile, precision_reason,
+                       Config.from_checkpoint(checkpoint_dir).tie_embeddings, dm.style.name)
 
     checkpoints = ResumableCheckpoints(out_dir, train.save_interval, train.keep_last, total_steps, config.as_json(),
                                        resume_from, started)
@@ -202,6 +207,9 @@ def setup(checkpoint_dir: Path, out_dir: Path, quantize: str, precision: str, se
         model = load_model(config.checkpoint_dir, config.quantize, precision, shard=shard,
                            ignore_modules=config.ignore_modules, nf4_world_size=config.nf4_shards).train()
     apply_lora(model, lora.r, lora.alpha, lora.dropout, lora.targets, lora.rslora, dtype=config.lora_dtype)
+    note = tied_head_note(lora.targets, config.tied_head)
+    if note and trainer.is_global_zero:
+        print(note)
     n_ckpt = train.activation_checkpointing
     model.checkpoint_blocks = model.config.n_layer if n_ckpt is True else int(n_ckpt or 0)
     model.activation_offload, offload_reason = offload_for_run(
