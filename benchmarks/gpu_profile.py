@@ -23,7 +23,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from lit_qlora.config import PRESETS
+from lit_qlora.model.config import PRESETS
 from lit_qlora.loading import random_base
 from lit_qlora.lora import apply_lora
 from lit_qlora.train.args import TrainArgs

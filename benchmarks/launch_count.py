@@ -28,7 +28,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lit_qlora import estimate
-from lit_qlora.config import PRESETS
+from lit_qlora.model.config import PRESETS
 from lit_qlora.loading import default_dtype, random_base
 from lit_qlora.lora import apply_lora
 from lit_qlora.memory_trace import masks_as_all_true

@@ -28,8 +28,8 @@ def write_tinyllama(path: Path) -> Path:
     import torch
 
     from lit_qlora.checkpoint import TensorSpec, save_hf_checkpoint
-    from lit_qlora.config import Config
-    from lit_qlora.model import Transformer
+    from lit_qlora.model.config import Config
+    from lit_qlora.model.transformer import Transformer
 
     if (path / "model.safetensors").is_file():
         return path

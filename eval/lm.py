@@ -28,8 +28,8 @@ import torch
 from lm_eval.api.model import LM
 from tqdm import tqdm
 
-from lit_qlora.sampling import generate
-from lit_qlora.model import Transformer
+from lit_qlora.model.sampling import generate
+from lit_qlora.model.transformer import Transformer
 from lit_qlora.tokenizer import Tokenizer
 
 HEAD_CHUNK = 1024

@@ -55,7 +55,7 @@ def parse_bytes(text: str) -> int:
 def resolve_config(checkpoint_dir: str | Path) -> tuple[Config, str]:
     """The model to estimate and where its shape came from: a directory's config.json (no weights needed), a preset
     name, or, for a recipe whose checkpoint is not downloaded, the preset its directory is named after."""
-    from lit_qlora.config import PRESETS, Config
+    from lit_qlora.model.config import PRESETS, Config
 
     path = Path(checkpoint_dir)
     if (path / "config.json").is_file():
@@ -202,14 +202,14 @@ def _flex_allocations_function():
 
 @contextmanager
 def _cuda_attention() -> Iterator[None]:
-    """CUDA's attention (lit_qlora.attention): flex_attention, O(L), where a window, packed documents or a soft cap
+    """CUDA's attention (lit_qlora.model.attention): flex_attention, O(L), where a window, packed documents or a soft cap
     needs a mask (unless LIT_QLORA_FLEX_ATTENTION=0), with `_FlexAllocations` standing in for its kernels."""
-    from lit_qlora import attention, attention_mask, model
+    from lit_qlora.model import attention, attention_mask, transformer
 
     if attention.flex_setting() is False:
         yield
         return
-    with _patched(model, "use_flex_attention", lambda device: True), \
+    with _patched(transformer, "use_flex_attention", lambda device: True), \
             _patched(attention, "flex_attend", _FlexAllocations.attend), \
             _patched(attention_mask, "block_mask", _FlexAllocations.block_mask):
         yield
@@ -238,9 +238,9 @@ def cuda_code_paths() -> Iterator[None]:
 def offload_decision(config: Config, precision: Precision, train: TrainArgs, device: str,
                      micro_batch_size: Optional[int] = None) -> tuple[bool, str, int]:
     """(offload or not, why, the pinned bytes it takes) for the recipe as a run on `device` would decide it
-    (lit_qlora.train.offload.offload_choice), but for the host's available memory, which is not known here."""
-    from lit_qlora.config import PRECISION_DTYPES
-    from lit_qlora.train.offload import block_input_bytes, offload_choice, pinned_size
+    (lit_qlora.model.offload.offload_choice), but for the host's available memory, which is not known here."""
+    from lit_qlora.model.config import PRECISION_DTYPES
+    from lit_qlora.model.offload import block_input_bytes, offload_choice, pinned_size
 
     n_ckpt = train.activation_checkpointing
     blocks = config.n_layer if n_ckpt is True else int(n_ckpt or 0)
@@ -249,7 +249,7 @@ def offload_decision(config: Config, precision: Precision, train: TrainArgs, dev
     on, why = offload_choice(train.offload_activations, device == "cuda", blocks, one * blocks)
     if not on:
         return on, why, 0
-    # CUDA's pinned pieces: only each block's last one is rounded up to a power of two (lit_qlora.train.offload)
+    # CUDA's pinned pieces: only each block's last one is rounded up to a power of two (lit_qlora.model.offload)
     return on, why, blocks * (pinned_size(one) if device == "cuda" else one)
 
 
@@ -260,12 +260,12 @@ def trace_step(config: Config, quantize: Quantize, precision: Precision, lora: L
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from lit_qlora.config import ADAPTER_DTYPES, PRECISION_DTYPES
+    from lit_qlora.model.config import ADAPTER_DTYPES, PRECISION_DTYPES
     from lit_qlora.lora import apply_lora
     from lit_qlora.loading import default_dtype, random_base
     from lit_qlora.memory_trace import AllocationTrace, StepPhase
     from lit_qlora.nf4 import is_nf4, linear
-    from lit_qlora import tiled_mlp
+    from lit_qlora.model import tiled_mlp
     from lit_qlora.train import loss, tiled_loss
     from lit_qlora.train.loss import lm_loss_sum
 
@@ -282,7 +282,7 @@ def trace_step(config: Config, quantize: Quantize, precision: Precision, lora: L
         n_ckpt = train.activation_checkpointing
         model.checkpoint_blocks = config.n_layer if n_ckpt is True else int(n_ckpt or 0)
         if offload_decision(config, precision, train, device, batch)[0]:
-            from lit_qlora.train.offload import ActivationOffload
+            from lit_qlora.model.offload import ActivationOffload
 
             model.activation_offload = ActivationOffload()
             model.activation_offload._to_host = phase.wrap(model.activation_offload._to_host, OFFLOADED)
@@ -380,7 +380,7 @@ def estimate(
     """Predict a fine-tune's peak device memory per rank, by category, without weights or a GPU.
 
     Args:
-        checkpoint_dir: A model directory (only its config.json is read), a preset name from lit_qlora/config.py
+        checkpoint_dir: A model directory (only its config.json is read), a preset name from lit_qlora/model/config.py
             (e.g. Llama-2-7b), or a recipe's checkpoint directory that is not downloaded yet (its preset is used).
         out_dir: Where estimate.json goes.
         quantize: nf4 (QLoRA) or none (LoRA), as for finetune.
@@ -402,7 +402,7 @@ def estimate(
             the given micro-batch instead (and the host memory it needs for offloaded activations).
     """
     from lit_qlora.checkpoint import atomic_write_text
-    from lit_qlora.config import Quantize
+    from lit_qlora.model.config import Quantize
 
     auto_length = train.max_seq_length == "auto"
     for flag, value, least in (("--devices", devices, 1), ("--num_nodes", num_nodes, 1),

@@ -119,7 +119,7 @@ def export_peft(checkpoint_dir: Path, adapter_dir: Path, out_dir: Path, with_deq
 def write_peft_adapter(model: nn.Module, acfg: dict, out_dir: Path, base_name: str) -> Path:
     """adapter_model.safetensors (PEFT key names) + adapter_config.json for the LoRA layers of `model`."""
     from lit_qlora.checkpoint import TensorSpec, atomic_write_text, write_safetensors
-    from lit_qlora.hf_layout import fuse_lora
+    from lit_qlora.model.hf_layout import fuse_lora
     from lit_qlora.lora import lora_modules
 
     out_dir = Path(out_dir)

@@ -83,7 +83,7 @@ def finetune(
             MLFLOW_TRACKING_URI is set; pip install mlflow).
         export: More exports of the fine-tune beside final/'s adapter, merged model and PEFT adapter.
     """
-    from lit_qlora.config import require_checkpoint_dir
+    from lit_qlora.model.config import require_checkpoint_dir
     from lit_qlora.data.formats import require_source
     from lit_qlora.data.sft import require_data_file
     from lit_qlora.train.run import fit, setup
@@ -152,7 +152,7 @@ def recipe(checkpoint_dir: Path, quantize: str, precision: str, seed: int, lora:
            data: DataArgs, ignore_modules: Optional[list[str]]) -> dict[str, Any]:
     """The settings that define a run, as JSON (state.json's "run" holds them), with the sha256 of its dataset file:
     the same path with edited rows is other data."""
-    from lit_qlora.config import Quantize
+    from lit_qlora.model.config import Quantize
     from lit_qlora.data.formats import fingerprint
 
     return {"checkpoint_dir": str(checkpoint_dir), "quantize": Quantize(quantize).value, "precision": precision,

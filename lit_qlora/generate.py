@@ -1,5 +1,5 @@
 """The `litqlora generate` command: a reply to one prompt, a sanity check of a checkpoint (the sampling itself:
-lit_qlora.sampling)."""
+lit_qlora.model.sampling)."""
 
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ def generate_command(
 def stream_reply(model: Transformer, tokenizer: Tokenizer, ids: list[int], max_new_tokens: int, temperature: float,
                  top_k: Optional[int], seed: int) -> str:
     """Print the reply to stdout as it is generated; returns it."""
-    from lit_qlora.sampling import decoded_pieces, generate
+    from lit_qlora.model.sampling import decoded_pieces, generate
 
     pieces = []
     for piece in decoded_pieces(tokenizer, generate(model, ids, max_new_tokens, temperature, top_k, tokenizer.eos_ids,

@@ -1,4 +1,4 @@
-"""The attention dispatch (lit_qlora.attention): flex_attention over a BlockMask, as CUDA runs it for sliding windows,
+"""The attention dispatch (lit_qlora.model.attention): flex_attention over a BlockMask, as CUDA runs it for sliding windows,
 packed documents and Gemma 2's soft cap, gives what the dense path gives (outputs and gradients, fp32), per mask kind
 and through whole packed models; plain causal SDPA stays where it is exact; the CUDA estimate counts flex_attention's
 O(L) memory, not an L x L mask.
@@ -12,10 +12,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lit_qlora import attention
-from lit_qlora.attention import FLEX_ENV, attend, use_flex_attention
-from lit_qlora.attention_mask import attention_mask
-from lit_qlora.config import Config, Quantize
+from lit_qlora.model import attention
+from lit_qlora.model.attention import FLEX_ENV, attend, use_flex_attention
+from lit_qlora.model.attention_mask import attention_mask
+from lit_qlora.model.config import Config, Quantize
 from lit_qlora.data.sft import Collate, pack
 from lit_qlora.lora import apply_lora
 

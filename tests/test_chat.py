@@ -11,7 +11,7 @@ import torch
 
 from lit_qlora.deploy.chat import ChatSession
 from lit_qlora.loading import load_model
-from lit_qlora.sampling import generate, sample
+from lit_qlora.model.sampling import generate, sample
 from lit_qlora.tokenizer import Tokenizer
 
 

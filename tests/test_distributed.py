@@ -196,10 +196,10 @@ def _init_worker(rank: int, init_file: str, queue) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.nn.parallel import DistributedDataParallel
 
-    from lit_qlora.config import Config
+    from lit_qlora.model.config import Config
     from lit_qlora.parallel.distributed import keep_frozen_out_of_ddp, shard_model
     from lit_qlora.lora import apply_lora, full_lora_state_dict, lora_state_dict
-    from lit_qlora.model import Transformer
+    from lit_qlora.model.transformer import Transformer
     from lit_qlora.nf4 import dequantize_nf4, quantize_linears
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lit_qlora.cli import main
-from lit_qlora.config import Config, Quantize
+from lit_qlora.model.config import Config, Quantize
 from lit_qlora.estimate import estimate, resident_tensors, resolve_config, trace_step
 from lit_qlora.loading import random_base
 from lit_qlora.lora import apply_lora
@@ -193,7 +193,8 @@ def test_tracing_two_loss_chunks_per_loss_predicts_what_tracing_all_of_them_does
 def test_tracing_the_first_tiles_predicts_what_tracing_all_of_them_does(monkeypatch, device):
     """Past a tile's length the MLP and the loss run in tiles, and the estimate traces each one's first tiles only
     (a 100k-token 8B step has thousands): the peak and its categories equal those of a trace through every tile."""
-    from lit_qlora import estimate as estimate_module, tiled_mlp
+    from lit_qlora import estimate as estimate_module
+    from lit_qlora.model import tiled_mlp
     from lit_qlora.train import tiled_loss
 
     monkeypatch.setattr(tiled_mlp, "MLP_TILE_ELEMS", 128 * 16)  # 16-token MLP tiles: 8 per 128-token row

@@ -161,7 +161,7 @@ def test_every_request_type_equals_hflm(parity):
     # The greedy tokens behind free[0] (generate_until decodes them; equal to HFLM's text above), cut to the
     # longest prefix whose text encodes back to the same tokens after the context: a continuation whose
     # is-greedy flag must be True on both sides.
-    from lit_qlora.sampling import generate
+    from lit_qlora.model.sampling import generate
 
     prompt = tok.encode(context)
     greedy_tokens = list(generate(ours.model, prompt, 12, temperature=0.0, stop_ids=tok.eos_ids))

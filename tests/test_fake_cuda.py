@@ -17,7 +17,7 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.backends.cuda.is_built(),
                                 reason="needs the CUDA build of torch: `make test-fake-cuda`")
 
-from lit_qlora.config import Config  # noqa: E402
+from lit_qlora.model.config import Config  # noqa: E402
 from lit_qlora.estimate import _nf4_caches_set_aside  # noqa: E402
 from lit_qlora.loading import random_base  # noqa: E402
 from lit_qlora.memory_trace import AllocationTrace  # noqa: E402

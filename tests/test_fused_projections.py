@@ -1,4 +1,4 @@
-"""q/k/v and gate/up as one base matmul (lit_qlora/fused_projections.py): the same outputs and gradients as each
+"""q/k/v and gate/up as one base matmul (lit_qlora/model/fused_projections.py): the same outputs and gradients as each
 projection's own forward, with each adapter's own A, B, scale and dropout mask; the fallbacks."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lit_qlora import fused_projections as fp
+from lit_qlora.model import fused_projections as fp
 from lit_qlora import lora_dropout
-from lit_qlora.config import Config
+from lit_qlora.model.config import Config
 from lit_qlora.loading import random_base
 from lit_qlora.lora import apply_lora
 from lit_qlora.nf4 import is_nf4, linear

@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from lit_qlora.config import Config
+from lit_qlora.model.config import Config
 from lit_qlora.loading import random_base
 from lit_qlora.lora import apply_lora, lora_modules
 from lit_qlora.nf4 import dequantize_nf4, nf4_linear, quantize_nf4

@@ -12,10 +12,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import lit_qlora.model as model_module
-from lit_qlora.attention_mask import attention_mask, document_ids, document_lengths
+import lit_qlora.model.transformer as model_module
+from lit_qlora.model.attention_mask import attention_mask, document_ids, document_lengths
 from lit_qlora.data.sft import IGNORE_INDEX, Collate, Sample, pack
-from lit_qlora.attention import capped_attention
+from lit_qlora.model.attention import capped_attention
 from lit_qlora.train.loss import lm_loss_sum
 
 from test_model import CASES, reference_and_ours  # tiny random models of every family (tests/ is on sys.path)

@@ -59,7 +59,7 @@ class ChatSession:
     def reply(self, text: str, max_new_tokens: int = 256, temperature: float = 0.0, top_k: Optional[int] = None,
               top_p: Optional[float] = None) -> Iterator[str]:
         """Stream the reply to the user's `text` as decoded text pieces; the turn is kept in the conversation."""
-        from lit_qlora.sampling import decoded_pieces, sample
+        from lit_qlora.model.sampling import decoded_pieces, sample
 
         tok = self.tokenizer
         messages = self.messages + [{"role": "user", "content": text}]

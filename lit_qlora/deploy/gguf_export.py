@@ -189,7 +189,7 @@ def export_gguf(checkpoint_dir: Path, out: Path, adapter_dir: Optional[Path] = N
 def require_exportable(checkpoint_dir: Path, head_adapted: bool = False) -> dict[str, Any]:
     """The checkpoint's GGUF tokenizer fields; a GGUFExportError when export_gguf cannot write this model (merged
     with an adapter on lm_head when `head_adapted`: that unties a tied head)."""
-    from lit_qlora.config import Config
+    from lit_qlora.model.config import Config
 
     config = Config.from_checkpoint(checkpoint_dir)
     architecture(config.replace(tie_embeddings=False) if head_adapted else config)
@@ -247,7 +247,7 @@ def write_gguf(model, checkpoint_dir: Path, out: Path, dtype: GGUFType = "f16", 
 def _export_config(model, merged: bool, checkpoint_dir: Path):
     """The config written. QLoRA gives a tied head its own NF4 copy of the embedding; llama.cpp's gemma2 has no head of
     its own, so an unadapted Gemma 2 head is written tied again: the embedding W, not dequant(NF4(W))."""
-    from lit_qlora.config import Config
+    from lit_qlora.model.config import Config
     from lit_qlora.export import export_config
     from lit_qlora.lora import LoRALinear
 
@@ -270,7 +270,7 @@ def gguf_tensors(model, config, arch: str, merged: bool) -> list[tuple[str, tupl
     import torch
 
     from lit_qlora.export import hf_tensor_specs
-    from lit_qlora.hf_layout import fuse_plan
+    from lit_qlora.model.hf_layout import fuse_plan
 
     specs = {spec.name: spec for spec in hf_tensor_specs(model, torch.float32, merge=merged)}
     plan = fuse_plan(config, specs)
@@ -362,7 +362,7 @@ def _rope_tensors(config) -> dict[str, Any]:
     longrope factors (`rope_factors_long`, `rope_factors_short`)."""
     import numpy as np
 
-    from lit_qlora.config import rope_inv_freq
+    from lit_qlora.model.config import rope_inv_freq
 
     scaling = config.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type"))
@@ -377,7 +377,7 @@ def _rope_tensors(config) -> dict[str, Any]:
 
 
 def _write_metadata(writer, config, arch: str, tok: dict[str, Any], name: str, file_type: str, length: int) -> None:
-    from lit_qlora.config import rope_attention_factor, rotary_dim
+    from lit_qlora.model.config import rope_attention_factor, rotary_dim
 
     writer.add_name(name)
     writer.add_context_length(length)

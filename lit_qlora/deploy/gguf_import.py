@@ -43,7 +43,7 @@ def bundled_smollm2_path() -> Path:
 def convert_gguf(file: str | Path, out_dir: Path, dtype: str = "float32") -> Path:
     """Convert a GGUF file ("smollm2" = the bundled SmolLM2-135M-Instruct) into a HF checkpoint directory."""
     from lit_qlora.checkpoint import atomic_write_text, write_safetensors
-    from lit_qlora.config import DTYPES
+    from lit_qlora.model.config import DTYPES
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}.")
@@ -137,7 +137,7 @@ def _f32(value: float) -> float:
 
 
 def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any], path: Path | str = "<gguf>") -> Config:
-    from lit_qlora.config import Config
+    from lit_qlora.model.config import Config
     from lit_qlora.deploy.gguf_families import GEMMA_ARCHS, MODEL_TYPES, gemma_layer_types, gemma_query_scalar
 
     arch = meta["general.architecture"]
@@ -204,7 +204,7 @@ def _rope_scaling(meta: dict[str, Any], tensors: dict[str, Any], config: Config,
     import numpy as np
     import torch
 
-    from lit_qlora.config import rope_attention_factor, rope_inv_freq
+    from lit_qlora.model.config import rope_attention_factor, rope_inv_freq
 
     arch = meta["general.architecture"]
     if "rope_freqs.weight" in tensors:
@@ -276,7 +276,7 @@ def _dequantize(tensor, path, first_row_only: bool = False) -> np.ndarray:
 def expected_shapes(config: Config) -> dict[str, tuple[int, ...]]:
     """The Hugging Face state-dict layout of `config` (Phi-3's q/k/v and gate/up fused, as its checkpoints have
     them), tied lm_head left out; computed, not built: building even on the meta device costs seconds of imports."""
-    from lit_qlora.hf_layout import fused_modules
+    from lit_qlora.model.hf_layout import fused_modules
 
     c, q, kv = config, config.n_head * config.head_dim, config.n_query_groups * config.head_dim
     shapes = {"model.embed_tokens.weight": (c.vocab_size, c.n_embd), "model.norm.weight": (c.n_embd,)}

@@ -30,7 +30,7 @@ class ChatAPI(ls.LitAPI):
             raise ValueError(f"{self.checkpoint_dir} has no chat template: serve answers chat messages through it.")
 
     def predict(self, request: Any, context: Any = None) -> Iterator[str]:
-        from lit_qlora.sampling import decoded_pieces, generate
+        from lit_qlora.model.sampling import decoded_pieces, generate
 
         tok = self.tokenizer
         messages = [{"role": m.role, "content": m.content if isinstance(m.content, str) else

@@ -18,7 +18,7 @@ import torch
 
 from lit_qlora.checkpoint import atomic_write_text
 from lit_qlora.compile import compile_seconds
-from lit_qlora.config import ADAPTER_DTYPES, DTYPE_NAMES, MIXED_PRECISIONS, PRECISION_DTYPES, Quantize
+from lit_qlora.model.config import ADAPTER_DTYPES, DTYPE_NAMES, MIXED_PRECISIONS, PRECISION_DTYPES, Quantize
 from lit_qlora.export import export_final
 from lit_qlora.finetune import ensure_default_checkpoint, recipe, resolve_resume
 from lit_qlora.guards import oom_advice
@@ -31,7 +31,7 @@ from lit_qlora.parallel.distributed import build_strategy, keep_frozen_out_of_dd
 from lit_qlora.parallel.tensor_parallel import TensorParallelShard
 from lit_qlora.tokenizer import Tokenizer
 from lit_qlora.train.args import DataArgs, LoRAArgs, TrainArgs, total_steps_for
-from lit_qlora.train.offload import offload_for_run, offload_summary
+from lit_qlora.model.offload import offload_for_run, offload_summary
 from lit_qlora.train.report import print_report
 from lit_qlora.train.state import read_state
 

@@ -140,7 +140,7 @@ class PeriodicValidation(Callback):
         random number generators and train/eval modes are restored, as after a validation."""
         if self.sample_prompt is None:
             return
-        from lit_qlora.sampling import generate
+        from lit_qlora.model.sampling import generate
 
         ids, tokenizer = self.sample_prompt
         model = pl_module.model
