@@ -39,7 +39,7 @@ def child(args: argparse.Namespace) -> None:
     from torch.utils.data import DataLoader
 
     from lit_qlora.loading import load_model
-    from lit_qlora.lora import apply_lora
+    from lit_qlora.lora.layer import apply_lora
     from lit_qlora.memory import peak_rss_bytes
     from lit_qlora.precision import NF4Precision
     from lit_qlora.train.args import TrainArgs

@@ -28,7 +28,7 @@ def child(args: argparse.Namespace) -> None:
     import torch
 
     from lit_qlora.loading import load_model
-    from lit_qlora.lora import apply_lora
+    from lit_qlora.lora.layer import apply_lora
     from lit_qlora.train.loss import chunked_cross_entropy_sum
     from lit_qlora.memory import peak_rss_bytes
 

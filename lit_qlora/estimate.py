@@ -222,7 +222,7 @@ def cuda_code_paths() -> Iterator[None]:
     hash mask). `trace_step` counts their allocations; `benchmarks/launch_count.py` counts their kernels."""
     import torch
 
-    from lit_qlora import lora_dropout
+    from lit_qlora.lora import dropout as lora_dropout
     from lit_qlora.train import loss
 
     with ExitStack() as stack:
@@ -261,7 +261,7 @@ def trace_step(config: Config, quantize: Quantize, precision: Precision, lora: L
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from lit_qlora.model.config import ADAPTER_DTYPES, PRECISION_DTYPES
-    from lit_qlora.lora import apply_lora
+    from lit_qlora.lora.layer import apply_lora
     from lit_qlora.loading import default_dtype, random_base
     from lit_qlora.memory_trace import AllocationTrace, StepPhase
     from lit_qlora.nf4 import is_nf4, linear

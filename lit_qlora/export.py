@@ -19,7 +19,7 @@ def hf_tensor_specs(model: nn.Module, dtype: torch.dtype, merge: bool = True) ->
     merge=True writes dequant(W) + scale * B @ A for LoRA layers; merge=False writes their base weight alone.
     """
     from lit_qlora.checkpoint import TensorSpec
-    from lit_qlora.lora import LoRALinear, row_chunks, weight_rows
+    from lit_qlora.lora.layer import LoRALinear, row_chunks, weight_rows
 
     specs = []
     tied = export_config(model, merge).tie_embeddings
@@ -41,7 +41,7 @@ def hf_tensor_specs(model: nn.Module, dtype: torch.dtype, merge: bool = True) ->
 
 def export_config(model: nn.Module, merged: bool):
     """The model config to write: a merged adapter on a tied head unties it (the head now differs)."""
-    from lit_qlora.lora import LoRALinear
+    from lit_qlora.lora.layer import LoRALinear
 
     config = model.config
     head = getattr(model, "lm_head", None)
@@ -104,7 +104,7 @@ def export_peft(checkpoint_dir: Path, adapter_dir: Path, out_dir: Path, with_deq
 
     from lit_qlora.checkpoint import save_hf_checkpoint
     from lit_qlora.loading import load_model
-    from lit_qlora.lora import read_adapter_config
+    from lit_qlora.lora.layer import read_adapter_config
 
     model = load_model(checkpoint_dir, adapter_dir=adapter_dir)
     acfg = read_adapter_config(adapter_dir)
@@ -120,7 +120,7 @@ def write_peft_adapter(model: nn.Module, acfg: dict, out_dir: Path, base_name: s
     """adapter_model.safetensors (PEFT key names) + adapter_config.json for the LoRA layers of `model`."""
     from lit_qlora.checkpoint import TensorSpec, atomic_write_text, write_safetensors
     from lit_qlora.model.hf_layout import fuse_lora
-    from lit_qlora.lora import lora_modules
+    from lit_qlora.lora.layer import lora_modules
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -153,7 +153,7 @@ def export_final(model: nn.Module, final_dir: Path, checkpoint_dir: Path, adapte
 
     from lit_qlora.checkpoint import remove_path, replace_dir, save_hf_checkpoint
     from lit_qlora.loading import load_model
-    from lit_qlora.lora import save_adapter
+    from lit_qlora.lora.layer import save_adapter
     from lit_qlora.parallel.distributed import is_sharded
 
     final_dir = Path(final_dir)

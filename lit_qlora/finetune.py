@@ -101,7 +101,7 @@ def finetune(
     loggers = require_loggers(logger)
     if export.gguf and Path(checkpoint_dir).is_dir():  # (the default checkpoint, not yet converted: after training)
         from lit_qlora.deploy.gguf_export import require_exportable
-        from lit_qlora.lora import resolve_targets
+        from lit_qlora.lora.layer import resolve_targets
 
         require_exportable(Path(checkpoint_dir), head_adapted="lm_head" in resolve_targets(lora.targets))
     precision, precision_reason = choose_precision(precision, accelerator)

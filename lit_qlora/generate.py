@@ -50,7 +50,7 @@ def generate_command(
     if compare_base and adapter_dir is None:
         raise ValueError("--compare_base true compares the base with a fine-tune: give the fine-tune's --adapter_dir.")
     from lit_qlora.loading import load_model
-    from lit_qlora.lora import adapters_disabled
+    from lit_qlora.lora.layer import adapters_disabled
     from lit_qlora.nf4 import is_nf4
     from lit_qlora.tokenizer import Tokenizer
 

@@ -17,7 +17,7 @@ from lit_qlora.model.attention import FLEX_ENV, attend, use_flex_attention
 from lit_qlora.model.attention_mask import attention_mask
 from lit_qlora.model.config import Config, Quantize
 from lit_qlora.data.sft import Collate, pack
-from lit_qlora.lora import apply_lora
+from lit_qlora.lora.layer import apply_lora
 
 from test_model import CASES, reference_and_ours  # tiny random models of every family (tests/ is on sys.path)
 from test_packing import documents

@@ -9,11 +9,11 @@ from safetensors.torch import load_file, save_file
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from lit_qlora import lora
+from lit_qlora.lora import layer as lora
 from lit_qlora.checkpoint import CheckpointError, TensorSpec, load_checkpoint, save_hf_checkpoint, write_safetensors
 from lit_qlora.export import hf_tensor_specs
 from lit_qlora.model.config import Config
-from lit_qlora.lora import apply_lora
+from lit_qlora.lora.layer import apply_lora
 from lit_qlora.model.transformer import Transformer
 from lit_qlora.nf4 import quantize_linears
 

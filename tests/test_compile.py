@@ -131,7 +131,7 @@ def test_two_compiled_ddp_processes_equal_one_eager_process(tiny_llama_dir, one_
 def test_new_batch_shapes_stop_recompiling_after_the_first_change():
     """An unpacked run's batches change length: the first change recompiles with dynamic lengths, later ones reuse it."""
     from lit_qlora.model.config import Config
-    from lit_qlora.lora import apply_lora
+    from lit_qlora.lora.layer import apply_lora
     from lit_qlora.train.loss import lm_loss_sum
 
     torch._dynamo.reset()  # forget the shapes earlier tests compiled the same code for

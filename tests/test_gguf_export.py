@@ -186,7 +186,7 @@ def test_large_weights_are_written_a_block_of_rows_at_a_time(smollm2_dir):
     """The SmolLM2 embedding (49152 x 576) reaches the file in row blocks of at most MERGE_CHUNK_ELEMS values, Gemma
     norms come out as 1 + w, Phi-3's fused projections as their parts in row order."""
     from lit_qlora.deploy.gguf_export import gguf_tensors
-    from lit_qlora.lora import MERGE_CHUNK_ELEMS
+    from lit_qlora.lora.layer import MERGE_CHUNK_ELEMS
 
     model = load_model(smollm2_dir, "nf4", "32-true")
     entries = {name: (shape, pieces) for name, shape, pieces in gguf_tensors(model, model.config, "llama", False)}

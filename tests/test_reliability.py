@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from lit_qlora.checkpoint import replace_dir
 from lit_qlora.cli import main
 from lit_qlora.train.loss import chunked_cross_entropy_sum
-from lit_qlora.lora import LoRALinear, lora_state_dict
+from lit_qlora.lora.layer import LoRALinear, lora_state_dict
 from lit_qlora.train.state import latest_checkpoint, load_training_state, save_training_state
 from lit_qlora.train.module import FinetuneModule
 

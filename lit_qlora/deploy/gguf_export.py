@@ -249,7 +249,7 @@ def _export_config(model, merged: bool, checkpoint_dir: Path):
     its own, so an unadapted Gemma 2 head is written tied again: the embedding W, not dequant(NF4(W))."""
     from lit_qlora.model.config import Config
     from lit_qlora.export import export_config
-    from lit_qlora.lora import LoRALinear
+    from lit_qlora.lora.layer import LoRALinear
 
     config = export_config(model, merged=merged)
     if (config.model_type == "gemma2" and not config.tie_embeddings

@@ -232,7 +232,7 @@ def dequantize_blocks(qdata: torch.Tensor, scales: torch.Tensor, levels: torch.T
 
 def dropout_elements(src: torch.Tensor, out: torch.Tensor, seed: int, threshold: int, scale: float) -> None:
     """C kernel: ``out = src * scale`` where the hash of (element index, seed) >= threshold, else 0 (both
-    contiguous, same dtype; see lit_qlora/lora_dropout.py)."""
+    contiguous, same dtype; see lit_qlora/lora/dropout.py)."""
     lib = _native_state["lib"]
     fmt, n = _FMT[src.dtype], src.numel()
     threads = _threads(-(-n // (1 << 14)), n * src.element_size())  # the C side splits in chunks of 2**14

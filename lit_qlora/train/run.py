@@ -23,7 +23,7 @@ from lit_qlora.export import export_final
 from lit_qlora.finetune import ensure_default_checkpoint, recipe, resolve_resume
 from lit_qlora.guards import oom_advice
 from lit_qlora.hardware import choose_precision, uses_cuda
-from lit_qlora.lora import apply_lora, full_lora_state_dict, load_adapter, resolve_targets
+from lit_qlora.lora.layer import apply_lora, full_lora_state_dict, load_adapter, resolve_targets
 from lit_qlora.loading import load_model
 from lit_qlora.memory import peak_memory_stats, release_free_memory
 from lit_qlora.nf4 import count_linears

@@ -13,8 +13,8 @@ import torch.nn as nn
 
 from lit_qlora.checkpoint import TensorSpec, atomic_write_text, iter_safetensors, write_safetensors
 from lit_qlora.guards import require_finite
-from lit_qlora import lora_dropout
-from lit_qlora.lora_dropout import dropped_lora
+from lit_qlora.lora import dropout as lora_dropout
+from lit_qlora.lora.dropout import dropped_lora
 from lit_qlora.nf4 import dequantize_nf4, frozen_linear, is_nf4, row_slices
 from lit_qlora.parallel.distributed import full, is_sharded, reshard, shard_like
 
