@@ -83,7 +83,7 @@ def profiled_device_peak(step, alive: list) -> tuple[int, int]:
     from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
-    from lit_qlora.memory_trace import storages
+    from lit_qlora.memory.trace import storages
 
     before = sum({s.data_ptr(): s.nbytes() for t in alive for s in storages(t)}.values())
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -143,7 +143,7 @@ def child(group: str) -> None:
     from lit_qlora import estimate
     from lit_qlora.model.config import PRESETS, Quantize
     from lit_qlora.estimate import resident_tensors, trace_step
-    from lit_qlora.memory_trace import profiled_peak
+    from lit_qlora.memory.trace import profiled_peak
     from lit_qlora.train.args import LoRAArgs, TrainArgs
     from lit_qlora.model.offload import ActivationOffload
     from one_step import build_step

@@ -31,7 +31,7 @@ from lit_qlora import estimate
 from lit_qlora.model.config import PRESETS
 from lit_qlora.loading import default_dtype, random_base
 from lit_qlora.lora.layer import apply_lora
-from lit_qlora.memory_trace import masks_as_all_true
+from lit_qlora.memory.trace import masks_as_all_true
 from lit_qlora.nf4 import linear
 from lit_qlora.train import loss as loss_module
 from lit_qlora.train import nf4_head_loss

@@ -50,7 +50,7 @@ def child(checkpoint_dir: str, quantize: str) -> None:
     import torch
 
     from lit_qlora.loading import load_model
-    from lit_qlora.memory import module_bytes, peak_rss_bytes
+    from lit_qlora.memory.accounting import module_bytes, peak_rss_bytes
     from lit_qlora.nf4 import nf4_backend
 
     nf4_backend()  # libraries imported and the NF4 kernel built: the baseline holds code, not weights

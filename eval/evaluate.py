@@ -124,7 +124,7 @@ def evaluate(
     from lit_qlora.checkpoint import atomic_write_text
     from lit_qlora.loading import load_model, resolve_quantize
     from lit_qlora.lora.layer import read_adapter_config
-    from lit_qlora.memory import module_bytes, peak_rss_bytes
+    from lit_qlora.memory.accounting import module_bytes, peak_rss_bytes
     from lit_qlora.tokenizer import Tokenizer
 
     started = time.perf_counter()

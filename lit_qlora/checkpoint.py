@@ -21,7 +21,7 @@ import torch.nn as nn
 from lit_qlora.model.config import Config, require_checkpoint_dir
 from lit_qlora.errors import UserError
 from lit_qlora.model.hf_layout import fuse_plan, split_fused
-from lit_qlora.memory import release_free_memory
+from lit_qlora.memory.accounting import release_free_memory
 from lit_qlora.model.transformer import Transformer
 
 TOKENIZER_FILES = (

@@ -263,7 +263,7 @@ def trace_step(config: Config, quantize: Quantize, precision: Precision, lora: L
     from lit_qlora.model.config import ADAPTER_DTYPES, PRECISION_DTYPES
     from lit_qlora.lora.layer import apply_lora
     from lit_qlora.loading import default_dtype, random_base
-    from lit_qlora.memory_trace import AllocationTrace, StepPhase
+    from lit_qlora.memory.trace import AllocationTrace, StepPhase
     from lit_qlora.nf4 import is_nf4, linear
     from lit_qlora.model import tiled_mlp
     from lit_qlora.train import loss, tiled_loss
@@ -563,7 +563,7 @@ def longest_context(predict: Callable[[int], int], budget: int, device: str, tra
 
 
 def render(result: dict[str, Any]) -> str:
-    from lit_qlora.memory_trace import CATEGORIES
+    from lit_qlora.memory.trace import CATEGORIES
 
     rank = f" per rank ({result['world_size']} ranks, {result['strategy']})" if result["world_size"] > 1 else ""
     lines = [f"Predicted peak {result['device']} memory{rank}: {result['peak_bytes'] / GiB:.2f} GiB", "",

@@ -12,7 +12,7 @@ from lit_qlora.model.config import Config
 from lit_qlora.export import export_peft, hf_tensor_specs, merge
 from lit_qlora.loading import load_model
 from lit_qlora.lora.layer import LoRALinear, apply_lora, lora_state_dict, save_adapter
-from lit_qlora.memory import tensor_bytes
+from lit_qlora.memory.accounting import tensor_bytes
 from lit_qlora.model.transformer import Transformer
 from lit_qlora.nf4 import count_linears, dequantize_nf4, is_nf4, quantize_nf4
 from lit_qlora.precision import NF4Precision

@@ -25,7 +25,7 @@ from lit_qlora.guards import oom_advice
 from lit_qlora.hardware import choose_precision, uses_cuda
 from lit_qlora.lora.layer import apply_lora, full_lora_state_dict, load_adapter, resolve_targets
 from lit_qlora.loading import load_model
-from lit_qlora.memory import peak_memory_stats, release_free_memory
+from lit_qlora.memory.accounting import peak_memory_stats, release_free_memory
 from lit_qlora.nf4 import count_linears
 from lit_qlora.parallel.distributed import build_strategy, keep_frozen_out_of_ddp, nf4_shards_for
 from lit_qlora.parallel.tensor_parallel import TensorParallelShard
