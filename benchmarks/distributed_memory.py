@@ -50,7 +50,7 @@ def worker(rank: int, checkpoint_dir: str, init_file: str, queue) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from lit_qlora.parallel.distributed import shard_model
-    from lit_qlora.loading import load_model
+    from lit_qlora.checkpoint.loading import load_model
     from lit_qlora.lora.layer import apply_lora
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)

@@ -24,7 +24,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from lit_qlora.model.config import PRESETS
-from lit_qlora.loading import random_base
+from lit_qlora.checkpoint.loading import random_base
 from lit_qlora.lora.layer import apply_lora
 from lit_qlora.train.args import TrainArgs
 from lit_qlora.train.module import FinetuneModule

@@ -27,7 +27,7 @@ def write_tinyllama(path: Path) -> Path:
     """A random TinyLlama-1.1B-shaped Hugging Face directory in bf16 (written tensor by tensor)."""
     import torch
 
-    from lit_qlora.checkpoint import TensorSpec, save_hf_checkpoint
+    from lit_qlora.checkpoint.hf import TensorSpec, save_hf_checkpoint
     from lit_qlora.model.config import Config
     from lit_qlora.model.transformer import Transformer
 
@@ -49,7 +49,7 @@ def child(checkpoint_dir: str, quantize: str) -> None:
     """Runs in its own process: load, then report peak RSS and the model's resident bytes."""
     import torch
 
-    from lit_qlora.loading import load_model
+    from lit_qlora.checkpoint.loading import load_model
     from lit_qlora.memory.accounting import module_bytes, peak_rss_bytes
     from lit_qlora.nf4 import nf4_backend
 

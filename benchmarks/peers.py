@@ -271,7 +271,7 @@ def write_tiny(path: Path) -> None:
     base loss depends on every weight. Widths satisfy torchao's NF4 block sizes (64 x 256 per weight)."""
     import torch
 
-    from lit_qlora.checkpoint import TensorSpec, save_hf_checkpoint
+    from lit_qlora.checkpoint.hf import TensorSpec, save_hf_checkpoint
     from lit_qlora.model.config import Config
     from lit_qlora.model.transformer import Transformer
 

@@ -40,7 +40,7 @@ def commands() -> dict[str, Command]:
     from lit_qlora.deploy.chat import chat_command
     from lit_qlora.deploy.gguf_export import export_gguf_command
     from lit_qlora.deploy.serve import serve_command
-    from lit_qlora.download import download
+    from lit_qlora.checkpoint.download import download
     from lit_qlora.estimate import estimate
     from lit_qlora.eval.compare import compare
     from lit_qlora.eval.evaluate import evaluate

@@ -262,7 +262,7 @@ def trace_step(config: Config, quantize: Quantize, precision: Precision, lora: L
 
     from lit_qlora.model.config import ADAPTER_DTYPES, PRECISION_DTYPES
     from lit_qlora.lora.layer import apply_lora
-    from lit_qlora.loading import default_dtype, random_base
+    from lit_qlora.checkpoint.loading import default_dtype, random_base
     from lit_qlora.memory.trace import AllocationTrace, StepPhase
     from lit_qlora.nf4 import is_nf4, linear
     from lit_qlora.model import tiled_mlp
@@ -401,7 +401,7 @@ def estimate(
             without activation checkpointing; with --train.max_seq_length auto, the longest sequence that fits at
             the given micro-batch instead (and the host memory it needs for offloaded activations).
     """
-    from lit_qlora.checkpoint import atomic_write_text
+    from lit_qlora.checkpoint.hf import atomic_write_text
     from lit_qlora.model.config import Quantize
 
     auto_length = train.max_seq_length == "auto"

@@ -18,7 +18,7 @@ def hf_tensor_specs(model: nn.Module, dtype: torch.dtype, merge: bool = True) ->
 
     merge=True writes dequant(W) + scale * B @ A for LoRA layers; merge=False writes their base weight alone.
     """
-    from lit_qlora.checkpoint import TensorSpec
+    from lit_qlora.checkpoint.hf import TensorSpec
     from lit_qlora.lora.layer import LoRALinear, row_chunks, weight_rows
 
     specs = []
@@ -63,8 +63,8 @@ def merge(checkpoint_dir: Path, adapter_dir: Path, out_dir: Path,
     """
     import torch
 
-    from lit_qlora.checkpoint import save_hf_checkpoint
-    from lit_qlora.loading import load_model
+    from lit_qlora.checkpoint.hf import save_hf_checkpoint
+    from lit_qlora.checkpoint.loading import load_model
 
     model = load_model(checkpoint_dir, quantize, adapter_dir=adapter_dir)
     specs = hf_tensor_specs(model, torch.bfloat16, merge=True)
@@ -102,8 +102,8 @@ def export_peft(checkpoint_dir: Path, adapter_dir: Path, out_dir: Path, with_deq
     """
     import torch
 
-    from lit_qlora.checkpoint import save_hf_checkpoint
-    from lit_qlora.loading import load_model
+    from lit_qlora.checkpoint.hf import save_hf_checkpoint
+    from lit_qlora.checkpoint.loading import load_model
     from lit_qlora.lora.layer import read_adapter_config
 
     model = load_model(checkpoint_dir, adapter_dir=adapter_dir)
@@ -118,7 +118,7 @@ def export_peft(checkpoint_dir: Path, adapter_dir: Path, out_dir: Path, with_deq
 
 def write_peft_adapter(model: nn.Module, acfg: dict, out_dir: Path, base_name: str) -> Path:
     """adapter_model.safetensors (PEFT key names) + adapter_config.json for the LoRA layers of `model`."""
-    from lit_qlora.checkpoint import TensorSpec, atomic_write_text, write_safetensors
+    from lit_qlora.checkpoint.hf import TensorSpec, atomic_write_text, write_safetensors
     from lit_qlora.model.hf_layout import fuse_lora
     from lit_qlora.lora.layer import lora_modules
 
@@ -151,8 +151,8 @@ def export_final(model: nn.Module, final_dir: Path, checkpoint_dir: Path, adapte
     recorded as nf4_world_size / nf4_tensor_parallel, gives the same bits)."""
     import torch
 
-    from lit_qlora.checkpoint import remove_path, replace_dir, save_hf_checkpoint
-    from lit_qlora.loading import load_model
+    from lit_qlora.checkpoint.hf import remove_path, replace_dir, save_hf_checkpoint
+    from lit_qlora.checkpoint.loading import load_model
     from lit_qlora.lora.layer import save_adapter
     from lit_qlora.parallel.distributed import is_sharded
 

@@ -49,10 +49,10 @@ def generate_command(
     """
     if compare_base and adapter_dir is None:
         raise ValueError("--compare_base true compares the base with a fine-tune: give the fine-tune's --adapter_dir.")
-    from lit_qlora.loading import load_model
+    from lit_qlora.checkpoint.loading import load_model
     from lit_qlora.lora.layer import adapters_disabled
     from lit_qlora.nf4 import is_nf4
-    from lit_qlora.tokenizer import Tokenizer
+    from lit_qlora.checkpoint.tokenizer import Tokenizer
 
     tokenizer = Tokenizer(checkpoint_dir)
     model = load_model(checkpoint_dir, quantize, precision, adapter_dir)

@@ -43,7 +43,7 @@ def write_tiny_llama(smollm2_dir: Path, out: Path) -> Path:
     `smollm2_dir` (which needs only config.json and the tokenizer: no weights)."""
     import torch
 
-    from lit_qlora.checkpoint import copy_tokenizer_files, save_hf_checkpoint
+    from lit_qlora.checkpoint.hf import copy_tokenizer_files, save_hf_checkpoint
     from lit_qlora.model.config import Config
     from lit_qlora.export import hf_tensor_specs
     from lit_qlora.model.transformer import Transformer

@@ -164,7 +164,7 @@ import sys
 import torch
 
 import lit_qlora.cli as cli
-from lit_qlora.download import DownloadError
+from lit_qlora.checkpoint.download import DownloadError
 from lit_qlora.errors import UserError
 
 ERRORS = {"bug": RuntimeError("boom: an invariant broke"), "user": UserError("the file is wrong; fix it"),
@@ -203,7 +203,7 @@ def test_compare_base_prints_the_base_reply_then_the_fine_tuned_one(tiny_llama_d
     import torch
 
     from lit_qlora.generate import generate_command
-    from lit_qlora.loading import load_model
+    from lit_qlora.checkpoint.loading import load_model
     from lit_qlora.lora.layer import apply_lora, lora_modules, save_adapter
 
     model = load_model(tiny_llama_dir, "nf4")

@@ -16,7 +16,7 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 from lit_qlora.model.config import Config  # noqa: E402
-from lit_qlora.loading import random_base  # noqa: E402
+from lit_qlora.checkpoint.loading import random_base  # noqa: E402
 from lit_qlora.lora.layer import apply_lora, lora_modules  # noqa: E402
 from lit_qlora.nf4 import dequantize_nf4, nf4_linear, quantize_nf4  # noqa: E402
 from lit_qlora.train.loss import lm_loss_sum  # noqa: E402

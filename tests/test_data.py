@@ -21,7 +21,7 @@ from lit_qlora.data.sft import (
     DEMO_DATASET, IGNORE_INDEX, Collate, Sample, load_hf_rows, load_json_rows, pack, tokenize_rows,
     tokenize_segments,
 )
-from lit_qlora.tokenizer import Tokenizer
+from lit_qlora.checkpoint.tokenizer import Tokenizer
 from lit_qlora.train.sampler import EpochSampler, StepSampler, epoch_order
 
 ROW = {"instruction": "Name the capital of Peru.", "input": "", "output": "The capital of Peru is Lima."}

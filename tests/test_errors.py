@@ -21,7 +21,7 @@ def ctx(tmp_path_factory, tiny_llama_dir):
     """Every broken input of the battery, written once."""
     import gguf
 
-    from lit_qlora.checkpoint import copy_tokenizer_files, load_checkpoint, save_hf_checkpoint
+    from lit_qlora.checkpoint.hf import copy_tokenizer_files, load_checkpoint, save_hf_checkpoint
     from lit_qlora.model.config import Config
     from lit_qlora.export import hf_tensor_specs
     from lit_qlora.deploy.gguf_import import bundled_smollm2_path

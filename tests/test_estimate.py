@@ -12,7 +12,7 @@ import torch
 from lit_qlora.cli import main
 from lit_qlora.model.config import Config, Quantize
 from lit_qlora.estimate import estimate, resident_tensors, resolve_config, trace_step
-from lit_qlora.loading import random_base
+from lit_qlora.checkpoint.loading import random_base
 from lit_qlora.lora.layer import apply_lora
 from lit_qlora.memory.trace import CATEGORIES, profiled_peak
 from lit_qlora.nf4 import linear, reference

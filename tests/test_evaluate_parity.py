@@ -23,12 +23,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lit_qlora.checkpoint import copy_tokenizer_files, load_checkpoint, save_hf_checkpoint
+from lit_qlora.checkpoint.hf import copy_tokenizer_files, load_checkpoint, save_hf_checkpoint
 from lit_qlora.eval import SAMPLE_DATA_FILE
 from lit_qlora.eval.evaluate import evaluate, task_manager, to_jsonable
 from lit_qlora.eval.lm import LitQLoRALM
 from lit_qlora.eval.truthfulqa import prepare_local_tasks
-from lit_qlora.tokenizer import Tokenizer
+from lit_qlora.checkpoint.tokenizer import Tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 TASKS = ("truthfulqa_mc1", "truthfulqa_mc2")
@@ -45,7 +45,7 @@ def parity(tiny_llama_dir, tmp_path_factory) -> SimpleNamespace:
     LoRA on the NF4 base; merged: `merge(base, adapter)` with its defaults."""
     from lit_qlora.export import hf_tensor_specs, merge
     from lit_qlora.lora.layer import apply_lora, save_adapter
-    from lit_qlora.loading import load_model
+    from lit_qlora.checkpoint.loading import load_model
 
     root = tmp_path_factory.mktemp("parity")
     plain = load_checkpoint(tiny_llama_dir, dtype=torch.bfloat16)
@@ -282,7 +282,7 @@ def test_wheel_install_evaluates_from_outside_the_repo(tiny_llama_dir, tmp_path)
 def test_online_nf4_at_32_true_keeps_the_trained_nf4_codes(tiny_llama_dir, parity, tmp_path):
     """A float32 checkpoint trains on NF4 codes quantized from its bf16 cast. Evaluating the adapter online at
     32-true must reuse those codes (only activations move to float32), not re-quantize the float32 originals."""
-    from lit_qlora.loading import load_model
+    from lit_qlora.checkpoint.loading import load_model
     from lit_qlora.nf4 import dequantize_nf4
 
     trained = load_model(tiny_llama_dir, adapter_dir=parity.adapter)  # as QLoRA trained: bf16 -> NF4

@@ -13,7 +13,7 @@ from lit_qlora.data.errors import DataError
 from lit_qlora.data.module import SFTDataModule
 from lit_qlora.data.sft import IGNORE_INDEX
 from lit_qlora.finetune import finetune
-from lit_qlora.tokenizer import Tokenizer
+from lit_qlora.checkpoint.tokenizer import Tokenizer
 from lit_qlora.train.args import DataArgs, LoRAArgs, TrainArgs
 
 N = 12  # rows per dataset: 2 steps of 4 with 3 held out

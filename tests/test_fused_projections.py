@@ -9,7 +9,7 @@ import torch
 from lit_qlora.model import fused_projections as fp
 from lit_qlora.lora import dropout as lora_dropout
 from lit_qlora.model.config import Config
-from lit_qlora.loading import random_base
+from lit_qlora.checkpoint.loading import random_base
 from lit_qlora.lora.layer import apply_lora
 from lit_qlora.nf4 import is_nf4, linear
 

@@ -13,8 +13,8 @@ import torch
 
 from lit_qlora.deploy.gguf_export import GGUFExportError, export_gguf, permute_rope_rows
 from lit_qlora.deploy.gguf_import import convert_gguf, unpermute_rope_rows
-from lit_qlora.loading import load_model
-from lit_qlora.tokenizer import Tokenizer
+from lit_qlora.checkpoint.loading import load_model
+from lit_qlora.checkpoint.tokenizer import Tokenizer
 from test_families import hf_checkpoint, random_adapter, tokens
 
 # Every family llama.cpp runs, in shapes it runs as we do (gguf_families.py): Gemma's query scale is head_dim, Gemma 2's

@@ -211,7 +211,7 @@ def test_checkpointing_reuses_the_first_runs_down_products_and_changes_no_gradie
     seeds), so dropout's forward kernel runs once per adapter call, not twice, and every gradient is what the
     model without checkpointing computes, bit for bit."""
     from lit_qlora.model.config import Config
-    from lit_qlora.loading import random_base
+    from lit_qlora.checkpoint.loading import random_base
     from lit_qlora.lora.layer import apply_lora
     from lit_qlora.train.loss import lm_loss_sum
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lit_qlora.model.config import Config
-from lit_qlora.loading import random_base
+from lit_qlora.checkpoint.loading import random_base
 from lit_qlora.lora.layer import apply_lora, lora_modules
 from lit_qlora.nf4 import dequantize_nf4, nf4_linear, quantize_nf4
 from lit_qlora.nf4.ops import dequantize_op, triton_available

@@ -206,8 +206,8 @@ def test_a_packed_finetune_steps_loss_is_the_token_weighted_mean_of_its_document
     from test_finetune import run, small_data
 
     from lit_qlora.data.module import SFTDataModule
-    from lit_qlora.loading import load_model
-    from lit_qlora.tokenizer import Tokenizer
+    from lit_qlora.checkpoint.loading import load_model
+    from lit_qlora.checkpoint.tokenizer import Tokenizer
     from lit_qlora.train.sampler import StepSampler
 
     data = small_data(tmp_path)

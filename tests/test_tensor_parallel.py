@@ -57,7 +57,7 @@ def _worker(rank: int, ckpt: str, quantize: str, init_file: str, queue) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     import lit_qlora.parallel.tensor_parallel as tp
-    from lit_qlora.loading import load_model
+    from lit_qlora.checkpoint.loading import load_model
     from lit_qlora.lora.layer import apply_lora, full_lora_state_dict, lora_modules
     from lit_qlora.nf4 import dequantize_nf4
 

@@ -9,7 +9,7 @@ import torch
 
 from lit_qlora.model import tiled_mlp
 from lit_qlora.model.config import Config
-from lit_qlora.loading import random_base
+from lit_qlora.checkpoint.loading import random_base
 from lit_qlora.lora.layer import LoRALinear, apply_lora, lora_modules
 from lit_qlora.model.transformer import softcap
 from lit_qlora.nf4 import is_nf4

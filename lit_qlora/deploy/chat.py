@@ -116,8 +116,8 @@ def chat_command(
         seed: Seed of the sampler (a conversation repeats with the same inputs).
     """
     from lit_qlora.finetune import DEFAULT_CHECKPOINT, ensure_default_checkpoint
-    from lit_qlora.loading import load_model
-    from lit_qlora.tokenizer import Tokenizer
+    from lit_qlora.checkpoint.loading import load_model
+    from lit_qlora.checkpoint.tokenizer import Tokenizer
 
     checkpoint_dir = Path(checkpoint_dir or DEFAULT_CHECKPOINT)
     ensure_default_checkpoint(checkpoint_dir)

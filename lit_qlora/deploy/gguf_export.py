@@ -59,7 +59,7 @@ def tokenizer_metadata(checkpoint_dir: Path) -> dict[str, Any]:
     """The GGUF tokenizer fields of the checkpoint's tokenizer.json (byte-level or SentencePiece BPE), checked before
     writing."""
     from lit_qlora.deploy.gguf_import import _DIGIT_SPLIT_PRE, _SPLITS
-    from lit_qlora.tokenizer import Tokenizer
+    from lit_qlora.checkpoint.tokenizer import Tokenizer
 
     tok = Tokenizer(checkpoint_dir)
     data = json.loads((Path(checkpoint_dir) / "tokenizer.json").read_text(encoding="utf-8"))
@@ -177,7 +177,7 @@ def export_gguf(checkpoint_dir: Path, out: Path, adapter_dir: Optional[Path] = N
                 quantize: Optional[Literal["nf4", "none"]] = None) -> Path:
     """Write `out` (GGUF) and a Modelfile beside it for the checkpoint, with the adapter merged when given; returns
     the GGUF path. See the module docstring."""
-    from lit_qlora.loading import load_model
+    from lit_qlora.checkpoint.loading import load_model
 
     checkpoint_dir = Path(checkpoint_dir)
     tokenizer = require_exportable(checkpoint_dir)  # every refusal before anything loads or is written
@@ -202,7 +202,7 @@ def write_gguf(model, checkpoint_dir: Path, out: Path, dtype: GGUFType = "f16", 
     template from `checkpoint_dir` (`tokenizer`: its fields when already read), and an Ollama Modelfile beside it."""
     import gguf
 
-    from lit_qlora.checkpoint import remove_path
+    from lit_qlora.checkpoint.hf import remove_path
 
     out = Path(out)
     config = _export_config(model, merged, Path(checkpoint_dir))
@@ -432,7 +432,7 @@ def _write_metadata(writer, config, arch: str, tok: dict[str, Any], name: str, f
 def write_modelfile(gguf_path: Path, tok: dict[str, Any]) -> Path:
     """An Ollama Modelfile beside the GGUF file (`ollama create NAME -f Modelfile`). The GGUF carries the chat
     template, which Ollama reads from it; the stop tokens are listed here so a reply ends at end-of-turn."""
-    from lit_qlora.checkpoint import atomic_write_text
+    from lit_qlora.checkpoint.hf import atomic_write_text
 
     stops = [tok["tokens"][i] for i in tok["eos_ids"] if i is not None and i < len(tok["tokens"])]
     lines = [f"FROM ./{gguf_path.name}", *(f"PARAMETER stop {json.dumps(s)}" for s in dict.fromkeys(stops))]

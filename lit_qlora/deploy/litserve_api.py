@@ -21,8 +21,8 @@ class ChatAPI(ls.LitAPI):
         self.precision, self.max_new_tokens = precision, max_new_tokens
 
     def setup(self, device: str) -> None:
-        from lit_qlora.loading import load_model
-        from lit_qlora.tokenizer import Tokenizer
+        from lit_qlora.checkpoint.loading import load_model
+        from lit_qlora.checkpoint.tokenizer import Tokenizer
 
         self.model = load_model(self.checkpoint_dir, self.quantize, self.precision, self.adapter_dir)
         self.tokenizer = Tokenizer(self.checkpoint_dir)

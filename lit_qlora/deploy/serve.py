@@ -74,7 +74,7 @@ def serve_command(
     """
     from lit_qlora.finetune import DEFAULT_CHECKPOINT, ensure_default_checkpoint
     from lit_qlora.lora.layer import read_adapter_config
-    from lit_qlora.tokenizer import Tokenizer
+    from lit_qlora.checkpoint.tokenizer import Tokenizer
 
     checkpoint_dir = Path(checkpoint_dir or DEFAULT_CHECKPOINT)
     ensure_default_checkpoint(checkpoint_dir)

@@ -11,7 +11,7 @@ from typing import Callable, Iterable, Iterator, Optional
 import torch
 import torch.nn as nn
 
-from lit_qlora.checkpoint import TensorSpec, atomic_write_text, iter_safetensors, write_safetensors
+from lit_qlora.checkpoint.hf import TensorSpec, atomic_write_text, iter_safetensors, write_safetensors
 from lit_qlora.guards import require_finite
 from lit_qlora.lora import dropout as lora_dropout
 from lit_qlora.lora.dropout import dropped_lora

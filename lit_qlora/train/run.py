@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
-from lit_qlora.checkpoint import atomic_write_text
+from lit_qlora.checkpoint.hf import atomic_write_text
 from lit_qlora.compile import compile_seconds
 from lit_qlora.model.config import ADAPTER_DTYPES, DTYPE_NAMES, MIXED_PRECISIONS, PRECISION_DTYPES, Quantize
 from lit_qlora.export import export_final
@@ -24,12 +24,12 @@ from lit_qlora.finetune import ensure_default_checkpoint, recipe, resolve_resume
 from lit_qlora.guards import oom_advice
 from lit_qlora.hardware import choose_precision, uses_cuda
 from lit_qlora.lora.layer import apply_lora, full_lora_state_dict, load_adapter, resolve_targets
-from lit_qlora.loading import load_model
+from lit_qlora.checkpoint.loading import load_model
 from lit_qlora.memory.accounting import peak_memory_stats, release_free_memory
 from lit_qlora.nf4 import count_linears
 from lit_qlora.parallel.distributed import build_strategy, keep_frozen_out_of_ddp, nf4_shards_for
 from lit_qlora.parallel.tensor_parallel import TensorParallelShard
-from lit_qlora.tokenizer import Tokenizer
+from lit_qlora.checkpoint.tokenizer import Tokenizer
 from lit_qlora.train.args import DataArgs, LoRAArgs, TrainArgs, total_steps_for
 from lit_qlora.model.offload import offload_for_run, offload_summary
 from lit_qlora.train.report import print_report

@@ -14,7 +14,7 @@ from typing import Iterable, Iterator, Optional
 import torch
 import torch.nn as nn
 
-from lit_qlora.checkpoint import load_checkpoint
+from lit_qlora.checkpoint.hf import load_checkpoint
 from lit_qlora.model.config import DTYPES, PRECISION_DTYPES, Config, Precision, Quantize
 from lit_qlora.hardware import PrecisionChoice, resolved
 from lit_qlora.lora.layer import apply_lora, load_adapter, read_adapter_config
