@@ -58,7 +58,7 @@ def main() -> None:
     model.checkpoint_blocks = model.config.n_layer if args.checkpointing else 0
     model.train()
     if args.compile:
-        from lit_qlora.compile import compile_blocks
+        from lit_qlora.train.compile import compile_blocks
 
         compile_blocks(model)
     train = TrainArgs(max_steps=2, micro_batch_size=args.batch, global_batch_size=args.batch, max_seq_length=args.seq)

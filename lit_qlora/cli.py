@@ -45,7 +45,7 @@ def commands() -> dict[str, Command]:
     from lit_qlora.eval.compare import compare
     from lit_qlora.eval.evaluate import evaluate
     from lit_qlora.export import export_peft, merge
-    from lit_qlora.finetune import finetune
+    from lit_qlora.train.finetune import finetune
     from lit_qlora.generate import generate_command
     from lit_qlora.deploy.gguf_import import convert_gguf_command
 

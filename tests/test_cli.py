@@ -238,7 +238,7 @@ def test_the_demo_recipe_fine_tunes_and_compares_answers_to_a_held_out_question(
     import yaml
 
     from lit_qlora.cli import main
-    from lit_qlora.data.module import split_rows
+    from lit_qlora.train.datamodule import split_rows
     from lit_qlora.data.sft import DEMO_DATASET, load_json_rows
     from lit_qlora.generate import generate_command
 

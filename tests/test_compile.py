@@ -9,9 +9,9 @@ import torch
 from safetensors.torch import load_file
 
 from lit_qlora.train.heap import HeapTrimmer
-from lit_qlora.compile import compile_blocks, compile_seconds, is_compiled
-from lit_qlora.data.module import DataArgs
-from lit_qlora.finetune import finetune
+from lit_qlora.train.compile import compile_blocks, compile_seconds, is_compiled
+from lit_qlora.train.datamodule import DataArgs
+from lit_qlora.train.finetune import finetune
 from lit_qlora.model.transformer import Transformer
 from lit_qlora.train.args import LoRAArgs, TrainArgs
 from lit_qlora.train.report import print_report
@@ -168,7 +168,7 @@ def test_compile_on_a_cpu_that_emulates_the_precision_is_refused_with_the_why_an
     """The trap of an AVX2 CPU: bf16 emulated, and compiling that took minutes per step. Refused before anything runs;
     fp32 (what auto picks there) compiles."""
     from lit_qlora.errors import UserError
-    from lit_qlora.finetune import compile_choice
+    from lit_qlora.train.finetune import compile_choice
 
     monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"avx2": True})  # an AVX2-only CPU
     for cap in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):  # the suite may run under the cap
@@ -187,7 +187,7 @@ def test_compile_on_a_cpu_that_emulates_the_precision_is_refused_with_the_why_an
 
 
 def test_compile_true_is_taken_on_a_gpu(monkeypatch):
-    from lit_qlora.finetune import compile_choice
+    from lit_qlora.train.finetune import compile_choice
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"avx2": True})

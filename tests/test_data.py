@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from lit_qlora.data.errors import DataError
-from lit_qlora.data.module import DataArgs, SFTDataModule, split_rows
+from lit_qlora.train.datamodule import DataArgs, SFTDataModule, split_rows
 from lit_qlora.data.prompts import get_prompt_style
 from lit_qlora.data.sft import (
     DEMO_DATASET, IGNORE_INDEX, Collate, Sample, load_hf_rows, load_json_rows, pack, tokenize_rows,

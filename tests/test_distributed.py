@@ -131,7 +131,7 @@ def one_process(tiny_llama_dir, tmp_path_factory):
     2-way FSDP run (`nf4_shards=2`, which DDP is given too) so that every run quantizes to the same bits."""
     tmp = tmp_path_factory.mktemp("one")
     data = small_data(tmp)
-    from lit_qlora.finetune import finetune
+    from lit_qlora.train.finetune import finetune
     from lit_qlora.train.args import LoRAArgs, TrainArgs
 
     finetune(checkpoint_dir=tiny_llama_dir, out_dir=tmp / "run", precision="32-true", accelerator="cpu",

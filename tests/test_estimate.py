@@ -239,7 +239,7 @@ def test_auto_length_finds_the_longest_sequence_a_budget_holds(tmp_path, capsys)
     """--train.max_seq_length auto with --device_memory: the answer fits the budget and the next 256 tokens do not;
     auto needs a budget, and a fine-tune refuses it."""
     from lit_qlora.errors import UserError
-    from lit_qlora.finetune import finetune
+    from lit_qlora.train.finetune import finetune
 
     model_dir = config_only_dir(tmp_path)
     common = dict(checkpoint_dir=str(model_dir), device="cpu", lora=LoRAArgs(r=4, alpha=8, dropout=0.0))

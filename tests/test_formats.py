@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from lit_qlora.data.errors import DataError
-from lit_qlora.data.module import SFTDataModule
+from lit_qlora.train.datamodule import SFTDataModule
 from lit_qlora.data.sft import IGNORE_INDEX
-from lit_qlora.finetune import finetune
+from lit_qlora.train.finetune import finetune
 from lit_qlora.checkpoint.tokenizer import Tokenizer
 from lit_qlora.train.args import DataArgs, LoRAArgs, TrainArgs
 

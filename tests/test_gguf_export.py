@@ -153,7 +153,7 @@ def test_what_llama_cpp_would_not_get_right_is_refused_before_writing(smollm2_di
 def test_a_gemma2_head_adapter_is_refused_and_finetune_says_so_before_training(smollm2_dir, tmp_path):
     """llama.cpp's gemma2 reads its head from the embedding: an adapter on lm_head (the default `all`) cannot go
     into the file, and `finetune --export.gguf` refuses before its first step."""
-    from lit_qlora.finetune import finetune
+    from lit_qlora.train.finetune import finetune
     from lit_qlora.train.args import ExportArgs, TrainArgs
 
     kind, extra = FAMILIES["gemma2"]
@@ -234,7 +234,7 @@ def test_cli_writes_a_quantized_file_and_refuses_an_unknown_type(tiny_llama_dir,
 
 
 def test_finetune_export_gguf_writes_the_trained_models_file_into_final(tiny_llama_dir, tmp_path):
-    from lit_qlora.finetune import finetune
+    from lit_qlora.train.finetune import finetune
     from lit_qlora.train.args import ExportArgs, LoRAArgs, TrainArgs
     from test_finetune import small_data
 

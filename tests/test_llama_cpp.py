@@ -16,7 +16,7 @@ QUESTION = "What is the capital of Austria?"  # the Makefile demo's held-out que
 
 @pytest.fixture(scope="module", params=["nf4", "none"])
 def fine_tune(request, smollm2_dir, tmp_path_factory):
-    from lit_qlora.finetune import finetune
+    from lit_qlora.train.finetune import finetune
     from lit_qlora.train.args import ExportArgs, TrainArgs
 
     out = tmp_path_factory.mktemp(f"demo-{request.param}")

@@ -22,7 +22,7 @@ LOGGERS = ["tensorboard", "csv", "wandb", "mlflow"]
 
 
 def run(tiny_llama_dir, out_dir, data, logger=LOGGERS, **train_kw):
-    from lit_qlora.finetune import finetune
+    from lit_qlora.train.finetune import finetune
 
     kw = dict(micro_batch_size=2, global_batch_size=4, max_seq_length=64, lr=1e-2, warmup_steps=1, max_steps=20,
               eval_interval=5)

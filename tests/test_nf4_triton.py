@@ -101,7 +101,7 @@ def test_a_compiled_qlora_block_is_one_graph_with_gpu_dropout(monkeypatch):
 
 
 def test_compiled_qlora_step_equals_eager():
-    from lit_qlora.compile import compile_blocks
+    from lit_qlora.train.compile import compile_blocks
 
     ids = torch.randint(0, CONFIG.vocab_size, (2, 32), generator=torch.Generator().manual_seed(5))
     results = []

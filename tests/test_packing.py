@@ -205,7 +205,7 @@ def test_unpacked_batches_carry_no_positions_and_attend_with_plain_causal_sdpa(m
 def test_a_packed_finetune_steps_loss_is_the_token_weighted_mean_of_its_documents_alone(tiny_llama_dir, tmp_path):
     from test_finetune import run, small_data
 
-    from lit_qlora.data.module import SFTDataModule
+    from lit_qlora.train.datamodule import SFTDataModule
     from lit_qlora.checkpoint.loading import load_model
     from lit_qlora.checkpoint.tokenizer import Tokenizer
     from lit_qlora.train.sampler import StepSampler

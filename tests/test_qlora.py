@@ -15,7 +15,7 @@ from lit_qlora.lora.layer import LoRALinear, apply_lora, lora_state_dict, save_a
 from lit_qlora.memory.accounting import tensor_bytes
 from lit_qlora.model.transformer import Transformer
 from lit_qlora.nf4 import count_linears, dequantize_nf4, is_nf4, quantize_nf4
-from lit_qlora.precision import NF4Precision
+from lit_qlora.train.precision import NF4Precision
 
 # Shapes chosen so layers need non-default NF4 layouts (k/v: 64x256 = 16384 / 64 = 256 blocks; up: 352 rows).
 TINY = Config(vocab_size=320, n_layer=2, n_embd=256, n_head=4, n_query_groups=1, intermediate_size=352,

@@ -181,7 +181,7 @@ def test_finetune_tensor_parallel_equals_one_process(compile, tiny_llama_dir, tm
     from test_distributed import STEPS, TRAIN, assert_same_final, cli_run, metrics
     from test_finetune import small_data
 
-    from lit_qlora.finetune import finetune
+    from lit_qlora.train.finetune import finetune
     from lit_qlora.train.args import LoRAArgs, TrainArgs
 
     data = small_data(tmp_path)

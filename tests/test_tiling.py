@@ -205,7 +205,7 @@ def test_a_finetune_gives_the_same_losses_tiled(monkeypatch, tiny_llama_dir, tmp
     import json
 
     from tests.test_finetune import small_data
-    from lit_qlora.finetune import finetune
+    from lit_qlora.train.finetune import finetune
     from lit_qlora.train.args import LoRAArgs, TrainArgs
 
     def losses(name: str) -> list[float]:

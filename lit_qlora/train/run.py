@@ -1,7 +1,7 @@
 """One fine-tune run: `setup()` builds the pieces (Trainer with its callbacks, FinetuneModule, data) from resolved
 settings; `fit()` validates, trains, validates again and writes final/, summary.json and the report.
 
-`litqlora finetune` (lit_qlora.finetune) checks what a user can get wrong, then calls these; Python callers and tests
+`litqlora finetune` (lit_qlora.train.finetune) checks what a user can get wrong, then calls these; Python callers and tests
 may call them directly.
 """
 
@@ -17,10 +17,10 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 
 from lit_qlora.checkpoint.hf import atomic_write_text
-from lit_qlora.compile import compile_seconds
+from lit_qlora.train.compile import compile_seconds
 from lit_qlora.model.config import ADAPTER_DTYPES, DTYPE_NAMES, MIXED_PRECISIONS, PRECISION_DTYPES, Quantize
 from lit_qlora.export import export_final
-from lit_qlora.finetune import ensure_default_checkpoint, recipe, resolve_resume
+from lit_qlora.train.finetune import ensure_default_checkpoint, recipe, resolve_resume
 from lit_qlora.guards import oom_advice
 from lit_qlora.hardware import choose_precision, uses_cuda
 from lit_qlora.lora.layer import apply_lora, full_lora_state_dict, load_adapter, resolve_targets
@@ -110,7 +110,7 @@ class Run:
     config: RunConfig
     trainer: Any  # lightning.Trainer
     module: Any  # lit_qlora.train.module.FinetuneModule
-    data: Any  # lit_qlora.data.module.SFTDataModule
+    data: Any  # lit_qlora.train.datamodule.SFTDataModule
     train_loader: Any  # torch.utils.data.DataLoader
     started: float  # perf_counter() at the start: this process's part of summary.json's wall_seconds
     gguf: Optional[str] = None  # --export.gguf: the GGUF type written to final/ too
@@ -131,8 +131,8 @@ def setup(checkpoint_dir: Path, out_dir: Path, quantize: str, precision: str, se
     with lean_imports():
         import lightning as L
 
-        from lit_qlora.data.module import SFTDataModule
-        from lit_qlora.precision import NF4Precision
+        from lit_qlora.train.datamodule import SFTDataModule
+        from lit_qlora.train.precision import NF4Precision
         from lit_qlora.train.callbacks import HeapRelease, MetricsLog, ResumableCheckpoints, StopOnSignal
         from lit_qlora.train.module import FinetuneModule
         from lit_qlora.train.progress import StepProgressBar, quiet_lightning
