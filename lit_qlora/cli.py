@@ -44,9 +44,9 @@ def commands() -> dict[str, Command]:
     from lit_qlora.estimate import estimate
     from lit_qlora.eval.compare import compare
     from lit_qlora.eval.evaluate import evaluate
-    from lit_qlora.export import export_peft, merge
+    from lit_qlora.deploy.export import export_peft, merge
     from lit_qlora.train.finetune import finetune
-    from lit_qlora.generate import generate_command
+    from lit_qlora.deploy.generate import generate_command
     from lit_qlora.deploy.gguf_import import convert_gguf_command
 
     return {

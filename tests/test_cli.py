@@ -202,7 +202,7 @@ def test_a_user_error_is_one_line_without_traceback(kind, message):
 def test_compare_base_prints_the_base_reply_then_the_fine_tuned_one(tiny_llama_dir, tmp_path, capsys):
     import torch
 
-    from lit_qlora.generate import generate_command
+    from lit_qlora.deploy.generate import generate_command
     from lit_qlora.checkpoint.loading import load_model
     from lit_qlora.lora.layer import apply_lora, lora_modules, save_adapter
 
@@ -240,7 +240,7 @@ def test_the_demo_recipe_fine_tunes_and_compares_answers_to_a_held_out_question(
     from lit_qlora.cli import main
     from lit_qlora.train.datamodule import split_rows
     from lit_qlora.data.sft import DEMO_DATASET, load_json_rows
-    from lit_qlora.generate import generate_command
+    from lit_qlora.deploy.generate import generate_command
 
     root = Path(__file__).resolve().parents[1]
     preset = root / "config_hub" / "finetune" / "smollm2-135m" / "qlora.yaml"

@@ -19,7 +19,7 @@ peft = pytest.importorskip("peft")
 
 from lit_qlora.checkpoint.hf import copy_tokenizer_files  # noqa: E402
 from lit_qlora.model.config import HF_DEFAULTS, PRESETS, Config  # noqa: E402
-from lit_qlora.export import export_peft, merge  # noqa: E402
+from lit_qlora.deploy.export import export_peft, merge  # noqa: E402
 from lit_qlora.train.finetune import finetune  # noqa: E402
 from lit_qlora.model.sampling import generate  # noqa: E402
 from lit_qlora.checkpoint.loading import load_model  # noqa: E402

@@ -39,7 +39,7 @@ def llama_cpp_reply(path, prompt_text: str, max_tokens: int) -> str:
 
 def test_llama_cpp_answers_as_generate_at_f16_and_the_same_fact_at_q8_0(fine_tune, smollm2_dir, tmp_path):
     from lit_qlora.deploy.gguf_export import export_gguf
-    from lit_qlora.generate import generate_command
+    from lit_qlora.deploy.generate import generate_command
     from lit_qlora.checkpoint.tokenizer import Tokenizer
 
     tok = Tokenizer(smollm2_dir)

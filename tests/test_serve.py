@@ -58,7 +58,7 @@ def server(smollm2_dir):
 @pytest.fixture(scope="module")
 def expected(smollm2_dir):
     """`litqlora generate`'s replies at temperature 0 (the same chat template, 32 tokens at most)."""
-    from lit_qlora.generate import generate_command
+    from lit_qlora.deploy.generate import generate_command
 
     return {q: generate_command(q, checkpoint_dir=smollm2_dir, max_new_tokens=32, precision="32-true")
             for q in QUESTIONS}

@@ -208,7 +208,7 @@ def test_qlora_tensor_parallel_export_is_the_one_process_merge(tiny_llama_dir, t
     from test_distributed import cli_run
     from test_finetune import small_data
 
-    from lit_qlora.export import merge
+    from lit_qlora.deploy.export import merge
 
     data = small_data(tmp_path)
     out = tmp_path / "tp"

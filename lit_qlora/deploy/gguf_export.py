@@ -248,7 +248,7 @@ def _export_config(model, merged: bool, checkpoint_dir: Path):
     """The config written. QLoRA gives a tied head its own NF4 copy of the embedding; llama.cpp's gemma2 has no head of
     its own, so an unadapted Gemma 2 head is written tied again: the embedding W, not dequant(NF4(W))."""
     from lit_qlora.model.config import Config
-    from lit_qlora.export import export_config
+    from lit_qlora.deploy.export import export_config
     from lit_qlora.lora.layer import LoRALinear
 
     config = export_config(model, merged=merged)
@@ -269,7 +269,7 @@ def gguf_tensors(model, config, arch: str, merged: bool) -> list[tuple[str, tupl
     import numpy as np
     import torch
 
-    from lit_qlora.export import hf_tensor_specs
+    from lit_qlora.deploy.export import hf_tensor_specs
     from lit_qlora.model.hf_layout import fuse_plan
 
     specs = {spec.name: spec for spec in hf_tensor_specs(model, torch.float32, merge=merged)}
