@@ -27,7 +27,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lit_qlora import estimate
+from lit_qlora.estimate import step as estimate
 from lit_qlora.model.config import PRESETS
 from lit_qlora.checkpoint.loading import default_dtype, random_base
 from lit_qlora.lora.layer import apply_lora

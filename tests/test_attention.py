@@ -155,7 +155,7 @@ def test_the_cuda_estimate_counts_flex_attentions_linear_memory_for_a_sliding_wi
     """A Mistral-like model with a 256-token window at 1024 to 4096 tokens: on CUDA (flex_attention) the traced
     activations double with the length; with the dense path (LIT_QLORA_FLEX_ATTENTION=0) they quadruple, the
     (L, L) mask and scores."""
-    from lit_qlora.estimate import trace_step
+    from lit_qlora.estimate.step import trace_step
     from lit_qlora.train.args import LoRAArgs, TrainArgs
 
     config = Config.from_hf_config({"model_type": "mistral", "vocab_size": 512, "hidden_size": 64,

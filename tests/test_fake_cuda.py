@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(not torch.backends.cuda.is_built(),
                                 reason="needs the CUDA build of torch: `make test-fake-cuda`")
 
 from lit_qlora.model.config import Config  # noqa: E402
-from lit_qlora.estimate import _nf4_caches_set_aside  # noqa: E402
+from lit_qlora.estimate.step import _nf4_caches_set_aside  # noqa: E402
 from lit_qlora.checkpoint.loading import random_base  # noqa: E402
 from lit_qlora.memory.trace import AllocationTrace  # noqa: E402
 from lit_qlora.lora.layer import apply_lora, lora_modules  # noqa: E402

@@ -245,7 +245,7 @@ def test_the_estimate_sees_the_tiled_mlps_smaller_peak(monkeypatch):
     gradients of act(gate) * up, of gate and of up). Tiled, it holds them for one tile: the peak drops by five such
     tensors less one tile's (within 2%: the tiled backward's input-gradient buffer, and the like)."""
     from lit_qlora.model.config import Quantize
-    from lit_qlora.estimate import trace_step
+    from lit_qlora.estimate.step import trace_step
     from lit_qlora.train.args import LoRAArgs, TrainArgs
 
     length, width, tile = 8192, 1536, 1024
