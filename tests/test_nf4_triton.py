@@ -15,7 +15,8 @@ from lit_qlora.model.config import Config
 from lit_qlora.checkpoint.loading import random_base
 from lit_qlora.lora.layer import apply_lora, lora_modules
 from lit_qlora.nf4 import dequantize_nf4, nf4_linear, quantize_nf4
-from lit_qlora.nf4.ops import dequantize_op, triton_available
+from lit_qlora.nf4.native import triton_available
+from lit_qlora.nf4.ops import dequantize_op
 from lit_qlora.train.loss import lm_loss_sum
 
 needs_interpreter = pytest.mark.skipif(not triton_available() or os.environ.get("TRITON_INTERPRET") != "1",
