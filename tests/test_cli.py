@@ -239,7 +239,8 @@ def test_the_demo_recipe_fine_tunes_and_compares_answers_to_a_held_out_question(
 
     from lit_qlora.cli import main
     from lit_qlora.train.datamodule import split_rows
-    from lit_qlora.data.sft import DEMO_DATASET, load_json_rows
+    from lit_qlora.data.files import DEMO_DATASET
+    from lit_qlora.data.sft import load_json_rows
     from lit_qlora.deploy.generate import generate_command
 
     root = Path(__file__).resolve().parents[1]

@@ -12,7 +12,7 @@ from typing import Any
 _EXPORTS = {
     "DataError": "errors",
     "Segment": "prompts", "PromptStyle": "prompts", "PROMPT_STYLES": "prompts", "get_prompt_style": "prompts",
-    "DEMO_DATASET": "sft", "IGNORE_INDEX": "sft", "Sample": "sft", "Collate": "sft", "load_json_rows": "sft",
+    "DEMO_DATASET": "files", "IGNORE_INDEX": "sft", "Sample": "sft", "Collate": "sft", "load_json_rows": "sft",
     "load_hf_rows": "sft", "tokenize_rows": "sft", "pack": "sft",
 }
 __all__ = list(_EXPORTS)

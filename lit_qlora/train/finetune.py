@@ -85,7 +85,7 @@ def finetune(
     """
     from lit_qlora.model.config import require_checkpoint_dir
     from lit_qlora.data.formats import require_source
-    from lit_qlora.data.sft import require_data_file
+    from lit_qlora.data.files import require_data_file
     from lit_qlora.train.run import fit, setup
     from lit_qlora.train.state import read_state
 
