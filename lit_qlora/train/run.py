@@ -18,8 +18,8 @@ import torch
 
 from lit_qlora.checkpoint.hf import atomic_write_text
 from lit_qlora.train.compile import compile_seconds
+from lit_qlora.train.final import export_final
 from lit_qlora.model.config import ADAPTER_DTYPES, DTYPE_NAMES, MIXED_PRECISIONS, PRECISION_DTYPES, Quantize
-from lit_qlora.deploy.export import export_final
 from lit_qlora.deploy.gguf_import import ensure_default_checkpoint
 from lit_qlora.guards import oom_advice
 from lit_qlora.hardware import choose_precision, uses_cuda
