@@ -44,7 +44,7 @@ from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import linear_nf4  
 from lit_qlora.nf4 import (dequantize_nf4, nf4_backend, nf4_layout, nf4_linear, nf4_nbytes,  # noqa: E402
                            quantize_nf4)
 from lit_qlora.nf4.codec import block_scales  # noqa: E402
-from lit_qlora.model.offload import available_host_bytes  # noqa: E402
+from lit_qlora.train.offload import available_host_bytes  # noqa: E402
 from lit_qlora.nf4.native import native_error  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"

@@ -17,7 +17,8 @@ from lit_qlora.errors import UserError
 from lit_qlora.estimate.step import estimate, trace_step
 from lit_qlora.model.transformer import Transformer
 from lit_qlora.train.args import LoRAArgs, TrainArgs
-from lit_qlora.model.offload import AUTO_MIN_BYTES, ActivationOffload, block_input_bytes, offload_choice
+from lit_qlora.model.offload import ActivationOffload
+from lit_qlora.train.offload import AUTO_MIN_BYTES, block_input_bytes, offload_choice
 
 HF = {"model_type": "llama", "vocab_size": 97, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3,
       "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256, "rms_norm_eps": 1e-5,
@@ -230,7 +231,7 @@ def test_estimate_reports_host_bytes_apart_and_refuses_true_on_cpu(tmp_path, cap
 
 
 def test_the_runs_summary_and_report_say_what_host_memory_it_took(capsys, tmp_path):
-    from lit_qlora.model.offload import offload_summary
+    from lit_qlora.train.offload import offload_summary
     from lit_qlora.train.report import print_report
 
     assert offload_summary(None) == {"offload_activations": False, "offload_host_bytes": 0, "offload_pinned_bytes": 0}

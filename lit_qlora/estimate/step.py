@@ -238,9 +238,10 @@ def cuda_code_paths() -> Iterator[None]:
 def offload_decision(config: Config, precision: Precision, train: TrainArgs, device: str,
                      micro_batch_size: Optional[int] = None) -> tuple[bool, str, int]:
     """(offload or not, why, the pinned bytes it takes) for the recipe as a run on `device` would decide it
-    (lit_qlora.model.offload.offload_choice), but for the host's available memory, which is not known here."""
+    (lit_qlora.train.offload.offload_choice), but for the host's available memory, which is not known here."""
     from lit_qlora.model.config import PRECISION_DTYPES
-    from lit_qlora.model.offload import block_input_bytes, offload_choice, pinned_size
+    from lit_qlora.model.offload import pinned_size
+    from lit_qlora.train.offload import block_input_bytes, offload_choice
 
     n_ckpt = train.activation_checkpointing
     blocks = config.n_layer if n_ckpt is True else int(n_ckpt or 0)

@@ -31,7 +31,7 @@ from lit_qlora.parallel.distributed import build_strategy, keep_frozen_out_of_dd
 from lit_qlora.parallel.tensor_parallel import TensorParallelShard
 from lit_qlora.checkpoint.tokenizer import Tokenizer
 from lit_qlora.train.args import DataArgs, LoRAArgs, TrainArgs, total_steps_for
-from lit_qlora.model.offload import offload_for_run, offload_summary
+from lit_qlora.train.offload import offload_for_run, offload_summary
 from lit_qlora.train.report import print_report
 from lit_qlora.train.resume import recipe, resolve_resume
 from lit_qlora.train.state import read_state
