@@ -123,7 +123,7 @@ def evaluate(
 
     from lit_qlora.checkpoint.hf import atomic_write_text
     from lit_qlora.checkpoint.loading import load_model, resolve_quantize
-    from lit_qlora.lora.layer import read_adapter_config
+    from lit_qlora.checkpoint.adapter import read_adapter_config
     from lit_qlora.memory.accounting import module_bytes, peak_rss_bytes
     from lit_qlora.checkpoint.tokenizer import Tokenizer
 

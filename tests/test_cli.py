@@ -204,7 +204,8 @@ def test_compare_base_prints_the_base_reply_then_the_fine_tuned_one(tiny_llama_d
 
     from lit_qlora.deploy.generate import generate_command
     from lit_qlora.checkpoint.loading import load_model
-    from lit_qlora.lora.layer import apply_lora, lora_modules, save_adapter
+    from lit_qlora.lora.layer import apply_lora, lora_modules
+    from lit_qlora.checkpoint.adapter import save_adapter
 
     model = load_model(tiny_llama_dir, "nf4")
     apply_lora(model, r=4, alpha=8, dtype=torch.bfloat16)

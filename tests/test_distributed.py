@@ -198,7 +198,8 @@ def _init_worker(rank: int, init_file: str, queue) -> None:
 
     from lit_qlora.model.config import Config
     from lit_qlora.parallel.distributed import keep_frozen_out_of_ddp, shard_model
-    from lit_qlora.lora.layer import apply_lora, full_lora_state_dict, lora_state_dict
+    from lit_qlora.lora.layer import apply_lora, lora_state_dict
+    from lit_qlora.checkpoint.adapter import full_lora_state_dict
     from lit_qlora.model.transformer import Transformer
     from lit_qlora.nf4 import dequantize_nf4, quantize_linears
 

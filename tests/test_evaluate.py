@@ -247,7 +247,8 @@ def test_evaluate_with_adapter_and_parquet(tiny_llama_dir, tmp_path):
     import pyarrow.parquet as pq
 
     from lit_qlora.eval.evaluate import evaluate
-    from lit_qlora.lora.layer import apply_lora, save_adapter
+    from lit_qlora.lora.layer import apply_lora
+    from lit_qlora.checkpoint.adapter import save_adapter
     from lit_qlora.checkpoint.loading import load_model
 
     model = load_model(tiny_llama_dir, "nf4")

@@ -44,7 +44,8 @@ def parity(tiny_llama_dir, tmp_path_factory) -> SimpleNamespace:
     evaluation at 32-true slightly different NF4 blocks than training and merging saw); adapter: trained-like
     LoRA on the NF4 base; merged: `merge(base, adapter)` with its defaults."""
     from lit_qlora.deploy.export import hf_tensor_specs, merge
-    from lit_qlora.lora.layer import apply_lora, save_adapter
+    from lit_qlora.lora.layer import apply_lora
+    from lit_qlora.checkpoint.adapter import save_adapter
     from lit_qlora.checkpoint.loading import load_model
 
     root = tmp_path_factory.mktemp("parity")

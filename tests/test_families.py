@@ -23,7 +23,8 @@ from lit_qlora.deploy.export import export_peft, merge  # noqa: E402
 from lit_qlora.train.finetune import finetune  # noqa: E402
 from lit_qlora.model.sampling import generate  # noqa: E402
 from lit_qlora.checkpoint.loading import load_model  # noqa: E402
-from lit_qlora.lora.layer import apply_lora, lora_modules, save_adapter  # noqa: E402
+from lit_qlora.lora.layer import apply_lora, lora_modules  # noqa: E402
+from lit_qlora.checkpoint.adapter import save_adapter  # noqa: E402
 from lit_qlora.nf4 import count_linears, is_nf4  # noqa: E402
 from lit_qlora.train.args import DataArgs, LoRAArgs, TrainArgs  # noqa: E402
 

@@ -14,7 +14,8 @@ from lit_qlora.checkpoint.hf import save_hf_checkpoint
 from lit_qlora.model.config import Config, Quantize
 from lit_qlora.deploy.export import hf_tensor_specs
 from lit_qlora.checkpoint.loading import load_model, resolve_quantize
-from lit_qlora.lora.layer import apply_lora, lora_state_dict, save_adapter
+from lit_qlora.lora.layer import apply_lora, lora_state_dict
+from lit_qlora.checkpoint.adapter import save_adapter
 from lit_qlora.model.transformer import Transformer
 from lit_qlora.nf4 import FrozenNF4Linear, count_linears, dequantize_nf4, is_nf4, quantize_nf4
 from lit_qlora.parallel.tensor_parallel import TensorParallelShard, tp_layout_weight

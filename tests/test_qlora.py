@@ -11,7 +11,8 @@ from lit_qlora.checkpoint.hf import save_hf_checkpoint
 from lit_qlora.model.config import Config
 from lit_qlora.deploy.export import export_peft, hf_tensor_specs, merge
 from lit_qlora.checkpoint.loading import load_model
-from lit_qlora.lora.layer import LoRALinear, apply_lora, lora_state_dict, save_adapter
+from lit_qlora.lora.layer import LoRALinear, apply_lora, lora_state_dict
+from lit_qlora.checkpoint.adapter import save_adapter
 from lit_qlora.memory.accounting import tensor_bytes
 from lit_qlora.model.transformer import Transformer
 from lit_qlora.nf4 import count_linears, dequantize_nf4, is_nf4, quantize_nf4

@@ -58,7 +58,8 @@ def _worker(rank: int, ckpt: str, quantize: str, init_file: str, queue) -> None:
 
     import lit_qlora.parallel.tensor_parallel as tp
     from lit_qlora.checkpoint.loading import load_model
-    from lit_qlora.lora.layer import apply_lora, full_lora_state_dict, lora_modules
+    from lit_qlora.lora.layer import apply_lora, lora_modules
+    from lit_qlora.checkpoint.adapter import full_lora_state_dict
     from lit_qlora.nf4 import dequantize_nf4
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)

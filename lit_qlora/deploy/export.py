@@ -103,7 +103,7 @@ def export_peft(checkpoint_dir: Path, adapter_dir: Path, out_dir: Path, with_deq
 
     from lit_qlora.checkpoint.hf import save_hf_checkpoint
     from lit_qlora.checkpoint.loading import load_model
-    from lit_qlora.lora.layer import read_adapter_config
+    from lit_qlora.checkpoint.adapter import read_adapter_config
 
     model = load_model(checkpoint_dir, adapter_dir=adapter_dir)
     acfg = read_adapter_config(adapter_dir)

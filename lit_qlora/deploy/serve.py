@@ -73,7 +73,7 @@ def serve_command(
         model_name: The model id /v1/models lists (default: the adapter's or checkpoint's directory name).
     """
     from lit_qlora.deploy.gguf_import import DEFAULT_CHECKPOINT, ensure_default_checkpoint
-    from lit_qlora.lora.layer import read_adapter_config
+    from lit_qlora.checkpoint.adapter import read_adapter_config
     from lit_qlora.checkpoint.tokenizer import Tokenizer
 
     checkpoint_dir = Path(checkpoint_dir or DEFAULT_CHECKPOINT)

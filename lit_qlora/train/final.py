@@ -26,7 +26,7 @@ def export_final(model: nn.Module, final_dir: Path, checkpoint_dir: Path, adapte
 
     from lit_qlora.checkpoint.hf import remove_path, replace_dir, save_hf_checkpoint
     from lit_qlora.checkpoint.loading import load_model
-    from lit_qlora.lora.layer import save_adapter
+    from lit_qlora.checkpoint.adapter import save_adapter
     from lit_qlora.parallel.distributed import is_sharded
 
     final_dir = Path(final_dir)

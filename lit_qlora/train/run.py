@@ -23,7 +23,8 @@ from lit_qlora.model.config import ADAPTER_DTYPES, DTYPE_NAMES, MIXED_PRECISIONS
 from lit_qlora.deploy.gguf_import import ensure_default_checkpoint
 from lit_qlora.guards import oom_advice
 from lit_qlora.hardware import choose_precision, uses_cuda
-from lit_qlora.lora.layer import apply_lora, full_lora_state_dict, load_adapter, resolve_targets
+from lit_qlora.lora.layer import apply_lora, resolve_targets
+from lit_qlora.checkpoint.adapter import full_lora_state_dict, load_adapter
 from lit_qlora.checkpoint.loading import load_model
 from lit_qlora.memory.accounting import peak_memory_stats, release_free_memory
 from lit_qlora.nf4 import count_linears
