@@ -36,7 +36,9 @@ MODELS = {  # name -> (preset, micro-batch, sequence length, steps)
 def write_random_checkpoint(preset: str, out_dir: Path, tokenizer_dir: Path) -> Path:
     import torch
 
-    from lit_qlora.checkpoint.hf import TensorSpec, save_hf_checkpoint
+    from lit_qlora.checkpoint.hf import save_hf_checkpoint
+
+    from lit_qlora.checkpoint.files import TensorSpec
     from lit_qlora.model.config import Config
     from lit_qlora.model.transformer import Transformer
 

@@ -27,7 +27,9 @@ def write_tinyllama(path: Path) -> Path:
     """A random TinyLlama-1.1B-shaped Hugging Face directory in bf16 (written tensor by tensor)."""
     import torch
 
-    from lit_qlora.checkpoint.hf import TensorSpec, save_hf_checkpoint
+    from lit_qlora.checkpoint.hf import save_hf_checkpoint
+
+    from lit_qlora.checkpoint.files import TensorSpec
     from lit_qlora.model.config import Config
     from lit_qlora.model.transformer import Transformer
 

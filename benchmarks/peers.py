@@ -271,7 +271,9 @@ def write_tiny(path: Path) -> None:
     base loss depends on every weight. Widths satisfy torchao's NF4 block sizes (64 x 256 per weight)."""
     import torch
 
-    from lit_qlora.checkpoint.hf import TensorSpec, save_hf_checkpoint
+    from lit_qlora.checkpoint.hf import save_hf_checkpoint
+
+    from lit_qlora.checkpoint.files import TensorSpec
     from lit_qlora.model.config import Config
     from lit_qlora.model.transformer import Transformer
 

@@ -97,7 +97,7 @@ def resolve_recipe(recipe: Optional[Path], train: Optional[dict[str, Any]], chec
 
 def run_stage(name: str, argv: list[str], out_dir: Path) -> None:
     """Run `litqlora ARGV` in a child process, echoing its output and keeping a copy in logs/NAME.log."""
-    from lit_qlora.checkpoint.hf import atomic_write_text
+    from lit_qlora.checkpoint.files import atomic_write_text
 
     log_path = out_dir / "logs" / f"{name}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -132,7 +132,7 @@ def same_recipe(before: str, now: str) -> bool:
 
 def check_settings(out_dir: Path, settings: dict[str, Any]) -> None:
     """Refuse to mix runs of another recipe into OUT_DIR; evaluation settings may change (evals rerun)."""
-    from lit_qlora.checkpoint.hf import atomic_write_text
+    from lit_qlora.checkpoint.files import atomic_write_text
 
     path = out_dir / "compare.json"
     if path.is_file():

@@ -121,7 +121,7 @@ def evaluate(
     from lm_eval import simple_evaluate  # slow imports, see the top of the module
     from lm_eval.utils import make_table
 
-    from lit_qlora.checkpoint.hf import atomic_write_text
+    from lit_qlora.checkpoint.files import atomic_write_text
     from lit_qlora.checkpoint.loading import load_model, resolve_quantize
     from lit_qlora.checkpoint.adapter import read_adapter_config
     from lit_qlora.memory.accounting import module_bytes, peak_rss_bytes

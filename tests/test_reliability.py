@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 from safetensors.torch import load_file
 
-from lit_qlora.checkpoint.hf import replace_dir
+from lit_qlora.checkpoint.files import replace_dir
 from lit_qlora.cli import main
 from lit_qlora.train.loss import chunked_cross_entropy_sum
 from lit_qlora.lora.layer import LoRALinear, lora_state_dict

@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from lit_qlora.checkpoint.hf import TensorSpec, atomic_write_text, iter_safetensors, write_safetensors
+from lit_qlora.checkpoint.files import TensorSpec, atomic_write_text, iter_safetensors, write_safetensors
 from lit_qlora.guards import require_finite
 from lit_qlora.lora.layer import lora_modules, lora_state_dict
 from lit_qlora.parallel.distributed import full, is_sharded, reshard, shard_like

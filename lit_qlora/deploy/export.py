@@ -17,7 +17,7 @@ def hf_tensor_specs(model: nn.Module, dtype: torch.dtype, merge: bool = True) ->
 
     merge=True writes dequant(W) + scale * B @ A for LoRA layers; merge=False writes their base weight alone.
     """
-    from lit_qlora.checkpoint.hf import TensorSpec
+    from lit_qlora.checkpoint.files import TensorSpec
     from lit_qlora.lora.layer import LoRALinear, row_chunks, weight_rows
 
     specs = []
@@ -117,7 +117,7 @@ def export_peft(checkpoint_dir: Path, adapter_dir: Path, out_dir: Path, with_deq
 
 def write_peft_adapter(model: nn.Module, acfg: dict, out_dir: Path, base_name: str) -> Path:
     """adapter_model.safetensors (PEFT key names) + adapter_config.json for the LoRA layers of `model`."""
-    from lit_qlora.checkpoint.hf import TensorSpec, atomic_write_text, write_safetensors
+    from lit_qlora.checkpoint.files import TensorSpec, atomic_write_text, write_safetensors
     from lit_qlora.model.hf_layout import fuse_lora
     from lit_qlora.lora.layer import lora_modules
 

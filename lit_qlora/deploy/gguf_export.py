@@ -202,7 +202,7 @@ def write_gguf(model, checkpoint_dir: Path, out: Path, dtype: GGUFType = "f16", 
     template from `checkpoint_dir` (`tokenizer`: its fields when already read), and an Ollama Modelfile beside it."""
     import gguf
 
-    from lit_qlora.checkpoint.hf import remove_path
+    from lit_qlora.checkpoint.files import remove_path
 
     out = Path(out)
     config = _export_config(model, merged, Path(checkpoint_dir))
@@ -432,7 +432,7 @@ def _write_metadata(writer, config, arch: str, tok: dict[str, Any], name: str, f
 def write_modelfile(gguf_path: Path, tok: dict[str, Any]) -> Path:
     """An Ollama Modelfile beside the GGUF file (`ollama create NAME -f Modelfile`). The GGUF carries the chat
     template, which Ollama reads from it; the stop tokens are listed here so a reply ends at end-of-turn."""
-    from lit_qlora.checkpoint.hf import atomic_write_text
+    from lit_qlora.checkpoint.files import atomic_write_text
 
     stops = [tok["tokens"][i] for i in tok["eos_ids"] if i is not None and i < len(tok["tokens"])]
     lines = [f"FROM ./{gguf_path.name}", *(f"PARAMETER stop {json.dumps(s)}" for s in dict.fromkeys(stops))]

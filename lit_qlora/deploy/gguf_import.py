@@ -51,7 +51,7 @@ def ensure_default_checkpoint(checkpoint_dir: Path) -> None:
 
 def convert_gguf(file: str | Path, out_dir: Path, dtype: str = "float32") -> Path:
     """Convert a GGUF file ("smollm2" = the bundled SmolLM2-135M-Instruct) into a HF checkpoint directory."""
-    from lit_qlora.checkpoint.hf import atomic_write_text, write_safetensors
+    from lit_qlora.checkpoint.files import atomic_write_text, write_safetensors
     from lit_qlora.model.config import DTYPES
 
     if dtype not in DTYPES:
@@ -99,7 +99,7 @@ def convert_gguf_command(
         dtype: Dtype of the written weights; float32 keeps the dequantized values exactly.
         overwrite: Replace OUT_DIR when it already holds files (without it, an existing directory is left alone).
     """
-    from lit_qlora.checkpoint.hf import CheckpointError, remove_path, replace_dir
+    from lit_qlora.checkpoint.files import CheckpointError, remove_path, replace_dir
 
     if out_dir is None:
         out_dir = Path("checkpoints") / ("SmolLM2-135M-Instruct" if file == "smollm2" else Path(file).stem)
@@ -321,7 +321,7 @@ def weight_specs(tensors: dict[str, Any], config: Config, dtype: torch.dtype, pa
     import numpy as np
     import torch
 
-    from lit_qlora.checkpoint.hf import TensorSpec
+    from lit_qlora.checkpoint.files import TensorSpec
     from lit_qlora.deploy.gguf_families import ARCHITECTURES, hf_name, is_norm, norm_offset, permutes_rope_rows
 
     arch = ARCHITECTURES[config.model_type]
@@ -490,6 +490,6 @@ def sentencepiece_merges(tokens: list[str], scores: list[float], types: list[int
 
 # -- writing ---------------------------------------------------------------------------------------------------
 def _write_json(path: Path, data: dict[str, Any]) -> None:
-    from lit_qlora.checkpoint.hf import atomic_write_text
+    from lit_qlora.checkpoint.files import atomic_write_text
 
     atomic_write_text(path, json.dumps(data, indent=2, ensure_ascii=False) + "\n")

@@ -402,7 +402,7 @@ def estimate(
             without activation checkpointing; with --train.max_seq_length auto, the longest sequence that fits at
             the given micro-batch instead (and the host memory it needs for offloaded activations).
     """
-    from lit_qlora.checkpoint.hf import atomic_write_text
+    from lit_qlora.checkpoint.files import atomic_write_text
     from lit_qlora.model.config import Quantize
 
     auto_length = train.max_seq_length == "auto"

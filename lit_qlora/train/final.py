@@ -24,7 +24,9 @@ def export_final(model: nn.Module, final_dir: Path, checkpoint_dir: Path, adapte
     recorded as nf4_world_size / nf4_tensor_parallel, gives the same bits)."""
     import torch
 
-    from lit_qlora.checkpoint.hf import remove_path, replace_dir, save_hf_checkpoint
+    from lit_qlora.checkpoint.hf import save_hf_checkpoint
+
+    from lit_qlora.checkpoint.files import remove_path, replace_dir
     from lit_qlora.checkpoint.loading import load_model
     from lit_qlora.checkpoint.adapter import save_adapter
     from lit_qlora.parallel.distributed import is_sharded

@@ -43,7 +43,7 @@ def require_same_recipe(state: dict[str, Any], checkpoint: Path, now: dict[str, 
     precision, lora.*, train.*, data.*, the dataset file's contents, ignore_modules) but MAY_CHANGE_ON_RESUME, and
     train.max_steps only when it would end before the checkpoint's step. A setting the checkpoint does not record
     (an option added since) is not compared."""
-    from lit_qlora.checkpoint.hf import CheckpointError
+    from lit_qlora.checkpoint.files import CheckpointError
 
     before, after = flatten(state.get("run", {})), flatten(now)
     changed = []
@@ -120,7 +120,7 @@ RUN_RESULTS = ("summary.json", "final", "checkpoints")
 def claim_out_dir(out_dir: Path, resume: Union[bool, str, Path], overwrite: bool) -> None:
     """A new run (no --resume) starts only in an out_dir free of another run's checkpoints and results; with
     `overwrite`, after deleting them and that run's metrics.jsonl and TensorBoard logs/."""
-    from lit_qlora.checkpoint.hf import CheckpointError, remove_path
+    from lit_qlora.checkpoint.files import CheckpointError, remove_path
 
     if resume is not False and str(resume).lower() != "false":
         return

@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
-from lit_qlora.checkpoint.hf import atomic_write_text
+from lit_qlora.checkpoint.files import atomic_write_text
 from lit_qlora.train.compile import compile_seconds
 from lit_qlora.train.final import export_final
 from lit_qlora.model.config import ADAPTER_DTYPES, DTYPE_NAMES, MIXED_PRECISIONS, PRECISION_DTYPES, Quantize

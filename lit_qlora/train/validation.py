@@ -16,7 +16,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from lit_qlora.checkpoint.hf import atomic_write_text, remove_path, replace_dir
+from lit_qlora.checkpoint.files import atomic_write_text, remove_path, replace_dir
 from lit_qlora.checkpoint.adapter import full_lora_state_dict, save_adapter
 from lit_qlora.parallel.distributed import reshard
 from lit_qlora.train.loggers import jsonl_rows_through, log_scalars
