@@ -41,7 +41,7 @@ def commands() -> dict[str, Command]:
     from lit_qlora.deploy.gguf_export import export_gguf_command
     from lit_qlora.deploy.serve import serve_command
     from lit_qlora.checkpoint.download import download
-    from lit_qlora.estimate.step import estimate
+    from lit_qlora.estimate.command import estimate
     from lit_qlora.eval.compare import compare
     from lit_qlora.eval.evaluate import evaluate
     from lit_qlora.deploy.export import export_peft, merge

@@ -11,7 +11,8 @@ import torch
 
 from lit_qlora.cli import main
 from lit_qlora.model.config import Config, Quantize
-from lit_qlora.estimate.step import estimate, resident_tensors, resolve_config, trace_step
+from lit_qlora.estimate.step import resident_tensors, trace_step
+from lit_qlora.estimate.command import estimate, resolve_config
 from lit_qlora.checkpoint.loading import random_base
 from lit_qlora.lora.layer import apply_lora
 from lit_qlora.memory.trace import CATEGORIES, profiled_peak
@@ -145,7 +146,7 @@ def test_a_card_too_small_for_one_sequence_says_what_to_do(tmp_path, capsys):
 def test_the_batch_search_is_bounded_and_answers_a_size_that_fits(curve, answer):
     """An 8B trace takes about a minute: the search traces at most 5 sizes per setting, and its answer is a traced
     size that fits (a convex curve, as fragmentation at large batches would make, is corrected, not overshot)."""
-    from lit_qlora.estimate.step import largest_batches
+    from lit_qlora.estimate.search import largest_batches
 
     calls = []
 
@@ -216,7 +217,7 @@ def test_tracing_the_first_tiles_predicts_what_tracing_all_of_them_does(monkeypa
 def test_the_length_search_is_bounded_and_answers_the_longest_length_that_fits(curve):
     """Peak memory against length is a line, bent where tiling starts (concave) or by fragmentation (convex): the
     search traces at most 6 lengths and answers the longest multiple of 256 that fits, or one step short of it."""
-    from lit_qlora.estimate.step import LENGTH_STEP, longest_context
+    from lit_qlora.estimate.search import LENGTH_STEP, longest_context
 
     def predict(length):
         calls.append(length)

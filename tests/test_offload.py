@@ -14,7 +14,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from lit_qlora.cli import build_parser, commands, main
 from lit_qlora.model.config import Config, Quantize
 from lit_qlora.errors import UserError
-from lit_qlora.estimate.step import estimate, trace_step
+from lit_qlora.estimate.step import trace_step
+from lit_qlora.estimate.command import estimate
 from lit_qlora.model.transformer import Transformer
 from lit_qlora.train.args import LoRAArgs, TrainArgs
 from lit_qlora.model.offload import ActivationOffload

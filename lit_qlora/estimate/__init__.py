@@ -1,2 +1,3 @@
 """`litqlora estimate`: a fine-tune recipe's peak device memory, predicted before any weights are downloaded or a GPU
-is at hand, from one training step of the real code traced on fake tensors."""
+is at hand. `step` traces one training step of the real code on fake tensors, `search` finds the largest batch and
+the longest sequence that fit a card, `command` is the verb (its checks, the report, estimate.json)."""
