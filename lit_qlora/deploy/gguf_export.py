@@ -9,10 +9,10 @@ What llama.cpp reads, written the way its own converter writes it (gguf_import.p
 * the family's metadata (`{arch}.block_count`, heads, kv heads, rope base and rotated dims, RMSNorm epsilon, context
   length, Gemma's sliding window and soft-caps) and rope scaling as llama.cpp stores it: linear as metadata, Llama
   3.x as a `rope_freqs` tensor of per-frequency divisors, Phi-3's longrope as `rope_factors_long/short` tensors;
-* the tokenizer: byte-level BPE (Llama 3, Qwen, SmolLM2) as `gpt2` with its merges and the name of its split
-  regex (`tokenizer.ggml.pre`), or SentencePiece BPE (Llama 2, TinyLlama) as `llama` with its pieces' scores, byte
-  pieces and space prefix; special and added tokens typed as control or user-defined, BOS/EOS/pad/unk ids and
-  the chat template.
+* the tokenizer (gguf_tokenizer.py): byte-level BPE (Llama 3, Qwen, SmolLM2) as `gpt2` with its merges and the name
+  of its split regex (`tokenizer.ggml.pre`), or SentencePiece BPE (Llama 2, TinyLlama) as `llama` with its pieces'
+  scores, byte pieces and space prefix; special and added tokens typed as control or user-defined, BOS/EOS/pad/unk
+  ids and the chat template.
 
 Norms and biases stay F32 (llama.cpp's convention); a weight whose rows do not split into the quantization's 32-value
 blocks is written F16. Weights are produced a block of rows at a time (merged in fp32 from the base the adapter
@@ -29,11 +29,11 @@ from typing import Any, Literal, Optional
 
 from lit_qlora.deploy.gguf_families import (ARCHITECTURES, GGUFExportError, context_length, gguf_name, is_norm,
                                             norm_offset, permutes_rope_rows, refusals)
+from lit_qlora.deploy.gguf_tokenizer import tokenizer_metadata
 
 # torch, numpy and gguf are imported inside the functions: the CLI imports this module to build --help.
 
 GGUFType = Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"]
-_NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4  # llama.cpp's token types
 # general.file_type, what llama.cpp reports as the model's type (gguf.LlamaFileType's values)
 FILE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q8_0": 7, "q5_0": 8, "q5_1": 9, "bf16": 32}
 
@@ -53,124 +53,6 @@ def architecture(config) -> str:
             "merged Hugging Face export (out_dir/final/merged) with a runtime that supports it (transformers, vLLM), "
             "or llama.cpp's own convert_hf_to_gguf.py if your llama.cpp version handles it.")
     return ARCHITECTURES[config.model_type]
-
-
-def tokenizer_metadata(checkpoint_dir: Path) -> dict[str, Any]:
-    """The GGUF tokenizer fields of the checkpoint's tokenizer.json (byte-level or SentencePiece BPE), checked before
-    writing."""
-    from lit_qlora.deploy.gguf_import import _DIGIT_SPLIT_PRE, _SPLITS
-    from lit_qlora.checkpoint.tokenizer import Tokenizer
-
-    tok = Tokenizer(checkpoint_dir)
-    data = json.loads((Path(checkpoint_dir) / "tokenizer.json").read_text(encoding="utf-8"))
-    model = data.get("model", {})
-    if model.get("type") == "BPE" and model.get("byte_fallback"):
-        return _sentencepiece_fields(data, tok, checkpoint_dir)
-    if model.get("type") != "BPE":
-        raise GGUFExportError(
-            f"{checkpoint_dir}/tokenizer.json is a {model.get('type')} tokenizer; export_gguf writes byte-level BPE "
-            "(Llama 3, Qwen, SmolLM2) and SentencePiece BPE (Llama 2, TinyLlama, Mistral) tokenizers. Use llama.cpp's "
-            "convert_hf_to_gguf.py on out_dir/final/merged for this model.")
-    pre = _pre_tokenizer_name(data.get("pre_tokenizer") or {}, _SPLITS, _DIGIT_SPLIT_PRE)
-    vocab, added, tokens, types = _vocabulary(data)
-    for text, index in vocab.items():
-        if text not in added:
-            types[index] = _NORMAL
-    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
-    fields = {"model": "gpt2", "pre": pre, "tokens": tokens, "types": types, "merges": merges,
-              "bos": tok.bos_id, "eos": tok.eos_id, "add_bos": tok.add_bos, "chat_template": tok.chat_template,
-              "eos_ids": tok.eos_ids, "pad": _pad_id(checkpoint_dir, tok)}
-    return fields
-
-
-def _vocabulary(data: dict[str, Any]) -> tuple[dict[str, int], dict[str, Any], list[str], list[int]]:
-    """tokenizer.json's vocabulary with its added tokens: (piece -> id, added tokens by content, the pieces by id, their
-    types so far). Added tokens are typed control (special) or user-defined; ids no entry names (padding rows) get
-    an inert user-defined placeholder; the callers type the model's own pieces."""
-    vocab = dict(data["model"]["vocab"])
-    added = {t["content"]: t for t in data.get("added_tokens", [])}
-    for text, entry in added.items():
-        vocab[text] = entry["id"]
-    size = max(vocab.values()) + 1
-    tokens, types = [f"[PAD{i}]" for i in range(size)], [_USER_DEFINED] * size
-    for text, index in vocab.items():
-        tokens[index] = text
-        if text in added:
-            types[index] = _CONTROL if added[text].get("special") else _USER_DEFINED
-    return vocab, added, tokens, types
-
-
-def _sentencepiece_fields(data: dict[str, Any], tok, checkpoint_dir: Path) -> dict[str, Any]:
-    """A SentencePiece BPE vocabulary (byte fallback, "▁" for spaces) as llama.cpp's `llama` tokenizer: pieces,
-    scores and types. GGUF keeps no merges here: llama.cpp merges the adjacent pair whose joined piece scores
-    highest, so each piece's score is minus the rank of the first merge that makes it (gguf_import derives the
-    same merges back); byte pieces (<0x0A>) are type 6, the unknown piece 2, special added tokens control (3)."""
-    import re
-
-    model = data["model"]
-    vocab, added, tokens, types = _vocabulary(data)
-    scores = [0.0] * len(tokens)
-    rank: dict[str, int] = {}
-    for i, merge in enumerate(model.get("merges", [])):
-        left, right = merge.split(" ", 1) if isinstance(merge, str) else merge
-        rank.setdefault(left + right, i)
-    unk = model.get("unk_token")
-    for text, index in vocab.items():
-        if text in added:
-            continue
-        if text == unk:
-            types[index] = 2
-        elif re.fullmatch(r"<0x[0-9A-F]{2}>", text):
-            types[index] = 6
-        else:
-            types[index] = _NORMAL
-            scores[index] = -float(rank.get(text, len(rank) + index))
-    return {"model": "llama", "pre": "default", "tokens": tokens, "types": types, "scores": scores, "merges": [],
-            "bos": tok.bos_id, "eos": tok.eos_id, "unk": vocab.get(unk) if unk else None, "add_bos": tok.add_bos,
-            "chat_template": tok.chat_template, "eos_ids": tok.eos_ids, "pad": _pad_id(checkpoint_dir, tok),
-            "add_space_prefix": _space_prefix(data)}
-
-
-def _space_prefix(data: dict[str, Any]) -> bool:
-    """Whether the text gets a leading "▁" (SentencePiece's add_dummy_prefix): a Prepend normalizer (Llama 2's
-    tokenizer.json, gguf_import's) or a Metaspace pre-tokenizer that prepends."""
-    def steps(part: Any) -> list[dict[str, Any]]:
-        if not part:
-            return []
-        return [s for p in part.get("normalizers", part.get("pretokenizers", [part])) for s in steps(p)] \
-            if part.get("type") == "Sequence" else [part]
-
-    for step in steps(data.get("normalizer")) + steps(data.get("pre_tokenizer")):
-        if step.get("type") == "Prepend":
-            return True
-        if step.get("type") == "Metaspace":
-            return step.get("prepend_scheme", "always") != "never"
-    return False
-
-
-def _pre_tokenizer_name(pre: dict[str, Any], splits: dict[str, str], digit_split: tuple[str, ...]) -> str:
-    steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
-    kinds = [s.get("type") for s in steps]
-    if kinds == ["ByteLevel"] and steps[0].get("use_regex", True):
-        return "gpt2"
-    if kinds == ["Digits", "ByteLevel"] and steps[0].get("individual_digits"):
-        return digit_split[0]  # "smollm": digits one by one, then GPT-2's regex
-    if kinds[:1] == ["Split"]:
-        regex = (steps[0].get("pattern") or {}).get("Regex")
-        for name in ("llama-bpe", "qwen2"):
-            if regex == splits[name]:
-                return name
-    raise GGUFExportError(
-        f"the tokenizer's pre-tokenizer ({', '.join(map(str, kinds))}) is not one export_gguf can name for llama.cpp "
-        "(GPT-2, SmolLM2/StarCoder digits, Llama 3 and Qwen2 splits are). Use llama.cpp's convert_hf_to_gguf.py.")
-
-
-def _pad_id(checkpoint_dir: Path, tok) -> Optional[int]:
-    config = json.loads((Path(checkpoint_dir) / "tokenizer_config.json").read_text()) \
-        if (Path(checkpoint_dir) / "tokenizer_config.json").is_file() else {}
-    pad = config.get("pad_token")
-    pad = pad.get("content") if isinstance(pad, dict) else pad
-    return tok.token_to_id(pad) if pad else None
 
 
 def export_gguf(checkpoint_dir: Path, out: Path, adapter_dir: Optional[Path] = None, dtype: GGUFType = "f16",

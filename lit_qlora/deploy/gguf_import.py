@@ -10,9 +10,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
-import warnings
 from pathlib import Path
 from typing import Any, Literal, Optional
+
+from lit_qlora.deploy.gguf_tokenizer import tokenizer_from_gguf
 
 # numpy, torch and the checkpoint code are imported inside the functions, and annotations name their types as text:
 # the CLI imports `convert_gguf_command` to build `--help` (lit_qlora.cli.commands says why and how).
@@ -352,140 +353,6 @@ def weight_specs(tensors: dict[str, Any], config: Config, dtype: torch.dtype, pa
 
         specs.append(TensorSpec(name, shape, dtype, produce))
     return specs
-
-
-# -- tokenizer -------------------------------------------------------------------------------------------------
-# Split regexes of the published tokenizer.json files, keyed by llama.cpp's `tokenizer.ggml.pre`.
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
-_SPLITS = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT,
-           "smaug-bpe": _LLAMA3_SPLIT, "dbrx": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT}
-# StarCoder-style vocabularies (SmolLM2 included) isolate every digit, then apply GPT-2's regex.
-_DIGIT_SPLIT_PRE = ("smollm", "starcoder", "refact", "codeshell")
-_GPT2_PRE = ("default", "gpt-2", "gpt2")
-# Llama 3's tokenizer.json sets ignore_merges (llama.cpp too): a pre-token found whole in the vocab skips BPE.
-_IGNORE_MERGES_PRE = ("llama-bpe", "llama3", "llama-v3")
-_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED = 1, 2, 3, 4  # llama.cpp token types (5 unused, 6 byte: <0x0A>)
-
-
-def tokenizer_from_gguf(meta: dict[str, Any], path: Path | str = "<gguf>"):
-    """Build a `tokenizers.Tokenizer` and the matching tokenizer_config.json dict from GGUF metadata."""
-    from tokenizers import AddedToken, processors
-
-    kind = meta.get("tokenizer.ggml.model")
-    if kind not in ("gpt2", "llama"):
-        raise ValueError(
-            f"{path}: GGUF tokenizer model {kind!r} is not supported (byte-level BPE, 'gpt2', and SentencePiece BPE, "
-            "'llama', are); convert the tokenizer from the original Hugging Face repository instead."
-        )
-    tokens: list[str] = meta["tokenizer.ggml.tokens"]
-    types = meta.get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
-    ids = {key: int(meta[f"tokenizer.ggml.{key}_token_id"]) for key in ("bos", "eos", "unknown", "padding")
-           if 0 <= int(meta.get(f"tokenizer.ggml.{key}_token_id", -1)) < len(tokens)}
-    names = {key: tokens[index] for key, index in ids.items()}
-    if kind == "gpt2":
-        tokenizer = _byte_level_bpe(meta, tokens, path)
-    else:
-        tokenizer = _sentencepiece_bpe(meta, tokens, types, unk=names.get("unknown"))
-    # Control tokens (<|im_start|>, <s>) must match whole and count as special; user-defined ones match whole.
-    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                  for t, k in zip(tokens, types) if k in (_UNKNOWN, _CONTROL)])
-    tokenizer.add_tokens(
-        [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == _USER_DEFINED])
-
-    bos, eos = names.get("bos"), names.get("eos")
-    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False)) and bos is not None
-    add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False)) and eos is not None
-    steps = [processors.ByteLevel(trim_offsets=False)] if kind == "gpt2" else []
-    if add_bos or add_eos:
-        # BOS/EOS in the post-processor too, so HF's tokenizer adds them; lit-qlora's Tokenizer never doubles BOS.
-        def sequence(name: str, type_id: int) -> str:
-            return " ".join([f"{bos}:{type_id}"] * add_bos + [f"${name}:{type_id}"] + [f"{eos}:{type_id}"] * add_eos)
-
-        specials = list(dict.fromkeys([(bos, ids["bos"])] * add_bos + [(eos, ids["eos"])] * add_eos))
-        steps.append(processors.TemplateProcessing(
-            single=sequence("A", 0), pair=f"{sequence('A', 0)} {sequence('B', 1)}", special_tokens=specials))
-    if steps:
-        tokenizer.post_processor = steps[0] if len(steps) == 1 else processors.Sequence(steps)
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": bos,
-        "eos_token": eos,
-        "unk_token": names.get("unknown"),
-        "pad_token": names.get("padding"),
-        "add_bos_token": add_bos,
-        "add_eos_token": add_eos,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": int(meta.get(f"{meta['general.architecture']}.context_length", 2048)),
-    }
-    if kind == "llama":
-        # Text after a special token gets its own "▁" prefix, as in llama.cpp and Llama 2's tokenizer.json. Not
-        # "LlamaTokenizer": transformers 5 rebuilds that one's pipeline (non-legacy) instead of using tokenizer.json.
-        config["legacy"] = True
-    if meta.get("tokenizer.chat_template"):
-        config["chat_template"] = meta["tokenizer.chat_template"]
-    return tokenizer, {k: v for k, v in config.items() if v is not None}
-
-
-def _byte_level_bpe(meta: dict[str, Any], tokens: list[str], path: Path | str):
-    """GPT-2 style BPE over bytes (Llama 3, Qwen, SmolLM): the merges are in the file, the split regex is named."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-
-    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
-    pre = meta.get("tokenizer.ggml.pre", "default")
-    vocab = {t: i for i, t in enumerate(tokens)}
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=pre in _IGNORE_MERGES_PRE))
-    if pre in _SPLITS:
-        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ])
-    elif pre in _DIGIT_SPLIT_PRE:
-        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-        ])
-    else:
-        if pre not in _GPT2_PRE:
-            warnings.warn(f"{path}: unknown GGUF pre-tokenizer {pre!r}; using GPT-2's split, tokens may differ.")
-        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tokenizer.decoder = decoders.ByteLevel()
-    return tokenizer
-
-
-def _sentencepiece_bpe(meta: dict[str, Any], tokens: list[str], types: list[int], unk: str | None):
-    """SentencePiece BPE (Llama 2, TinyLlama, Mistral, Gemma) in the form of Llama 2's published tokenizer.json:
-    spaces become "▁" and the text gets a leading "▁" (unless the GGUF says add_space_prefix false, as Gemma's
-    does); characters missing from the vocabulary fall back to byte tokens (<0xE2>)."""
-    from tokenizers import Tokenizer, decoders, models, normalizers
-
-    scores = meta.get("tokenizer.ggml.scores") or [-float(i) for i in range(len(tokens))]
-    vocab = {t: i for i, t in enumerate(tokens)}
-    merges = sentencepiece_merges(tokens, scores, types)
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
-    space_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
-    replace_spaces = normalizers.Replace(" ", "▁")
-    tokenizer.normalizer = (normalizers.Sequence([normalizers.Prepend("▁"), replace_spaces]) if space_prefix
-                            else replace_spaces)
-    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
-    tokenizer.decoder = decoders.Sequence(steps + [decoders.Strip(" ", 1, 0)] if space_prefix else steps)
-    return tokenizer
-
-
-def sentencepiece_merges(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
-    """The BPE merge list a SentencePiece vocabulary implies (GGUF stores none).
-
-    SentencePiece BPE repeatedly joins the adjacent pair whose concatenation is the best-scored normal piece. So
-    every split of a normal piece into two normal pieces is a merge, ranked by the joined piece's score (higher
-    first; equal scores by vocabulary order, then by where the piece is cut)."""
-    normal = {piece: i for i, (piece, kind) in enumerate(zip(tokens, types)) if kind == _NORMAL}
-    ranked = sorted(
-        (-scores[i], i, cut)
-        for piece, i in normal.items() for cut in range(1, len(piece))
-        if piece[:cut] in normal and piece[cut:] in normal
-    )
-    return [(tokens[i][:cut], tokens[i][cut:]) for _, i, cut in ranked]
 
 
 # -- writing ---------------------------------------------------------------------------------------------------
