@@ -18,7 +18,8 @@ from typing import Callable, Iterator, Optional
 import torch
 import torch.nn as nn
 
-from lit_qlora.checkpoint.files import CheckpointError, TensorSpec, atomic_write_text, iter_safetensors, write_safetensors
+from lit_qlora.checkpoint.files import (CheckpointError, TensorSpec, atomic_write_text, iter_safetensors,
+                                        write_safetensors)
 from lit_qlora.memory.accounting import release_free_memory
 from lit_qlora.model.config import Config, require_checkpoint_dir
 from lit_qlora.model.hf_layout import fuse_plan, split_fused

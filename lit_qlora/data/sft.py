@@ -120,7 +120,8 @@ class Sample:
     input_ids: torch.Tensor  # int64 [T]
     labels: torch.Tensor  # int64 [T]; IGNORE_INDEX where no loss is taken
     positions: Optional[torch.Tensor] = None
-    """int64 [T] for a packed sample: each document's positions, from 0 (lit_qlora.model.attention_mask); None: 0..T-1."""
+    """int64 [T] for a packed sample: each document's positions, from 0 (lit_qlora.model.attention_mask); None:
+    0..T-1."""
 
     def __len__(self) -> int:
         return len(self.input_ids)

@@ -166,8 +166,8 @@ def _flex_allocations_function():
 
 @contextmanager
 def _cuda_attention() -> Iterator[None]:
-    """CUDA's attention (lit_qlora.model.attention): flex_attention, O(L), where a window, packed documents or a soft cap
-    needs a mask (unless LIT_QLORA_FLEX_ATTENTION=0), with `_FlexAllocations` standing in for its kernels."""
+    """CUDA's attention (lit_qlora.model.attention): flex_attention, O(L), where a window, packed documents or a soft
+    cap needs a mask (unless LIT_QLORA_FLEX_ATTENTION=0), with `_FlexAllocations` standing in for its kernels."""
     from lit_qlora.model import attention, attention_mask, transformer
 
     if attention.flex_setting() is False:

@@ -1,5 +1,6 @@
 """`litqlora finetune`: check what a user can get wrong (paths, precision, compile, out_dir and resume:
-lit_qlora.train.resume), then run the fine-tune (lit_qlora.train.run: load the (NF4) base, add LoRA, train with the Lightning Trainer, write the run's files).
+lit_qlora.train.resume), then run the fine-tune (lit_qlora.train.run: load the (NF4) base, add LoRA, train with the
+Lightning Trainer, write the run's files).
 
 Light at import: the CLI reads `finetune`'s signature for `--help` and argument errors, which must not wait for torch
 and the training stack (lit_qlora.cli.commands); they load inside the functions that need them.

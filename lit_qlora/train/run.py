@@ -1,8 +1,8 @@
 """One fine-tune run: `setup()` builds the pieces (Trainer with its callbacks, FinetuneModule, data) from resolved
 settings; `fit()` validates, trains, validates again and writes final/, summary.json and the report.
 
-`litqlora finetune` (lit_qlora.train.finetune) checks what a user can get wrong, then calls these; Python callers and tests
-may call them directly.
+`litqlora finetune` (lit_qlora.train.finetune) checks what a user can get wrong, then calls these; Python callers and
+tests may call them directly.
 """
 
 from __future__ import annotations
