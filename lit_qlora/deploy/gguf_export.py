@@ -244,7 +244,7 @@ def _rope_tensors(config) -> dict[str, Any]:
     longrope factors (`rope_factors_long`, `rope_factors_short`)."""
     import numpy as np
 
-    from lit_qlora.model.config import rope_inv_freq
+    from lit_qlora.model.rope import rope_inv_freq
 
     scaling = config.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type"))
@@ -259,7 +259,7 @@ def _rope_tensors(config) -> dict[str, Any]:
 
 
 def _write_metadata(writer, config, arch: str, tok: dict[str, Any], name: str, file_type: str, length: int) -> None:
-    from lit_qlora.model.config import rope_attention_factor, rotary_dim
+    from lit_qlora.model.rope import rope_attention_factor, rotary_dim
 
     writer.add_name(name)
     writer.add_context_length(length)

@@ -214,7 +214,7 @@ def _rope_scaling(meta: dict[str, Any], tensors: dict[str, Any], config: Config,
     import numpy as np
     import torch
 
-    from lit_qlora.model.config import rope_attention_factor, rope_inv_freq
+    from lit_qlora.model.rope import rope_attention_factor, rope_inv_freq
 
     arch = meta["general.architecture"]
     if "rope_freqs.weight" in tensors:

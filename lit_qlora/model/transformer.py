@@ -19,7 +19,8 @@ from torch.utils.checkpoint import checkpoint
 
 from lit_qlora.model.attention import attend, softcap, use_flex_attention
 from lit_qlora.model.attention_mask import attention_mask, document_lengths
-from lit_qlora.model.config import Config, rope_attention_factor, rope_inv_freq
+from lit_qlora.model.config import Config
+from lit_qlora.model.rope import rope_attention_factor, rope_inv_freq
 from lit_qlora.model.fused_projections import fused_projections
 from lit_qlora.lora.dropout import reusing_down_products
 from lit_qlora.model.tiled_mlp import mlp_tile_tokens, tiled_mlp
