@@ -1,3 +1,9 @@
-"""The decoder and its layers: the config (`config`), the Transformer (`transformer`), attention and its masks,
-q/k/v and gate/up fused into one matmul, the tiled MLP, offloaded activation checkpoints, the Hugging Face
-checkpoint layout, and sampling with the KV cache."""
+"""The decoder and its layers: the config (`config`: one dataclass for every family, read from and written to
+config.json, and the presets), the Transformer (`transformer`), attention and its masks (`attention`,
+`attention_mask`), RoPE (`rope`), q/k/v and gate/up fused into one matmul (`fused_projections`), the tiled MLP
+(`tiled_mlp`), offloaded activation checkpoints (`offload`), the Hugging Face checkpoint layout (`hf_layout`) and
+sampling with the KV cache (`sampling`)."""
+
+from lit_qlora import public_names
+
+__getattr__, __all__ = public_names(__name__, config="Config PRESETS", transformer="Transformer")
