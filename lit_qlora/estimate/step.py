@@ -3,7 +3,7 @@ downloaded or a GPU is at hand.
 
 One training step of the real code (the loader's modules and NF4 layout, LoRA, the fine-tune's loss, backward,
 clipping, fused AdamW, then a second step so optimizer state is counted) runs on fake tensors: shapes and dtypes
-propagate, no data exists, and `memory_trace.AllocationTrace` counts every allocation by category. What is
+propagate, no data exists, and `memory.trace.AllocationTrace` counts every allocation by category. What is
 simulated (docs: tutorials/memory.md, "Will it fit?"):
 
 * The step runs on fake CPU tensors. `--device cuda` takes the code paths a GPU takes (no CPU scratch buffer for
@@ -90,7 +90,7 @@ def _first_loss_chunks_traced() -> Callable:
 
 
 def resident_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """What a real run holds between steps (for `memory_trace.profiled_peak`, the measurement an estimate is checked
+    """What a real run holds between steps (for `memory.trace.profiled_peak`, the measurement an estimate is checked
     against): weights, LoRA and its AdamW state, our NF4 scratch buffers. (Not the C kernels' lookup tables,
     ~0.2 MiB of process-wide constants, which no estimate counts.)"""
     import torch
