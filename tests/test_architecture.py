@@ -1,12 +1,15 @@
 """The layers of lit_qlora, kept as docs/architecture.md draws them: the imports of lit_qlora/ and eval/ (installed as
 lit_qlora.eval), read from the source (every `import`, at a module's top or inside a function), form no circle and
 never run back up a layer but for the few listed in UPWARD, each with why; no module is over 450 lines; each package
-is shipped by pyproject.toml and its public names resolve."""
+is shipped by pyproject.toml and its public names resolve; and every import of ours, here, in the tests, benchmarks,
+scripts and tutorials, names something that exists (a moved name breaks a function-level import only when it runs)."""
 
 from __future__ import annotations
 
 import ast
 import importlib
+import importlib.util
+import re
 from pathlib import Path
 
 import pytest
@@ -213,3 +216,45 @@ def test_each_package_public_name_resolves():
         package = importlib.import_module(name)
         missing += [f"{name}.{attr}" for attr in getattr(package, "__all__", ()) if not hasattr(package, attr)]
     assert missing == []
+
+
+def imported_names(sources=SOURCES, extra=("tests", "benchmarks", "scripts")) -> set[tuple[str, str, str]]:
+    """(file, module, name) of every `from lit_qlora... import name` (and `import lit_qlora...`, name "") in our
+    sources, tests, benchmarks and scripts, at a module's top or inside a function, and in the tutorials' code."""
+    found = set()
+    files = [path for root, _ in sources for path in root.rglob("*.py")]
+    files += [path for folder in extra for path in (REPO / folder).rglob("*.py")]
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+            where = f"{path.relative_to(REPO)}:{getattr(node, 'lineno', 0)}"
+            if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").startswith("lit_qlora"):
+                found |= {(where, node.module, alias.name) for alias in node.names}
+            elif isinstance(node, ast.Import):
+                found |= {(where, alias.name, "") for alias in node.names if alias.name.startswith("lit_qlora")}
+    for path in sorted((REPO / "tutorials").glob("*.md")):
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+            if (match := re.match(r"\s*from (lit_qlora[\w.]*) import ([\w, ]+)$", line)):
+                found |= {(f"tutorials/{path.name}:{number}", match[1], name.strip()) for name in match[2].split(",")}
+    return found
+
+
+def test_every_import_of_ours_resolves():
+    """A moved name breaks a function-level import only when that function runs: each import of ours names a module,
+    or a name its module has."""
+    broken = []
+    for where, module, name in sorted(imported_names()):
+        try:
+            imported = importlib.import_module(module)
+        except ImportError as e:
+            broken.append(f"{where}: {module} ({e})")
+            continue
+        if name and not hasattr(imported, name) and not is_module(f"{module}.{name}"):
+            broken.append(f"{where}: {module}.{name}")
+    assert broken == []
+
+
+def is_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:  # its parent is a module, not a package
+        return False
