@@ -50,8 +50,8 @@ def worker(rank: int, checkpoint_dir: str, init_file: str, queue) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from lit_qlora.parallel.distributed import shard_model
-    from lit_qlora.loading import load_model
-    from lit_qlora.lora import apply_lora
+    from lit_qlora.checkpoint.loading import load_model
+    from lit_qlora.lora.layer import apply_lora
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     try:
@@ -76,7 +76,7 @@ def main() -> None:
     args = parser.parse_args()
     checkpoint_dir = args.checkpoint_dir
     if checkpoint_dir is None:
-        from lit_qlora.finetune import DEFAULT_CHECKPOINT, ensure_default_checkpoint
+        from lit_qlora.deploy.gguf_import import DEFAULT_CHECKPOINT, ensure_default_checkpoint
 
         ensure_default_checkpoint(DEFAULT_CHECKPOINT)
         checkpoint_dir = DEFAULT_CHECKPOINT

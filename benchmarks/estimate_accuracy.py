@@ -60,7 +60,7 @@ HOST_SCOPE = "estimate_accuracy: offloaded host copy"
 
 def force_tiling(config) -> dict[str, int]:
     """The tiled MLP and loss at any length past a tile (module doc); returns the counts of their forwards."""
-    from lit_qlora import tiled_mlp
+    from lit_qlora.model import tiled_mlp
     from lit_qlora.train import loss, tiled_loss
 
     tiled_mlp.MLP_TILE_ELEMS = MLP_TILE * config.intermediate_size  # read as the model is built
@@ -83,7 +83,7 @@ def profiled_device_peak(step, alive: list) -> tuple[int, int]:
     from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
-    from lit_qlora.memory_trace import storages
+    from lit_qlora.memory.trace import storages
 
     before = sum({s.data_ptr(): s.nbytes() for t in alive for s in storages(t)}.values())
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -140,12 +140,12 @@ def child(group: str) -> None:
     import time
 
     import torch
-    from lit_qlora import estimate
-    from lit_qlora.config import PRESETS, Quantize
-    from lit_qlora.estimate import resident_tensors, trace_step
-    from lit_qlora.memory_trace import profiled_peak
+    from lit_qlora.estimate import step as estimate
+    from lit_qlora.model.config import PRESETS, Quantize
+    from lit_qlora.estimate.step import resident_tensors, trace_step
+    from lit_qlora.memory.trace import profiled_peak
     from lit_qlora.train.args import LoRAArgs, TrainArgs
-    from lit_qlora.train.offload import ActivationOffload
+    from lit_qlora.model.offload import ActivationOffload
     from one_step import build_step
 
     rows = sorted(group.split(","), key=lambda row: "offload" in parse_row(row)[-1])

@@ -34,8 +34,9 @@ ROWS = [
 
 
 def main() -> None:
-    from lit_qlora.config import Quantize
-    from lit_qlora.estimate import parallel_bytes, resolve_config, trace_step
+    from lit_qlora.model.config import Quantize
+    from lit_qlora.estimate.step import parallel_bytes, trace_step
+    from lit_qlora.estimate.command import resolve_config
     from lit_qlora.train.args import LoRAArgs, TrainArgs
 
     rows = []

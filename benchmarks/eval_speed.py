@@ -87,12 +87,12 @@ def main() -> None:
     import torch
     from lm_eval.models.huggingface import HFLM
 
-    from lit_qlora.checkpoint import load_checkpoint
+    from lit_qlora.checkpoint.hf import load_checkpoint
     from lit_qlora.eval import SAMPLE_DATA_FILE
     from lit_qlora.eval.lm import LitQLoRALM
     from lit_qlora.eval.truthfulqa import check_truthfulqa_file, prepare_local_tasks
-    from lit_qlora.finetune import ensure_default_checkpoint
-    from lit_qlora.tokenizer import Tokenizer
+    from lit_qlora.deploy.gguf_import import ensure_default_checkpoint
+    from lit_qlora.checkpoint.tokenizer import Tokenizer
 
     checkpoint_dir = Path(args.checkpoint_dir)
     ensure_default_checkpoint(checkpoint_dir)

@@ -22,7 +22,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import one_step
-from lit_qlora import fused_projections
+from lit_qlora.model import fused_projections
 
 
 @contextmanager

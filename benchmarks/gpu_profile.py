@@ -23,9 +23,9 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from lit_qlora.config import PRESETS
-from lit_qlora.loading import random_base
-from lit_qlora.lora import apply_lora
+from lit_qlora.model.config import PRESETS
+from lit_qlora.checkpoint.loading import random_base
+from lit_qlora.lora.layer import apply_lora
 from lit_qlora.train.args import TrainArgs
 from lit_qlora.train.module import FinetuneModule
 
@@ -58,7 +58,7 @@ def main() -> None:
     model.checkpoint_blocks = model.config.n_layer if args.checkpointing else 0
     model.train()
     if args.compile:
-        from lit_qlora.compile import compile_blocks
+        from lit_qlora.train.compile import compile_blocks
 
         compile_blocks(model)
     train = TrainArgs(max_steps=2, micro_batch_size=args.batch, global_batch_size=args.batch, max_seq_length=args.seq)

@@ -38,9 +38,11 @@ MODELS = {  # name -> (preset, micro-batch, sequence length, steps)
 def write_random_checkpoint(preset: str, out_dir: Path, tokenizer_dir: Path) -> Path:
     import torch
 
-    from lit_qlora.checkpoint import TensorSpec, save_hf_checkpoint
-    from lit_qlora.config import Config
-    from lit_qlora.model import Transformer
+    from lit_qlora.checkpoint.hf import save_hf_checkpoint
+
+    from lit_qlora.checkpoint.files import TensorSpec
+    from lit_qlora.model.config import Config
+    from lit_qlora.model.transformer import Transformer
 
     if (out_dir / "model.safetensors").is_file():
         return out_dir

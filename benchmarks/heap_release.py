@@ -70,8 +70,8 @@ class TimedLibc:
 def child(argv: list[str]) -> None:
     import lightning as L
 
-    import lit_qlora.finetune as ft
-    import lit_qlora.memory as memory
+    import lit_qlora.train.finetune as ft
+    import lit_qlora.memory.accounting as memory
     from lit_qlora.cli import main
 
     totals = {"calls": 0, "seconds": 0.0}

@@ -27,11 +27,11 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lit_qlora import estimate
-from lit_qlora.config import PRESETS
-from lit_qlora.loading import default_dtype, random_base
-from lit_qlora.lora import apply_lora
-from lit_qlora.memory_trace import masks_as_all_true
+from lit_qlora.estimate import step as estimate
+from lit_qlora.model.config import PRESETS
+from lit_qlora.checkpoint.loading import default_dtype, random_base
+from lit_qlora.lora.layer import apply_lora
+from lit_qlora.memory.trace import masks_as_all_true
 from lit_qlora.nf4 import linear
 from lit_qlora.train import loss as loss_module
 from lit_qlora.train import nf4_head_loss

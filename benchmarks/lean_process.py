@@ -32,7 +32,7 @@ def status_kib(field: str) -> int:
 
 def child(argv: list[str]) -> None:
     """Runs `litqlora ARGV` in this process, recording VmRSS when the base model starts loading."""
-    import lit_qlora.finetune as ft
+    import lit_qlora.train.finetune as ft
     from lit_qlora.cli import main
 
     seen: dict = {}

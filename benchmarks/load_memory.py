@@ -27,9 +27,11 @@ def write_tinyllama(path: Path) -> Path:
     """A random TinyLlama-1.1B-shaped Hugging Face directory in bf16 (written tensor by tensor)."""
     import torch
 
-    from lit_qlora.checkpoint import TensorSpec, save_hf_checkpoint
-    from lit_qlora.config import Config
-    from lit_qlora.model import Transformer
+    from lit_qlora.checkpoint.hf import save_hf_checkpoint
+
+    from lit_qlora.checkpoint.files import TensorSpec
+    from lit_qlora.model.config import Config
+    from lit_qlora.model.transformer import Transformer
 
     if (path / "model.safetensors").is_file():
         return path
@@ -49,8 +51,8 @@ def child(checkpoint_dir: str, quantize: str) -> None:
     """Runs in its own process: load, then report peak RSS and the model's resident bytes."""
     import torch
 
-    from lit_qlora.loading import load_model
-    from lit_qlora.memory import module_bytes, peak_rss_bytes
+    from lit_qlora.checkpoint.loading import load_model
+    from lit_qlora.memory.accounting import module_bytes, peak_rss_bytes
     from lit_qlora.nf4 import nf4_backend
 
     nf4_backend()  # libraries imported and the NF4 kernel built: the baseline holds code, not weights

@@ -33,7 +33,7 @@ CATEGORIES = ["parameter", "optimizer_state", "input", "temporary", "activation"
 
 
 def resident(model, optimizer) -> dict[str, int]:
-    from lit_qlora.memory import tensor_bytes
+    from lit_qlora.memory.accounting import tensor_bytes
     from lit_qlora.nf4.linear import _scratch
 
     parts = {"base_linear_weights": 0, "embeddings_and_norms": 0, "lora_adapters": 0, "lora_gradients": 0}
@@ -56,7 +56,7 @@ def child(args: argparse.Namespace) -> None:
     from torch.profiler import ProfilerActivity, profile
     from torch.profiler._memory_profiler import MemoryProfileTimeline
 
-    from lit_qlora.memory import peak_rss_bytes, rss_bytes
+    from lit_qlora.memory.accounting import peak_rss_bytes, rss_bytes
     from one_step import build_step
 
     rss_libraries = rss_bytes()

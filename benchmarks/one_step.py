@@ -13,9 +13,9 @@ from typing import Any, Callable, Optional
 import lit_qlora  # noqa: F401  (before torch: sets the OpenMP wait policy `litqlora` runs with, read as libgomp loads)
 import torch
 
-from lit_qlora.config import PRESETS
-from lit_qlora.loading import load_model, random_base
-from lit_qlora.lora import apply_lora
+from lit_qlora.model.config import PRESETS
+from lit_qlora.checkpoint.loading import load_model, random_base
+from lit_qlora.lora.layer import apply_lora
 from lit_qlora.train.args import TrainArgs
 from lit_qlora.train.callbacks import release_heap_around_blocks
 from lit_qlora.train.heap import HeapTrimmer

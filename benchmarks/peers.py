@@ -271,9 +271,11 @@ def write_tiny(path: Path) -> None:
     base loss depends on every weight. Widths satisfy torchao's NF4 block sizes (64 x 256 per weight)."""
     import torch
 
-    from lit_qlora.checkpoint import TensorSpec, save_hf_checkpoint
-    from lit_qlora.config import Config
-    from lit_qlora.model import Transformer
+    from lit_qlora.checkpoint.hf import save_hf_checkpoint
+
+    from lit_qlora.checkpoint.files import TensorSpec
+    from lit_qlora.model.config import Config
+    from lit_qlora.model.transformer import Transformer
 
     config = Config.from_name("SmolLM2-135M").replace(name="tiny", vocab_size=512, n_layer=2, n_embd=256, n_head=4,
                                                       n_query_groups=2, head_dim=64, intermediate_size=512)

@@ -38,10 +38,10 @@ def child(args: argparse.Namespace) -> None:
     import torch
     from torch.utils.data import DataLoader
 
-    from lit_qlora.loading import load_model
-    from lit_qlora.lora import apply_lora
-    from lit_qlora.memory import peak_rss_bytes
-    from lit_qlora.precision import NF4Precision
+    from lit_qlora.checkpoint.loading import load_model
+    from lit_qlora.lora.layer import apply_lora
+    from lit_qlora.memory.accounting import peak_rss_bytes
+    from lit_qlora.train.precision import NF4Precision
     from lit_qlora.train.args import TrainArgs
     from lit_qlora.train.callbacks import HeapRelease
     from lit_qlora.train.module import FinetuneModule

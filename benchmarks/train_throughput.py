@@ -27,10 +27,10 @@ RESULTS = Path(__file__).resolve().parent / "results"
 def child(args: argparse.Namespace) -> None:
     import torch
 
-    from lit_qlora.loading import load_model
-    from lit_qlora.lora import apply_lora
+    from lit_qlora.checkpoint.loading import load_model
+    from lit_qlora.lora.layer import apply_lora
     from lit_qlora.train.loss import chunked_cross_entropy_sum
-    from lit_qlora.memory import peak_rss_bytes
+    from lit_qlora.memory.accounting import peak_rss_bytes
 
     torch.manual_seed(0)
     model = load_model(args.checkpoint_dir, args.quantize, "bf16-true")

@@ -51,7 +51,7 @@ class StageFailed(UserError):
 
 
 def finetune_parser() -> ArgumentParser:
-    from lit_qlora.finetune import finetune
+    from lit_qlora.train.finetune import finetune
 
     parser = ArgumentParser(exit_on_error=False)
     parser.add_argument("--config", action="config")
@@ -97,7 +97,7 @@ def resolve_recipe(recipe: Optional[Path], train: Optional[dict[str, Any]], chec
 
 def run_stage(name: str, argv: list[str], out_dir: Path) -> None:
     """Run `litqlora ARGV` in a child process, echoing its output and keeping a copy in logs/NAME.log."""
-    from lit_qlora.checkpoint import atomic_write_text
+    from lit_qlora.checkpoint.files import atomic_write_text
 
     log_path = out_dir / "logs" / f"{name}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -132,7 +132,7 @@ def same_recipe(before: str, now: str) -> bool:
 
 def check_settings(out_dir: Path, settings: dict[str, Any]) -> None:
     """Refuse to mix runs of another recipe into OUT_DIR; evaluation settings may change (evals rerun)."""
-    from lit_qlora.checkpoint import atomic_write_text
+    from lit_qlora.checkpoint.files import atomic_write_text
 
     path = out_dir / "compare.json"
     if path.is_file():
@@ -187,7 +187,7 @@ def compare(
         raise ValueError(f"--eval_batch_size must be at least 1, got {eval_batch_size}")
     recipe_yaml = resolve_recipe(recipe, train, checkpoint_dir)
     base_dir = Path(yaml.safe_load(recipe_yaml)["checkpoint_dir"])
-    from lit_qlora.finetune import ensure_default_checkpoint  # the settings are checked: now the stack may load
+    from lit_qlora.deploy.gguf_import import ensure_default_checkpoint  # the settings are checked: now the stack may load
 
     ensure_default_checkpoint(base_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

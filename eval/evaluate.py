@@ -12,7 +12,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any, Literal, Optional, Sequence
 
-from lit_qlora.download import DownloadError
+from lit_qlora.checkpoint.download import DownloadError
 from lit_qlora.eval.truthfulqa import LOCAL_TASKS, check_truthfulqa_file, prepare_local_tasks
 from lit_qlora.hardware import PrecisionChoice, resolved
 
@@ -121,11 +121,11 @@ def evaluate(
     from lm_eval import simple_evaluate  # slow imports, see the top of the module
     from lm_eval.utils import make_table
 
-    from lit_qlora.checkpoint import atomic_write_text
-    from lit_qlora.loading import load_model, resolve_quantize
-    from lit_qlora.lora import read_adapter_config
-    from lit_qlora.memory import module_bytes, peak_rss_bytes
-    from lit_qlora.tokenizer import Tokenizer
+    from lit_qlora.checkpoint.files import atomic_write_text
+    from lit_qlora.checkpoint.loading import load_model, resolve_quantize
+    from lit_qlora.checkpoint.adapter import read_adapter_config
+    from lit_qlora.memory.accounting import module_bytes, peak_rss_bytes
+    from lit_qlora.checkpoint.tokenizer import Tokenizer
 
     started = time.perf_counter()
     names = split_tasks(tasks)

@@ -28,9 +28,9 @@ import torch
 from lm_eval.api.model import LM
 from tqdm import tqdm
 
-from lit_qlora.sampling import generate
-from lit_qlora.model import Transformer
-from lit_qlora.tokenizer import Tokenizer
+from lit_qlora.model.sampling import generate
+from lit_qlora.model.transformer import Transformer
+from lit_qlora.checkpoint.tokenizer import Tokenizer
 
 HEAD_CHUNK = 1024
 """Output-head rows computed at once: bounds the float32 logits of long continuations (rolling windows)."""

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
-from lit_qlora.checkpoint import atomic_write_text
+from lit_qlora.checkpoint.files import atomic_write_text
 
 TASK = "truthfulqa_mc2"
 GIB = 1024**3

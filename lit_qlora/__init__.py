@@ -1,6 +1,11 @@
-"""lit-qlora: QLoRA fine-tuning on Lightning (the `litqlora` command is lit_qlora/cli.py)."""
+"""lit-qlora: QLoRA fine-tuning on Lightning (the `litqlora` command is lit_qlora/cli.py; how the packages fit:
+docs/architecture.md).
 
+Here: the process settings that must precede torch, and `public_names`, with which each package names its public API."""
+
+import importlib
 import os
+from typing import Any, Callable
 
 # OpenMP workers spin ~10 us for the next op before they sleep, not libgomp's ~3 ms. Beside another busy process,
 # long-spinning workers take the cores that descheduled ones need to reach the next barrier: the demo beside one
@@ -27,3 +32,17 @@ if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
         except (KeyError, OSError):  # no name for this uid (some containers)
             _user = str(os.getuid()) if hasattr(os, "getuid") else "user"
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), f"torchinductor_{_user}_{_cap}")
+
+
+def public_names(package: str, **modules: str) -> tuple[Callable[[str], Any], list[str]]:
+    """A package's `__getattr__` and `__all__` (PEP 562) for its public names, each imported from its module on first
+    use: `public_names(__name__, sft="Sample pack")` makes `from PACKAGE import pack` import PACKAGE.sft then, so that
+    importing one module of a package imports none of the others (nor torch, where that one needs none)."""
+    where = {name: module for module, names in modules.items() for name in names.split()}
+
+    def __getattr__(name: str) -> Any:
+        if name not in where:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        return getattr(importlib.import_module(f"{package}.{where[name]}"), name)
+
+    return __getattr__, list(where)

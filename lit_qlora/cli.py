@@ -41,13 +41,13 @@ def commands() -> dict[str, Command]:
     from lit_qlora.deploy.chat import chat_command
     from lit_qlora.deploy.gguf_export import export_gguf_command
     from lit_qlora.deploy.serve import serve_command
-    from lit_qlora.download import download
-    from lit_qlora.estimate import estimate
+    from lit_qlora.checkpoint.download import download
+    from lit_qlora.estimate.command import estimate
     from lit_qlora.eval.compare import compare
     from lit_qlora.eval.evaluate import evaluate
-    from lit_qlora.export import export_peft, merge
-    from lit_qlora.finetune import finetune
-    from lit_qlora.generate import generate_command
+    from lit_qlora.deploy.export import export_peft, merge
+    from lit_qlora.train.finetune import finetune
+    from lit_qlora.deploy.generate import generate_command
     from lit_qlora.deploy.gguf_import import convert_gguf_command
 
     return {

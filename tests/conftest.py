@@ -43,10 +43,10 @@ def write_tiny_llama(smollm2_dir: Path, out: Path) -> Path:
     `smollm2_dir` (which needs only config.json and the tokenizer: no weights)."""
     import torch
 
-    from lit_qlora.checkpoint import copy_tokenizer_files, save_hf_checkpoint
-    from lit_qlora.config import Config
-    from lit_qlora.export import hf_tensor_specs
-    from lit_qlora.model import Transformer
+    from lit_qlora.checkpoint.hf import copy_tokenizer_files, save_hf_checkpoint
+    from lit_qlora.model.config import Config
+    from lit_qlora.deploy.export import hf_tensor_specs
+    from lit_qlora.model.transformer import Transformer
 
     config = Config.from_checkpoint(smollm2_dir).replace(
         name="tiny", n_layer=2, n_embd=64, n_head=4, n_query_groups=2, head_dim=16, intermediate_size=128)

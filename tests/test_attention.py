@@ -1,4 +1,4 @@
-"""The attention dispatch (lit_qlora.attention): flex_attention over a BlockMask, as CUDA runs it for sliding windows,
+"""The attention dispatch (lit_qlora.model.attention): flex_attention over a BlockMask, as CUDA runs it for sliding windows,
 packed documents and Gemma 2's soft cap, gives what the dense path gives (outputs and gradients, fp32), per mask kind
 and through whole packed models; plain causal SDPA stays where it is exact; the CUDA estimate counts flex_attention's
 O(L) memory, not an L x L mask.
@@ -12,12 +12,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lit_qlora import attention
-from lit_qlora.attention import FLEX_ENV, attend, use_flex_attention
-from lit_qlora.attention_mask import attention_mask
-from lit_qlora.config import Config, Quantize
+from lit_qlora.model import attention
+from lit_qlora.model.attention import FLEX_ENV, attend, use_flex_attention
+from lit_qlora.model.attention_mask import attention_mask
+from lit_qlora.model.config import Config, Quantize
 from lit_qlora.data.sft import Collate, pack
-from lit_qlora.lora import apply_lora
+from lit_qlora.lora.layer import apply_lora
 
 from test_model import CASES, reference_and_ours  # tiny random models of every family (tests/ is on sys.path)
 from test_packing import documents
@@ -155,7 +155,7 @@ def test_the_cuda_estimate_counts_flex_attentions_linear_memory_for_a_sliding_wi
     """A Mistral-like model with a 256-token window at 1024 to 4096 tokens: on CUDA (flex_attention) the traced
     activations double with the length; with the dense path (LIT_QLORA_FLEX_ATTENTION=0) they quadruple, the
     (L, L) mask and scores."""
-    from lit_qlora.estimate import trace_step
+    from lit_qlora.estimate.step import trace_step
     from lit_qlora.train.args import LoRAArgs, TrainArgs
 
     config = Config.from_hf_config({"model_type": "mistral", "vocab_size": 512, "hidden_size": 64,

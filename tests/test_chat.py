@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from lit_qlora.deploy.chat import ChatSession
-from lit_qlora.loading import load_model
-from lit_qlora.sampling import generate, sample
-from lit_qlora.tokenizer import Tokenizer
+from lit_qlora.checkpoint.loading import load_model
+from lit_qlora.model.sampling import generate, sample
+from lit_qlora.checkpoint.tokenizer import Tokenizer
 
 
 def fresh_reply(model, tok, messages, max_new_tokens):

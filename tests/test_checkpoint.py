@@ -9,12 +9,13 @@ from safetensors.torch import load_file, save_file
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from lit_qlora import lora
-from lit_qlora.checkpoint import CheckpointError, TensorSpec, load_checkpoint, save_hf_checkpoint, write_safetensors
-from lit_qlora.export import hf_tensor_specs
-from lit_qlora.config import Config
-from lit_qlora.lora import apply_lora
-from lit_qlora.model import Transformer
+from lit_qlora.lora import layer as lora
+from lit_qlora.checkpoint.hf import load_checkpoint, save_hf_checkpoint
+from lit_qlora.checkpoint.files import CheckpointError, TensorSpec, write_safetensors
+from lit_qlora.deploy.export import hf_tensor_specs
+from lit_qlora.model.config import Config
+from lit_qlora.lora.layer import apply_lora
+from lit_qlora.model.transformer import Transformer
 from lit_qlora.nf4 import quantize_linears
 
 TINY = Config(vocab_size=64, n_layer=2, n_embd=32, n_head=4, n_query_groups=2, intermediate_size=48,

@@ -210,7 +210,7 @@ import sys
 import torch
 
 import lit_qlora.cli as cli
-from lit_qlora.download import DownloadError
+from lit_qlora.checkpoint.download import DownloadError
 from lit_qlora.errors import UserError
 
 ERRORS = {"bug": RuntimeError("boom: an invariant broke"), "user": UserError("the file is wrong; fix it"),
@@ -248,9 +248,10 @@ def test_a_user_error_is_one_line_without_traceback(kind, message):
 def test_compare_base_prints_the_base_reply_then_the_fine_tuned_one(tiny_llama_dir, tmp_path, capsys):
     import torch
 
-    from lit_qlora.generate import generate_command
-    from lit_qlora.loading import load_model
-    from lit_qlora.lora import apply_lora, lora_modules, save_adapter
+    from lit_qlora.deploy.generate import generate_command
+    from lit_qlora.checkpoint.loading import load_model
+    from lit_qlora.lora.layer import apply_lora, lora_modules
+    from lit_qlora.checkpoint.adapter import save_adapter
 
     model = load_model(tiny_llama_dir, "nf4")
     apply_lora(model, r=4, alpha=8, dtype=torch.bfloat16)
@@ -284,9 +285,10 @@ def test_the_demo_recipe_fine_tunes_and_compares_answers_to_a_held_out_question(
     import yaml
 
     from lit_qlora.cli import main
-    from lit_qlora.data.module import split_rows
-    from lit_qlora.data.sft import DEMO_DATASET, load_json_rows
-    from lit_qlora.generate import generate_command
+    from lit_qlora.train.datamodule import split_rows
+    from lit_qlora.data.files import DEMO_DATASET
+    from lit_qlora.data.sft import load_json_rows
+    from lit_qlora.deploy.generate import generate_command
 
     root = Path(__file__).resolve().parents[1]
     preset = root / "config_hub" / "finetune" / "smollm2-135m" / "qlora.yaml"

@@ -9,10 +9,10 @@ import torch
 from safetensors.torch import load_file
 
 from lit_qlora.train.heap import HeapTrimmer
-from lit_qlora.compile import compile_blocks, compile_seconds, is_compiled
-from lit_qlora.data.module import DataArgs
-from lit_qlora.finetune import finetune
-from lit_qlora.model import Transformer
+from lit_qlora.train.compile import compile_blocks, compile_seconds, is_compiled
+from lit_qlora.train.datamodule import DataArgs
+from lit_qlora.train.finetune import finetune
+from lit_qlora.model.transformer import Transformer
 from lit_qlora.train.args import LoRAArgs, TrainArgs
 from lit_qlora.train.report import print_report
 
@@ -92,7 +92,7 @@ def test_resuming_may_change_compile(tiny_llama_dir, tmp_path):
 
 
 def test_compile_blocks_keeps_names_and_is_idempotent():
-    from lit_qlora.config import Config
+    from lit_qlora.model.config import Config
 
     model = Transformer(Config(vocab_size=64, n_layer=2, n_embd=32, n_head=2, n_query_groups=1, intermediate_size=64))
     keys = list(model.state_dict())
@@ -130,8 +130,8 @@ def test_two_compiled_ddp_processes_equal_one_eager_process(tiny_llama_dir, one_
 
 def test_new_batch_shapes_stop_recompiling_after_the_first_change():
     """An unpacked run's batches change length: the first change recompiles with dynamic lengths, later ones reuse it."""
-    from lit_qlora.config import Config
-    from lit_qlora.lora import apply_lora
+    from lit_qlora.model.config import Config
+    from lit_qlora.lora.layer import apply_lora
     from lit_qlora.train.loss import lm_loss_sum
 
     torch._dynamo.reset()  # forget the shapes earlier tests compiled the same code for
@@ -168,7 +168,7 @@ def test_compile_on_a_cpu_that_emulates_the_precision_is_refused_with_the_why_an
     """The trap of an AVX2 CPU: bf16 emulated, and compiling that took minutes per step. Refused before anything runs;
     fp32 (what auto picks there) compiles."""
     from lit_qlora.errors import UserError
-    from lit_qlora.finetune import compile_choice
+    from lit_qlora.train.finetune import compile_choice
 
     monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"avx2": True})  # an AVX2-only CPU
     for cap in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):  # the suite may run under the cap
@@ -187,7 +187,7 @@ def test_compile_on_a_cpu_that_emulates_the_precision_is_refused_with_the_why_an
 
 
 def test_compile_true_is_taken_on_a_gpu(monkeypatch):
-    from lit_qlora.finetune import compile_choice
+    from lit_qlora.train.finetune import compile_choice
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"avx2": True})

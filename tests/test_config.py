@@ -1,4 +1,4 @@
-"""The one precision/dtype table and the typed quantize choice in lit_qlora.config: consistent views, the only
+"""The one precision/dtype table and the typed quantize choice in lit_qlora.model.config: consistent views, the only
 such table in the package, and the CLI verbs offer exactly its values."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import lit_qlora
-from lit_qlora.config import ADAPTER_DTYPES, DTYPE_NAMES, DTYPES, MIXED_PRECISIONS, PRECISION_DTYPES, Precision, Quantize
+from lit_qlora.model.config import ADAPTER_DTYPES, DTYPE_NAMES, DTYPES, MIXED_PRECISIONS, PRECISION_DTYPES, Precision, Quantize
 from lit_qlora.hardware import PrecisionChoice
 
 

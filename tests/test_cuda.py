@@ -15,9 +15,9 @@ import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-from lit_qlora.config import Config  # noqa: E402
-from lit_qlora.loading import random_base  # noqa: E402
-from lit_qlora.lora import apply_lora, lora_modules  # noqa: E402
+from lit_qlora.model.config import Config  # noqa: E402
+from lit_qlora.checkpoint.loading import random_base  # noqa: E402
+from lit_qlora.lora.layer import apply_lora, lora_modules  # noqa: E402
 from lit_qlora.nf4 import dequantize_nf4, nf4_linear, quantize_nf4  # noqa: E402
 from lit_qlora.train.loss import lm_loss_sum  # noqa: E402
 
@@ -90,7 +90,7 @@ def tiny_dir(request, tmp_path_factory):
 
 @pytest.mark.parametrize("quantize", ["nf4", "none"])
 def test_finetune_on_cuda_trains_and_reports_cuda_memory(tiny_dir, tmp_path, quantize):
-    from lit_qlora.finetune import finetune
+    from lit_qlora.train.finetune import finetune
     from lit_qlora.train.args import DataArgs, LoRAArgs, TrainArgs
 
     summary = finetune(checkpoint_dir=tiny_dir, out_dir=tmp_path, quantize=quantize, accelerator="cuda",
@@ -136,7 +136,7 @@ def test_custom_op_on_the_gpu_is_the_triton_kernel():
 
 
 def test_compiled_qlora_block_on_the_gpu_is_one_graph_and_two_steps_match_eager():
-    from lit_qlora.compile import compile_blocks
+    from lit_qlora.train.compile import compile_blocks
 
     ids = torch.randint(0, CONFIG.vocab_size, (2, 64), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     losses = {}

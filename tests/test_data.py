@@ -15,13 +15,14 @@ import pytest
 import torch
 
 from lit_qlora.data.errors import DataError
-from lit_qlora.data.module import DataArgs, SFTDataModule, split_rows
+from lit_qlora.train.datamodule import DataArgs, SFTDataModule, split_rows
 from lit_qlora.data.prompts import get_prompt_style
+from lit_qlora.data.files import DEMO_DATASET
 from lit_qlora.data.sft import (
-    DEMO_DATASET, IGNORE_INDEX, Collate, Sample, load_hf_rows, load_json_rows, pack, tokenize_rows,
+    IGNORE_INDEX, Collate, Sample, load_hf_rows, load_json_rows, pack, tokenize_rows,
     tokenize_segments,
 )
-from lit_qlora.tokenizer import Tokenizer
+from lit_qlora.checkpoint.tokenizer import Tokenizer
 from lit_qlora.train.sampler import EpochSampler, StepSampler, epoch_order
 
 ROW = {"instruction": "Name the capital of Peru.", "input": "", "output": "The capital of Peru is Lima."}

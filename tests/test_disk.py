@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from lit_qlora import export as export_module
-from lit_qlora.export import ExportFailed
-from lit_qlora.finetune import finetune
+from lit_qlora.deploy import export as export_module
+from lit_qlora.train.final import ExportFailed
+from lit_qlora.train.finetune import finetune
 from lit_qlora.train import disk
 from lit_qlora.train.args import ExportArgs, LoRAArgs, TrainArgs
 from lit_qlora.train.disk import DiskSpaceError, output_sizes
@@ -44,7 +44,7 @@ def test_the_predicted_sizes_are_what_a_run_writes(tiny_llama_dir, tmp_path):
     merged = (final / "merged" / "model.safetensors").stat().st_size
     assert sizes.merged <= merged <= sizes.merged * 1.01  # the header's few kB on top
     peft = (final / "peft" / "adapter_model.safetensors").stat().st_size
-    assert sizes.peft <= peft <= sizes.peft * 1.05
+    assert sizes.peft <= peft <= sizes.peft * 1.05 + 16_000  # its JSON header names every tensor
     gguf = (final / "model-q8_0.gguf").stat().st_size
     assert 0.9 * sizes.gguf <= gguf <= 1.1 * sizes.gguf + 3e6  # norms in f32 and the tokenizer's metadata
     adapter = (final / "adapter.safetensors").stat().st_size
@@ -86,7 +86,7 @@ def test_without_peft_or_merged_final_holds_the_adapter_alone(tiny_llama_dir, tm
 
 def test_a_failed_export_keeps_the_adapter_and_names_the_commands_that_finish_it(tiny_llama_dir, tmp_path,
                                                                                 monkeypatch):
-    import lit_qlora.checkpoint as checkpoint
+    import lit_qlora.checkpoint.hf as checkpoint
 
     real_save = checkpoint.save_hf_checkpoint
 

@@ -131,7 +131,7 @@ def one_process(tiny_llama_dir, tmp_path_factory):
     2-way FSDP run (`nf4_shards=2`, which DDP is given too) so that every run quantizes to the same bits."""
     tmp = tmp_path_factory.mktemp("one")
     data = small_data(tmp)
-    from lit_qlora.finetune import finetune
+    from lit_qlora.train.finetune import finetune
     from lit_qlora.train.args import LoRAArgs, TrainArgs
 
     finetune(checkpoint_dir=tiny_llama_dir, out_dir=tmp / "run", precision="32-true", accelerator="cpu",
@@ -196,10 +196,11 @@ def _init_worker(rank: int, init_file: str, queue) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.nn.parallel import DistributedDataParallel
 
-    from lit_qlora.config import Config
+    from lit_qlora.model.config import Config
     from lit_qlora.parallel.distributed import keep_frozen_out_of_ddp, shard_model
-    from lit_qlora.lora import apply_lora, full_lora_state_dict, lora_state_dict
-    from lit_qlora.model import Transformer
+    from lit_qlora.lora.layer import apply_lora, lora_state_dict
+    from lit_qlora.checkpoint.adapter import full_lora_state_dict
+    from lit_qlora.model.transformer import Transformer
     from lit_qlora.nf4 import dequantize_nf4, quantize_linears
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)

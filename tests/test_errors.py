@@ -21,12 +21,13 @@ def ctx(tmp_path_factory, tiny_llama_dir):
     """Every broken input of the battery, written once."""
     import gguf
 
-    from lit_qlora.checkpoint import copy_tokenizer_files, load_checkpoint, save_hf_checkpoint
-    from lit_qlora.config import Config
-    from lit_qlora.export import hf_tensor_specs
+    from lit_qlora.checkpoint.hf import copy_tokenizer_files, load_checkpoint, save_hf_checkpoint
+    from lit_qlora.model.config import Config
+    from lit_qlora.deploy.export import hf_tensor_specs
     from lit_qlora.deploy.gguf_import import bundled_smollm2_path
-    from lit_qlora.lora import apply_lora, save_adapter
-    from lit_qlora.model import Transformer
+    from lit_qlora.lora.layer import apply_lora
+    from lit_qlora.checkpoint.adapter import save_adapter
+    from lit_qlora.model.transformer import Transformer
 
     d = tmp_path_factory.mktemp("bad")
     text = json.dumps(ROWS)

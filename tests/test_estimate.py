@@ -10,11 +10,12 @@ import pytest
 import torch
 
 from lit_qlora.cli import main
-from lit_qlora.config import Config, Quantize
-from lit_qlora.estimate import estimate, resident_tensors, resolve_config, trace_step
-from lit_qlora.loading import random_base
-from lit_qlora.lora import apply_lora
-from lit_qlora.memory_trace import CATEGORIES, profiled_peak
+from lit_qlora.model.config import Config, Quantize
+from lit_qlora.estimate.step import resident_tensors, trace_step
+from lit_qlora.estimate.command import estimate, resolve_config
+from lit_qlora.checkpoint.loading import random_base
+from lit_qlora.lora.layer import apply_lora
+from lit_qlora.memory.trace import CATEGORIES, profiled_peak
 from lit_qlora.nf4 import linear, reference
 from lit_qlora.train.args import LoRAArgs, TrainArgs
 from lit_qlora.train.loss import lm_loss_sum
@@ -80,7 +81,7 @@ def test_cuda_and_more_ranks_change_the_prediction_the_way_a_gpu_and_fsdp_would(
     cpu, cuda = trace_step(*args, device="cpu"), trace_step(*args, device="cuda")
     # The CPU keeps one dense scratch slice for NF4 matmuls; a GPU allocates one per call and rounds to 512 bytes.
     assert cuda.peak != cpu.peak and cuda.peak % 512 == 0
-    from lit_qlora.estimate import parallel_bytes
+    from lit_qlora.estimate.step import parallel_bytes
 
     fsdp = parallel_bytes(cpu.peak_by_category, config, "fsdp", 4, 1)
     assert fsdp["optimizer state"] == cpu.peak_by_category["optimizer state"] // 4
@@ -145,7 +146,7 @@ def test_a_card_too_small_for_one_sequence_says_what_to_do(tmp_path, capsys):
 def test_the_batch_search_is_bounded_and_answers_a_size_that_fits(curve, answer):
     """An 8B trace takes about a minute: the search traces at most 5 sizes per setting, and its answer is a traced
     size that fits (a convex curve, as fragmentation at large batches would make, is corrected, not overshot)."""
-    from lit_qlora.estimate import largest_batches
+    from lit_qlora.estimate.search import largest_batches
 
     calls = []
 
@@ -170,7 +171,7 @@ def test_the_batch_search_is_bounded_and_answers_a_size_that_fits(curve, answer)
 def test_tracing_two_loss_chunks_per_loss_predicts_what_tracing_all_of_them_does(monkeypatch, device):
     """The estimate traces each loss's first chunks only (an 8B step has thousands, each costing fake ops): the peak
     and its categories equal those of a trace through every chunk."""
-    from lit_qlora import estimate as estimate_module
+    from lit_qlora.estimate import step as estimate_module
     from lit_qlora.train import loss
 
     for name in ("LOGITS_CHUNK_ELEMS", "CUDA_LOGITS_CHUNK_ELEMS"):
@@ -193,7 +194,8 @@ def test_tracing_two_loss_chunks_per_loss_predicts_what_tracing_all_of_them_does
 def test_tracing_the_first_tiles_predicts_what_tracing_all_of_them_does(monkeypatch, device):
     """Past a tile's length the MLP and the loss run in tiles, and the estimate traces each one's first tiles only
     (a 100k-token 8B step has thousands): the peak and its categories equal those of a trace through every tile."""
-    from lit_qlora import estimate as estimate_module, tiled_mlp
+    from lit_qlora.estimate import step as estimate_module
+    from lit_qlora.model import tiled_mlp
     from lit_qlora.train import tiled_loss
 
     monkeypatch.setattr(tiled_mlp, "MLP_TILE_ELEMS", 128 * 16)  # 16-token MLP tiles: 8 per 128-token row
@@ -215,7 +217,7 @@ def test_tracing_the_first_tiles_predicts_what_tracing_all_of_them_does(monkeypa
 def test_the_length_search_is_bounded_and_answers_the_longest_length_that_fits(curve):
     """Peak memory against length is a line, bent where tiling starts (concave) or by fragmentation (convex): the
     search traces at most 6 lengths and answers the longest multiple of 256 that fits, or one step short of it."""
-    from lit_qlora.estimate import LENGTH_STEP, longest_context
+    from lit_qlora.estimate.search import LENGTH_STEP, longest_context
 
     def predict(length):
         calls.append(length)
@@ -238,7 +240,7 @@ def test_auto_length_finds_the_longest_sequence_a_budget_holds(tmp_path, capsys)
     """--train.max_seq_length auto with --device_memory: the answer fits the budget and the next 256 tokens do not;
     auto needs a budget, and a fine-tune refuses it."""
     from lit_qlora.errors import UserError
-    from lit_qlora.finetune import finetune
+    from lit_qlora.train.finetune import finetune
 
     model_dir = config_only_dir(tmp_path)
     common = dict(checkpoint_dir=str(model_dir), device="cpu", lora=LoRAArgs(r=4, alpha=8, dropout=0.0))

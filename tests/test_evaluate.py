@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from lit_qlora.checkpoint import load_checkpoint
+from lit_qlora.checkpoint.hf import load_checkpoint
 from lit_qlora.eval import SAMPLE_DATA_FILE, TASKS_DIR
 from lit_qlora.eval.evaluate import check_task_names
 from lit_qlora.eval.lm import LitQLoRALM, rolling_windows
 from lit_qlora.eval.truthfulqa import check_truthfulqa_file
-from lit_qlora.tokenizer import Tokenizer
+from lit_qlora.checkpoint.tokenizer import Tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLE = REPO / "eval" / "data" / "truthfulqa_mc_sample.jsonl"
@@ -247,8 +247,9 @@ def test_evaluate_with_adapter_and_parquet(tiny_llama_dir, tmp_path):
     import pyarrow.parquet as pq
 
     from lit_qlora.eval.evaluate import evaluate
-    from lit_qlora.lora import apply_lora, save_adapter
-    from lit_qlora.loading import load_model
+    from lit_qlora.lora.layer import apply_lora
+    from lit_qlora.checkpoint.adapter import save_adapter
+    from lit_qlora.checkpoint.loading import load_model
 
     model = load_model(tiny_llama_dir, "nf4")
     apply_lora(model, r=4, alpha=8, targets="all", dtype=torch.bfloat16)

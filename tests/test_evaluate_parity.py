@@ -2,7 +2,7 @@
 checkpoint, online NF4 + adapter against the merged checkpoint, and `litqlora evaluate` from a wheel install.
 
 The model is the tiny random Llama of conftest.py with a LoRA adapter whose B is not zero (A ~ N(0, 0.1),
-B ~ N(0, 0.2), r=4, alpha=8 on every linear), merged by `lit_qlora.export.merge` the way `litqlora merge` does
+B ~ N(0, 0.2), r=4, alpha=8 on every linear), merged by `lit_qlora.deploy.export.merge` the way `litqlora merge` does
 by default: into dequant(NF4(W)), the weights QLoRA trained against, written as bf16.
 
 HFLM runs as shipped with the installed transformers 5.x: no workaround needed (it loads our directories
@@ -23,12 +23,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lit_qlora.checkpoint import copy_tokenizer_files, load_checkpoint, save_hf_checkpoint
+from lit_qlora.checkpoint.hf import copy_tokenizer_files, load_checkpoint, save_hf_checkpoint
 from lit_qlora.eval import SAMPLE_DATA_FILE
 from lit_qlora.eval.evaluate import evaluate, task_manager, to_jsonable
 from lit_qlora.eval.lm import LitQLoRALM
 from lit_qlora.eval.truthfulqa import prepare_local_tasks
-from lit_qlora.tokenizer import Tokenizer
+from lit_qlora.checkpoint.tokenizer import Tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 TASKS = ("truthfulqa_mc1", "truthfulqa_mc2")
@@ -43,9 +43,10 @@ def parity(tiny_llama_dir, tmp_path_factory) -> SimpleNamespace:
     """base: the tiny Llama in bf16 (QLoRA quantizes the bf16 weights; a float32 base would give online
     evaluation at 32-true slightly different NF4 blocks than training and merging saw); adapter: trained-like
     LoRA on the NF4 base; merged: `merge(base, adapter)` with its defaults."""
-    from lit_qlora.export import hf_tensor_specs, merge
-    from lit_qlora.lora import apply_lora, save_adapter
-    from lit_qlora.loading import load_model
+    from lit_qlora.deploy.export import hf_tensor_specs, merge
+    from lit_qlora.lora.layer import apply_lora
+    from lit_qlora.checkpoint.adapter import save_adapter
+    from lit_qlora.checkpoint.loading import load_model
 
     root = tmp_path_factory.mktemp("parity")
     plain = load_checkpoint(tiny_llama_dir, dtype=torch.bfloat16)
@@ -161,7 +162,7 @@ def test_every_request_type_equals_hflm(parity):
     # The greedy tokens behind free[0] (generate_until decodes them; equal to HFLM's text above), cut to the
     # longest prefix whose text encodes back to the same tokens after the context: a continuation whose
     # is-greedy flag must be True on both sides.
-    from lit_qlora.sampling import generate
+    from lit_qlora.model.sampling import generate
 
     prompt = tok.encode(context)
     greedy_tokens = list(generate(ours.model, prompt, 12, temperature=0.0, stop_ids=tok.eos_ids))
@@ -282,7 +283,7 @@ def test_wheel_install_evaluates_from_outside_the_repo(tiny_llama_dir, tmp_path)
 def test_online_nf4_at_32_true_keeps_the_trained_nf4_codes(tiny_llama_dir, parity, tmp_path):
     """A float32 checkpoint trains on NF4 codes quantized from its bf16 cast. Evaluating the adapter online at
     32-true must reuse those codes (only activations move to float32), not re-quantize the float32 originals."""
-    from lit_qlora.loading import load_model
+    from lit_qlora.checkpoint.loading import load_model
     from lit_qlora.nf4 import dequantize_nf4
 
     trained = load_model(tiny_llama_dir, adapter_dir=parity.adapter)  # as QLoRA trained: bf16 -> NF4

@@ -17,11 +17,11 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.backends.cuda.is_built(),
                                 reason="needs the CUDA build of torch: `make test-fake-cuda`")
 
-from lit_qlora.config import Config  # noqa: E402
-from lit_qlora.estimate import _nf4_caches_set_aside  # noqa: E402
-from lit_qlora.loading import random_base  # noqa: E402
-from lit_qlora.memory_trace import AllocationTrace  # noqa: E402
-from lit_qlora.lora import apply_lora, lora_modules  # noqa: E402
+from lit_qlora.model.config import Config  # noqa: E402
+from lit_qlora.estimate.step import _nf4_caches_set_aside  # noqa: E402
+from lit_qlora.checkpoint.loading import random_base  # noqa: E402
+from lit_qlora.memory.trace import AllocationTrace  # noqa: E402
+from lit_qlora.lora.layer import apply_lora, lora_modules  # noqa: E402
 from lit_qlora.nf4 import dequantize_nf4, is_nf4, quantize_nf4  # noqa: E402
 from lit_qlora.train.loss import lm_loss_sum  # noqa: E402
 

@@ -17,13 +17,14 @@ from safetensors.torch import load_file
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-from lit_qlora.checkpoint import copy_tokenizer_files  # noqa: E402
-from lit_qlora.config import HF_DEFAULTS, PRESETS, Config  # noqa: E402
-from lit_qlora.export import export_peft, merge  # noqa: E402
-from lit_qlora.finetune import finetune  # noqa: E402
-from lit_qlora.sampling import generate  # noqa: E402
-from lit_qlora.loading import load_model  # noqa: E402
-from lit_qlora.lora import apply_lora, lora_modules, save_adapter  # noqa: E402
+from lit_qlora.checkpoint.hf import copy_tokenizer_files  # noqa: E402
+from lit_qlora.model.config import HF_DEFAULTS, PRESETS, Config  # noqa: E402
+from lit_qlora.deploy.export import export_peft, merge  # noqa: E402
+from lit_qlora.train.finetune import finetune  # noqa: E402
+from lit_qlora.model.sampling import generate  # noqa: E402
+from lit_qlora.checkpoint.loading import load_model  # noqa: E402
+from lit_qlora.lora.layer import apply_lora, lora_modules  # noqa: E402
+from lit_qlora.checkpoint.adapter import save_adapter  # noqa: E402
 from lit_qlora.nf4 import count_linears, is_nf4  # noqa: E402
 from lit_qlora.train.args import DataArgs, LoRAArgs, TrainArgs  # noqa: E402
 

@@ -16,8 +16,8 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from lit_qlora.data.module import DataArgs
-from lit_qlora.finetune import finetune
+from lit_qlora.train.datamodule import DataArgs
+from lit_qlora.train.finetune import finetune
 from lit_qlora.train.args import LoRAArgs, TrainArgs
 from lit_qlora.train.module import lr_multiplier
 

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from lit_qlora.data.errors import DataError
-from lit_qlora.data.module import SFTDataModule
+from lit_qlora.train.datamodule import SFTDataModule
 from lit_qlora.data.sft import IGNORE_INDEX
-from lit_qlora.finetune import finetune
-from lit_qlora.tokenizer import Tokenizer
+from lit_qlora.train.finetune import finetune
+from lit_qlora.checkpoint.tokenizer import Tokenizer
 from lit_qlora.train.args import DataArgs, LoRAArgs, TrainArgs
 
 N = 12  # rows per dataset: 2 steps of 4 with 3 held out
@@ -188,7 +188,7 @@ def test_a_hub_name_offline_is_the_clear_download_error(tiny_llama_dir, monkeypa
 
 def test_the_resume_fingerprint_follows_the_files(tmp_path):
     from lit_qlora.data.formats import fingerprint
-    from lit_qlora.data.sft import file_sha256
+    from lit_qlora.data.files import file_sha256
 
     one = write("jsonl", [ROWS["text"](i) for i in range(3)], tmp_path / "a")
     assert fingerprint([str(one)]) == file_sha256(one)  # one file: its sha256, as older checkpoints recorded

@@ -1,4 +1,4 @@
-"""q/k/v and gate/up as one base matmul (lit_qlora/fused_projections.py): the same outputs and gradients as each
+"""q/k/v and gate/up as one base matmul (lit_qlora/model/fused_projections.py): the same outputs and gradients as each
 projection's own forward, with each adapter's own A, B, scale and dropout mask; the fallbacks."""
 
 from __future__ import annotations
@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lit_qlora import fused_projections as fp
-from lit_qlora import lora_dropout
-from lit_qlora.config import Config
-from lit_qlora.loading import random_base
-from lit_qlora.lora import apply_lora
+from lit_qlora.model import fused_projections as fp
+from lit_qlora.lora import dropout as lora_dropout
+from lit_qlora.model.config import Config
+from lit_qlora.checkpoint.loading import random_base
+from lit_qlora.lora.layer import apply_lora
 from lit_qlora.nf4 import is_nf4, linear
 
 TINY = {"model_type": "llama", "vocab_size": 256, "hidden_size": 128, "intermediate_size": 256,
@@ -148,7 +148,7 @@ def test_the_nf4_stack_is_the_dequantized_weights_in_the_scratch_buffer():
 
 
 def test_inference_and_adapters_disabled_use_the_fused_path(monkeypatch):
-    from lit_qlora.lora import adapters_disabled
+    from lit_qlora.lora.layer import adapters_disabled
 
     model = lora_model("none", 0.0).eval()
     ids = torch.randint(0, 256, (1, 10))

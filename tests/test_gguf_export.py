@@ -13,10 +13,10 @@ import torch
 
 from lit_qlora.deploy.gguf_export import GGUFExportError, export_gguf, permute_rope_rows
 from lit_qlora.deploy.gguf_import import convert_gguf, unpermute_rope_rows
-from lit_qlora.attention import softcap
-from lit_qlora.loading import load_model
-from lit_qlora.lora import LoRALinear
-from lit_qlora.tokenizer import Tokenizer
+from lit_qlora.checkpoint.loading import load_model
+from lit_qlora.checkpoint.tokenizer import Tokenizer
+from lit_qlora.lora.layer import LoRALinear
+from lit_qlora.model.attention import softcap
 from test_families import hf_checkpoint, random_adapter, tokens
 
 # Every family llama.cpp runs, in shapes it runs as we do (gguf_families.py): Gemma's query scale is head_dim, Gemma 2's
@@ -159,8 +159,8 @@ def test_what_llama_cpp_would_not_get_right_is_refused_before_writing(smollm2_di
 def test_a_gemma2_head_adapter_is_refused_and_finetune_says_so_before_training(smollm2_dir, tmp_path):
     """llama.cpp's gemma2 reads its head from the embedding: an adapter on lm_head (named: `all` leaves a tied head
     out) cannot go into the file, and `finetune --export.gguf` refuses before its first step."""
-    from lit_qlora.finetune import finetune
     from lit_qlora.train.args import ExportArgs, LoRAArgs, TrainArgs
+    from lit_qlora.train.finetune import finetune
 
     kind, extra = FAMILIES["gemma2"]
     hf_checkpoint(kind, extra, tmp_path / "base", smollm2_dir)
@@ -194,7 +194,7 @@ def test_large_weights_are_written_a_block_of_rows_at_a_time(smollm2_dir):
     """The SmolLM2 embedding (49152 x 576) reaches the file in row blocks of at most MERGE_CHUNK_ELEMS values, Gemma
     norms come out as 1 + w, Phi-3's fused projections as their parts in row order."""
     from lit_qlora.deploy.gguf_export import gguf_tensors
-    from lit_qlora.lora import MERGE_CHUNK_ELEMS
+    from lit_qlora.lora.layer import MERGE_CHUNK_ELEMS
 
     model = load_model(smollm2_dir, "nf4", "32-true")
     entries = {name: (shape, pieces) for name, shape, pieces in gguf_tensors(model, model.config, "llama", False)}
@@ -242,7 +242,7 @@ def test_cli_writes_a_quantized_file_and_refuses_an_unknown_type(tiny_llama_dir,
 
 
 def test_finetune_export_gguf_writes_the_trained_models_file_into_final(tiny_llama_dir, tmp_path):
-    from lit_qlora.finetune import finetune
+    from lit_qlora.train.finetune import finetune
     from lit_qlora.train.args import ExportArgs, LoRAArgs, TrainArgs
     from test_finetune import small_data
 

@@ -14,10 +14,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from lit_qlora.config import Config
-from lit_qlora.deploy.gguf_import import bundled_smollm2_path, convert_gguf, tokenizer_from_gguf, unpermute_rope_rows
-from lit_qlora.model import Transformer
-from lit_qlora.tokenizer import Tokenizer
+from lit_qlora.model.config import Config
+from lit_qlora.deploy.gguf_import import bundled_smollm2_path, convert_gguf, unpermute_rope_rows
+from lit_qlora.deploy.gguf_tokenizer import tokenizer_from_gguf
+from lit_qlora.model.transformer import Transformer
+from lit_qlora.checkpoint.tokenizer import Tokenizer
 
 T = gguf.GGMLQuantizationType
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

@@ -53,7 +53,7 @@ def test_the_carry_holds_what_the_gpu_image_lacks_at_the_versions_tested_here_an
 
     from tokenizers import Tokenizer
 
-    from lit_qlora.config import Config
+    from lit_qlora.model.config import Config
 
     smol = carry / "smol"
     assert not (smol / "model.safetensors").exists()  # the tokenizer only: the weights would not fit the carry

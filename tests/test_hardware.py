@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lit_qlora import hardware
-from lit_qlora.estimate import estimate_precision
+from lit_qlora.estimate.command import estimate_precision
 from lit_qlora.hardware import AVX2_ENV, choose_precision
 
 

@@ -6,9 +6,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lit_qlora.config import PRESETS
-from lit_qlora.memory import heap_in_use_bytes
-from lit_qlora.model import Transformer
+from lit_qlora.model.config import PRESETS
+from lit_qlora.memory.accounting import heap_in_use_bytes
+from lit_qlora.model.transformer import Transformer
 from lit_qlora.train.callbacks import HeapRelease, release_heap_around_blocks
 from lit_qlora.train.heap import HeapTrimmer
 

@@ -16,7 +16,7 @@ QUESTION = "What is the capital of Austria?"  # the Makefile demo's held-out que
 
 @pytest.fixture(scope="module", params=["nf4", "none"])
 def fine_tune(request, smollm2_dir, tmp_path_factory):
-    from lit_qlora.finetune import finetune
+    from lit_qlora.train.finetune import finetune
     from lit_qlora.train.args import ExportArgs, TrainArgs
 
     out = tmp_path_factory.mktemp(f"demo-{request.param}")
@@ -39,8 +39,8 @@ def llama_cpp_reply(path, prompt_text: str, max_tokens: int) -> str:
 
 def test_llama_cpp_answers_as_generate_at_f16_and_the_same_fact_at_q8_0(fine_tune, smollm2_dir, tmp_path):
     from lit_qlora.deploy.gguf_export import export_gguf
-    from lit_qlora.generate import generate_command
-    from lit_qlora.tokenizer import Tokenizer
+    from lit_qlora.deploy.generate import generate_command
+    from lit_qlora.checkpoint.tokenizer import Tokenizer
 
     tok = Tokenizer(smollm2_dir)
     prompt = tok.apply_chat_template([{"role": "user", "content": QUESTION}], add_generation_prompt=True)
@@ -60,7 +60,7 @@ def test_llama_cpp_tokenizes_an_exported_sentencepiece_vocabulary_as_we_do(tmp_p
     as lit-qlora's tokenizer (and as llama.cpp on the converter-style GGUF it came from) for every test text."""
     from lit_qlora.deploy.gguf_export import export_gguf
     from lit_qlora.deploy.gguf_import import convert_gguf
-    from lit_qlora.tokenizer import Tokenizer
+    from lit_qlora.checkpoint.tokenizer import Tokenizer
     from test_gguf_import import SPM_TEXTS, sentencepiece_gguf_vocab, train_sentencepiece, write_tiny_llama
 
     model_file = train_sentencepiece(tmp_path, add_dummy_prefix)

@@ -10,12 +10,13 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from lit_qlora.checkpoint import save_hf_checkpoint
-from lit_qlora.config import Config, Quantize
-from lit_qlora.export import hf_tensor_specs
-from lit_qlora.loading import load_model, resolve_quantize
-from lit_qlora.lora import apply_lora, lora_state_dict, resolve_targets, save_adapter, tied_head
-from lit_qlora.model import Transformer
+from lit_qlora.checkpoint.adapter import save_adapter
+from lit_qlora.checkpoint.hf import save_hf_checkpoint
+from lit_qlora.checkpoint.loading import load_model, resolve_quantize
+from lit_qlora.deploy.export import hf_tensor_specs
+from lit_qlora.lora.layer import apply_lora, lora_state_dict, resolve_targets, tied_head
+from lit_qlora.model.config import Config, Quantize
+from lit_qlora.model.transformer import Transformer
 from lit_qlora.nf4 import FrozenNF4Linear, count_linears, dequantize_nf4, is_nf4, quantize_nf4
 from lit_qlora.parallel.tensor_parallel import TensorParallelShard, tp_layout_weight
 

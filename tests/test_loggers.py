@@ -22,7 +22,7 @@ LOGGERS = ["tensorboard", "csv", "wandb", "mlflow"]
 
 
 def run(tiny_llama_dir, out_dir, data, logger=LOGGERS, **train_kw):
-    from lit_qlora.finetune import finetune
+    from lit_qlora.train.finetune import finetune
 
     kw = dict(micro_batch_size=2, global_batch_size=4, max_seq_length=64, lr=1e-2, warmup_steps=1, max_steps=20,
               eval_interval=5)
@@ -114,9 +114,9 @@ def test_mlflow_local_store_holds_the_scalars_and_the_settings(logged):
 
 
 def test_a_reply_is_logged_at_each_validation_and_is_the_adapters(logged, tiny_llama_dir):
-    from lit_qlora.loading import load_model
-    from lit_qlora.sampling import generate
-    from lit_qlora.tokenizer import Tokenizer
+    from lit_qlora.checkpoint.loading import load_model
+    from lit_qlora.model.sampling import generate
+    from lit_qlora.checkpoint.tokenizer import Tokenizer
 
     out, _, _, _ = logged
     rows = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]

@@ -1,4 +1,4 @@
-"""LoRA dropout on CPU (lit_qlora/lora_dropout.py): the C kernel's mask equals the PyTorch ops', it drops p of the
+"""LoRA dropout on CPU (lit_qlora/lora/dropout.py): the C kernel's mask equals the PyTorch ops', it drops p of the
 values, gradients equal autograd through the same mask, nothing of x's size is saved, and checkpointing's
 recompute sees the same mask."""
 
@@ -9,9 +9,9 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from lit_qlora import lora_dropout
-from lit_qlora.lora import LoRALinear
-from lit_qlora.lora_dropout import _dropped_eager, dropped, dropped_lora, keep_mask_eager, keep_threshold
+from lit_qlora.lora import dropout as lora_dropout
+from lit_qlora.lora.layer import LoRALinear
+from lit_qlora.lora.dropout import _dropped_eager, dropped, dropped_lora, keep_mask_eager, keep_threshold
 from lit_qlora.nf4 import native
 
 
@@ -110,7 +110,7 @@ def test_the_kernels_are_trusted_when_first_used_under_a_bf16_default_dtype():
     import sys
 
     code = ("import torch\ntorch.set_default_dtype(torch.bfloat16)\n"
-            "from lit_qlora import lora_dropout\nfrom lit_qlora.nf4 import native\n"
+            "from lit_qlora.lora import dropout as lora_dropout\nfrom lit_qlora.nf4 import native\n"
             "lora_dropout.dropped(torch.randn(4, 100, dtype=torch.bfloat16), 1, 0.1)\n"
             "print(native.native_error(), lora_dropout._kernel_checked)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
@@ -210,9 +210,9 @@ def test_checkpointing_reuses_the_first_runs_down_products_and_changes_no_gradie
     """A checkpointed block's recompute takes each adapter's dropout(x) A^T from the block's first run (the same
     seeds), so dropout's forward kernel runs once per adapter call, not twice, and every gradient is what the
     model without checkpointing computes, bit for bit."""
-    from lit_qlora.config import Config
-    from lit_qlora.loading import random_base
-    from lit_qlora.lora import apply_lora
+    from lit_qlora.model.config import Config
+    from lit_qlora.checkpoint.loading import random_base
+    from lit_qlora.lora.layer import apply_lora
     from lit_qlora.train.loss import lm_loss_sum
 
     config = Config.from_hf_config({"model_type": "llama", "vocab_size": 256, "hidden_size": 128,

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from lit_qlora.config import PRESETS, Config
-from lit_qlora.hf_layout import split_fused
-from lit_qlora.model import Transformer
+from lit_qlora.model.config import PRESETS, Config
+from lit_qlora.model.hf_layout import split_fused
+from lit_qlora.model.transformer import Transformer
 
 transformers = pytest.importorskip("transformers")
 
@@ -210,7 +210,7 @@ def _saved_bytes(fn, *inputs) -> tuple[torch.Tensor, int]:
 @pytest.mark.parametrize("plus_one", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_rms_norm_keeps_no_fp32_copy_and_its_gradient_equals_autograds(plus_one, dtype):
-    from lit_qlora.model import RMSNorm, rms_norm
+    from lit_qlora.model.transformer import RMSNorm, rms_norm
 
     torch.manual_seed(0)
     norm = RMSNorm(64, 1e-6, plus_one).requires_grad_(False)
@@ -233,14 +233,14 @@ def test_rms_norm_keeps_no_fp32_copy_and_its_gradient_equals_autograds(plus_one,
 
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
 def test_gated_activation_saves_gate_and_up_only_with_bitwise_gradients(act):
-    from lit_qlora.model import MLP
+    from lit_qlora.model.transformer import MLP
 
     config = Config(n_embd=32, intermediate_size=96, mlp_activation=act)
     mlp = MLP(config).to(torch.bfloat16)
     torch.manual_seed(1)
     gate, up = (torch.randn(4, 5, 96, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
     ref_gate, ref_up = (t.detach().clone().requires_grad_() for t in (gate, up))
-    from lit_qlora.model import _LeanGatedActivation
+    from lit_qlora.model.transformer import _LeanGatedActivation
 
     y, lean = _saved_bytes(_LeanGatedActivation.apply, gate, up, mlp.act)
     y_ref, plain = _saved_bytes(lambda g, u: mlp.act(g) * u, ref_gate, ref_up)

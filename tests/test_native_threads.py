@@ -12,8 +12,8 @@ import sys
 import pytest
 import torch
 
-from lit_qlora import lora_dropout
-from lit_qlora.lora_dropout import keep_threshold
+from lit_qlora.lora import dropout as lora_dropout
+from lit_qlora.lora.dropout import keep_threshold
 from lit_qlora.nf4 import native
 from lit_qlora.nf4.reference import level_table
 

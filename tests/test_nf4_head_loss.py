@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lit_qlora.lora import LoRALinear, adapters_disabled
+from lit_qlora.lora.layer import LoRALinear, adapters_disabled
 from lit_qlora.nf4 import quantize_nf4
 from lit_qlora.nf4.linear import FrozenNF4Linear
 from lit_qlora.train import loss as loss_module

@@ -11,11 +11,12 @@ import os
 import pytest
 import torch
 
-from lit_qlora.config import Config
-from lit_qlora.loading import random_base
-from lit_qlora.lora import apply_lora, lora_modules
+from lit_qlora.model.config import Config
+from lit_qlora.checkpoint.loading import random_base
+from lit_qlora.lora.layer import apply_lora, lora_modules
 from lit_qlora.nf4 import dequantize_nf4, nf4_linear, quantize_nf4
-from lit_qlora.nf4.ops import dequantize_op, triton_available
+from lit_qlora.nf4.native import triton_available
+from lit_qlora.nf4.ops import dequantize_op
 from lit_qlora.train.loss import lm_loss_sum
 
 needs_interpreter = pytest.mark.skipif(not triton_available() or os.environ.get("TRITON_INTERPRET") != "1",
@@ -88,7 +89,7 @@ def _lora_model(dropout: float) -> torch.nn.Module:
 def test_a_compiled_qlora_block_is_one_graph_with_gpu_dropout(monkeypatch):
     """NF4 projections, LoRA and the dropout GPUs run (nn.Dropout: the CPU's hash dropout is a C kernel) trace into
     one graph per block: no graph break, as `--compile true` runs each block on CUDA."""
-    from lit_qlora import lora_dropout
+    from lit_qlora.lora import dropout as lora_dropout
 
     monkeypatch.setattr(lora_dropout, "hash_dropout_applies", lambda x: False)
     model = _lora_model(0.05)
@@ -101,7 +102,7 @@ def test_a_compiled_qlora_block_is_one_graph_with_gpu_dropout(monkeypatch):
 
 
 def test_compiled_qlora_step_equals_eager():
-    from lit_qlora.compile import compile_blocks
+    from lit_qlora.train.compile import compile_blocks
 
     ids = torch.randint(0, CONFIG.vocab_size, (2, 32), generator=torch.Generator().manual_seed(5))
     results = []

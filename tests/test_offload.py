@@ -1,4 +1,4 @@
-"""Offloaded activation checkpoints (lit_qlora.train.offload): on CPU tensors, where the offload takes the same path
+"""Offloaded activation checkpoints (lit_qlora.model.offload): on CPU tensors, where the offload takes the same path
 with plain copies, gradients equal those without it, the checkpointed block inputs are released after the forward and
 come back one block ahead of their backward, and the host bytes are the offloaded inputs' own; the option's
 resolution and refusals; the estimate's device and host numbers."""
@@ -12,13 +12,15 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from lit_qlora.cli import build_parser, commands, main
-from lit_qlora.config import Config, Quantize
+from lit_qlora.model.config import Config, Quantize
 from lit_qlora.errors import UserError
-from lit_qlora.estimate import estimate, trace_step
-from lit_qlora.lora import apply_lora, lora_modules
-from lit_qlora.model import Transformer
+from lit_qlora.estimate.command import estimate
+from lit_qlora.estimate.step import trace_step
+from lit_qlora.lora.layer import apply_lora, lora_modules
+from lit_qlora.model.transformer import Transformer
 from lit_qlora.train.args import LoRAArgs, TrainArgs
-from lit_qlora.train.offload import AUTO_MIN_BYTES, ActivationOffload, block_input_bytes, offload_choice
+from lit_qlora.model.offload import ActivationOffload
+from lit_qlora.train.offload import AUTO_MIN_BYTES, block_input_bytes, offload_choice
 
 HF = {"model_type": "llama", "vocab_size": 97, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3,
       "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256, "rms_norm_eps": 1e-5,
@@ -328,7 +330,7 @@ def test_on_a_gpu_gradients_are_equal_the_inputs_leave_the_device_and_come_back_
 def test_block_inputs_go_to_host_memory_in_pieces_that_round_only_the_last():
     """Pinned buffers are rounded up to a power of two each: a block input goes in PINNED_PIECE pieces, so an 8B
     input of 1.07 GiB (140k tokens) takes 1.07 GiB + at most one piece, not 2 GiB; its bytes come back exactly."""
-    from lit_qlora.train.offload import PINNED_PIECE, copy_pieces, host_pieces, pinned_size
+    from lit_qlora.model.offload import PINNED_PIECE, copy_pieces, host_pieces, pinned_size
 
     one = 140_000 * 4096 * 2
     assert one < pinned_size(one) < one + PINNED_PIECE and pinned_size(one) < (1 << 31)

@@ -12,10 +12,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import lit_qlora.model as model_module
-from lit_qlora.attention_mask import attention_mask, document_ids, document_lengths
+import lit_qlora.model.transformer as model_module
+from lit_qlora.model.attention_mask import attention_mask, document_ids, document_lengths
 from lit_qlora.data.sft import IGNORE_INDEX, Collate, Sample, pack
-from lit_qlora.attention import capped_attention
+from lit_qlora.model.attention import capped_attention
 from lit_qlora.train.loss import lm_loss_sum
 
 from test_model import CASES, reference_and_ours  # tiny random models of every family (tests/ is on sys.path)
@@ -205,9 +205,9 @@ def test_unpacked_batches_carry_no_positions_and_attend_with_plain_causal_sdpa(m
 def test_a_packed_finetune_steps_loss_is_the_token_weighted_mean_of_its_documents_alone(tiny_llama_dir, tmp_path):
     from test_finetune import run, small_data
 
-    from lit_qlora.data.module import SFTDataModule
-    from lit_qlora.loading import load_model
-    from lit_qlora.tokenizer import Tokenizer
+    from lit_qlora.train.datamodule import SFTDataModule
+    from lit_qlora.checkpoint.loading import load_model
+    from lit_qlora.checkpoint.tokenizer import Tokenizer
     from lit_qlora.train.sampler import StepSampler
 
     data = small_data(tmp_path)

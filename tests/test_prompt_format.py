@@ -11,12 +11,12 @@ from types import SimpleNamespace
 
 import pytest
 
+from lit_qlora.checkpoint.tokenizer import Tokenizer, _compile
 from lit_qlora.data.inference import prompt_ids, trained_tokenizer, use_prompt_style
 from lit_qlora.data.prompts import STYLE_TEMPLATES, get_prompt_style, resolve_prompt_style
 from lit_qlora.data.sft import IGNORE_INDEX, tokenize_rows
-from lit_qlora.finetune import finetune
-from lit_qlora.tokenizer import Tokenizer, _compile
 from lit_qlora.train.args import DataArgs, ExportArgs, LoRAArgs, TrainArgs
+from lit_qlora.train.finetune import finetune
 
 from test_data import CHAT, llama3_tok, tok  # noqa: F401 (fixtures)
 
@@ -100,7 +100,8 @@ def test_a_fine_tune_is_served_and_exported_in_the_format_it_trained_in(style, t
     and GGUF exports carry that format as their chat template."""
     import gguf
 
-    from lit_qlora import generate as generate_module, sampling
+    from lit_qlora.deploy import generate as generate_module
+    from lit_qlora.model import sampling
     from lit_qlora.deploy.litserve_api import ChatAPI, chat_messages
 
     out = tmp_path / "run"

@@ -7,15 +7,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lit_qlora.checkpoint import save_hf_checkpoint
-from lit_qlora.config import Config
-from lit_qlora.export import export_peft, hf_tensor_specs, merge
-from lit_qlora.loading import load_model
-from lit_qlora.lora import LoRALinear, apply_lora, lora_state_dict, save_adapter
-from lit_qlora.memory import tensor_bytes
-from lit_qlora.model import Transformer
+from lit_qlora.checkpoint.hf import save_hf_checkpoint
+from lit_qlora.model.config import Config
+from lit_qlora.deploy.export import export_peft, hf_tensor_specs, merge
+from lit_qlora.checkpoint.loading import load_model
+from lit_qlora.lora.layer import LoRALinear, apply_lora, lora_state_dict
+from lit_qlora.checkpoint.adapter import save_adapter
+from lit_qlora.memory.accounting import tensor_bytes
+from lit_qlora.model.transformer import Transformer
 from lit_qlora.nf4 import count_linears, dequantize_nf4, is_nf4, quantize_nf4
-from lit_qlora.precision import NF4Precision
+from lit_qlora.train.precision import NF4Precision
 
 # Shapes chosen so layers need non-default NF4 layouts (k/v: 64x256 = 16384 / 64 = 256 blocks; up: 352 rows).
 TINY = Config(vocab_size=320, n_layer=2, n_embd=256, n_head=4, n_query_groups=1, intermediate_size=352,

@@ -19,10 +19,10 @@ import torch
 import torch.nn as nn
 from safetensors.torch import load_file
 
-from lit_qlora.checkpoint import replace_dir
+from lit_qlora.checkpoint.files import replace_dir
 from lit_qlora.cli import main
 from lit_qlora.train.loss import chunked_cross_entropy_sum
-from lit_qlora.lora import LoRALinear, lora_state_dict
+from lit_qlora.lora.layer import LoRALinear, lora_state_dict
 from lit_qlora.train.state import latest_checkpoint, load_training_state, save_training_state
 from lit_qlora.train.module import FinetuneModule
 
@@ -360,7 +360,7 @@ def test_resume_may_change_how_often_it_logs_and_saves(tiny_llama_dir, rows, ref
 PAUSE_IN_MERGED_EXPORT = """
 import time
 from pathlib import Path
-import lit_qlora.checkpoint as ck
+import lit_qlora.checkpoint.hf as ck
 real = ck.write_safetensors
 def write(path, specs, metadata=None):
     if path.parent.name == "merged" and path.parent.parent.name == ".final.tmp":

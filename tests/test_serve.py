@@ -61,10 +61,10 @@ def server(smollm2_dir):
 def expected(smollm2_dir):
     """What `litqlora generate` answers at temperature 0 (its own stream_reply, 32 tokens at most), with the token
     ids behind it: the prompt through the chat template, as generate feeds it, and the reply's generated ids."""
-    from lit_qlora.generate import stream_reply
-    from lit_qlora.loading import load_model
-    from lit_qlora.sampling import generate
-    from lit_qlora.tokenizer import Tokenizer
+    from lit_qlora.checkpoint.loading import load_model
+    from lit_qlora.checkpoint.tokenizer import Tokenizer
+    from lit_qlora.deploy.generate import stream_reply
+    from lit_qlora.model.sampling import generate
 
     model, tok = load_model(smollm2_dir, "none", "32-true"), Tokenizer(smollm2_dir)
     answers = {}
@@ -203,7 +203,7 @@ def test_every_error_is_an_openai_error_object_and_serving_goes_on(server, expec
     assert error_object(image.value, 400) == ("messages[0].content[0]", "unsupported_content")
 
     # Past the context: refused with its token count before any reply, streamed or not (a 400, not a 200 stream)
-    from lit_qlora.tokenizer import Tokenizer
+    from lit_qlora.checkpoint.tokenizer import Tokenizer
 
     long = "word " * 8200
     tokens = len(Tokenizer(smollm2_dir).encode_chat([{"role": "user", "content": long}]))

@@ -57,8 +57,9 @@ def _worker(rank: int, ckpt: str, quantize: str, init_file: str, queue) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     import lit_qlora.parallel.tensor_parallel as tp
-    from lit_qlora.loading import load_model
-    from lit_qlora.lora import apply_lora, full_lora_state_dict, lora_modules
+    from lit_qlora.checkpoint.loading import load_model
+    from lit_qlora.lora.layer import apply_lora, lora_modules
+    from lit_qlora.checkpoint.adapter import full_lora_state_dict
     from lit_qlora.nf4 import dequantize_nf4
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
@@ -185,7 +186,7 @@ def test_finetune_tensor_parallel_equals_one_process(compile, tiny_llama_dir, tm
     from test_distributed import STEPS, TRAIN, assert_same_final, cli_run, metrics
     from test_finetune import small_data
 
-    from lit_qlora.finetune import finetune
+    from lit_qlora.train.finetune import finetune
     from lit_qlora.train.args import LoRAArgs, TrainArgs
 
     data = small_data(tmp_path)
@@ -212,7 +213,7 @@ def test_qlora_tensor_parallel_export_is_the_one_process_merge(tiny_llama_dir, t
     from test_distributed import cli_run
     from test_finetune import small_data
 
-    from lit_qlora.export import merge
+    from lit_qlora.deploy.export import merge
 
     data = small_data(tmp_path)
     out = tmp_path / "tp"

@@ -10,8 +10,8 @@ import json
 import pytest
 from safetensors import safe_open
 
-from lit_qlora.finetune import finetune
-from lit_qlora.lora import TARGETS, resolve_targets, tied_head_note
+from lit_qlora.lora.layer import TARGETS, resolve_targets, tied_head_note
+from lit_qlora.train.finetune import finetune
 from lit_qlora.train.args import ExportArgs, LoRAArgs, TrainArgs
 
 from test_finetune import small_data

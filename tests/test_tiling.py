@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lit_qlora import tiled_mlp
-from lit_qlora.config import Config
-from lit_qlora.loading import random_base
-from lit_qlora.lora import LoRALinear, apply_lora, lora_modules
-from lit_qlora.model import softcap
+from lit_qlora.model import tiled_mlp
+from lit_qlora.model.config import Config
+from lit_qlora.checkpoint.loading import random_base
+from lit_qlora.lora.layer import LoRALinear, apply_lora, lora_modules
+from lit_qlora.model.transformer import softcap
 from lit_qlora.nf4 import is_nf4
 from lit_qlora.train import tiled_loss
 from lit_qlora.train.loss import chunked_cross_entropy_sum, lm_loss_sum, next_token_pairs
@@ -205,7 +205,7 @@ def test_a_finetune_gives_the_same_losses_tiled(monkeypatch, tiny_llama_dir, tmp
     import json
 
     from tests.test_finetune import small_data
-    from lit_qlora.finetune import finetune
+    from lit_qlora.train.finetune import finetune
     from lit_qlora.train.args import LoRAArgs, TrainArgs
 
     def losses(name: str) -> list[float]:
@@ -244,8 +244,8 @@ def test_the_estimate_sees_the_tiled_mlps_smaller_peak(monkeypatch):
     MLP backward holds five sequence x intermediate bf16 tensors at the step's peak (gate and up, saved; the
     gradients of act(gate) * up, of gate and of up). Tiled, it holds them for one tile: the peak drops by five such
     tensors less one tile's (within 2%: the tiled backward's input-gradient buffer, and the like)."""
-    from lit_qlora.config import Quantize
-    from lit_qlora.estimate import trace_step
+    from lit_qlora.model.config import Quantize
+    from lit_qlora.estimate.step import trace_step
     from lit_qlora.train.args import LoRAArgs, TrainArgs
 
     length, width, tile = 8192, 1536, 1024

@@ -23,7 +23,7 @@ def code_blocks(tutorial: str, language: str) -> list[str]:
 def test_fabric_tutorial_trains_nf4_lora_and_its_adapter_reloads_exactly(smollm2_dir, tmp_path, monkeypatch):
     """tutorials/fabric.md: NF4Precision in a user's own Fabric loop quantizes every linear, the loss drops on the
     second pass, and the saved adapter rebuilds the very model the loop trained (same logits)."""
-    from lit_qlora.loading import load_model
+    from lit_qlora.checkpoint.loading import load_model
 
     (tmp_path / "checkpoints").mkdir()
     (tmp_path / "checkpoints" / "SmolLM2-135M-Instruct").symlink_to(smollm2_dir)

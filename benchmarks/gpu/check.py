@@ -731,7 +731,7 @@ def sub_checkpoint(argv: list[str]) -> None:
     args = p.parse_args(argv)
     import torch
 
-    from lit_qlora.config import Config
+    from lit_qlora.model.config import Config
     from lit_qlora.model import Transformer
 
     with torch.device("meta"):

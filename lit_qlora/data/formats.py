@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from lit_qlora.data.errors import DataError
+from lit_qlora.data.files import DEMO_DATASET, file_sha256, read_rows
 
 FORMATS = ("alpaca", "messages", "sharegpt", "prompt_completion", "text")
 # What `auto` looks for, in order: the first format whose columns a row has.
@@ -30,8 +31,6 @@ JSON_SUFFIXES = (".json", ".jsonl")
 def read_source(source: str, subset: Optional[str] = None, split: str = "train"
                 ) -> tuple[list[Any], Optional[list[int]]]:
     """The rows of a file, a folder or a Hub dataset (and, for JSONL, each row's line, for errors)."""
-    from lit_qlora.data.sft import read_rows
-
     path = Path(source)
     if path.is_file():
         if path.suffix in JSON_SUFFIXES:
@@ -158,8 +157,6 @@ def fingerprint(sources: list[Optional[str]]) -> Optional[str]:
     """sha256 over the local files the rows come from (a folder: every file in it, by relative name); None when a
     source is a Hub dataset (its revision is `datasets`' business). What a resume compares: edited rows under the same
     path are another run's data."""
-    from lit_qlora.data.sft import DEMO_DATASET, file_sha256
-
     files: list[tuple[str, Path]] = []
     for source in sources:
         path = Path(source) if source is not None else DEMO_DATASET

@@ -15,7 +15,7 @@ from typing import Optional
 
 from lit_qlora.data.prompts import STYLE_TEMPLATES, PromptStyle, get_prompt_style
 from lit_qlora.data.sft import tokenize_segments
-from lit_qlora.tokenizer import Tokenizer
+from lit_qlora.checkpoint.tokenizer import Tokenizer
 
 
 def prompt_ids(style: PromptStyle, messages: list[dict[str, str]]) -> list[int]:
@@ -37,7 +37,7 @@ def use_prompt_style(tokenizer: Tokenizer, style: str) -> Tokenizer:
 def trained_style(adapter_dir: Optional[Path]) -> Optional[str]:
     """The prompt style an adapter trained with (adapter_config.json's `prompt_style`), None where it says none (no
     adapter, or one written before styles were recorded: the checkpoint's chat template then, as before)."""
-    from lit_qlora.lora import read_adapter_config
+    from lit_qlora.checkpoint.adapter import read_adapter_config
 
     return None if adapter_dir is None else read_adapter_config(Path(adapter_dir)).get("prompt_style")
 

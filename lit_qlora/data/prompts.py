@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 from lit_qlora.data.errors import DataError
-from lit_qlora.tokenizer import END_OF_TURN_TOKENS, _compile
+from lit_qlora.checkpoint.tokenizer import END_OF_TURN_TOKENS, _compile
 
 Row = dict[str, Any]
 

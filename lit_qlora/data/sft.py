@@ -7,101 +7,20 @@ ignoring -100, i.e. the logits at position t predict token t+1. Labels are -100 
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import json
 import warnings
 from dataclasses import dataclass
-from importlib.resources import files
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
 from lit_qlora.data.errors import DataError
+from lit_qlora.data.files import FORMAT_HELP, read_rows
+from lit_qlora.data.formats import read_source
 from lit_qlora.data.prompts import PromptStyle, Segment
 
 IGNORE_INDEX = -100
 ROLES = ("system", "user", "assistant")
-# The instruction dataset shipped with the package (see scripts/make_demo.py), found from any working directory.
-DEMO_DATASET = Path(str(files("lit_qlora.data").joinpath("demo.jsonl")))
-
-FORMAT_HELP = (
-    "Each row must hold `instruction` and `output` strings (optional `input`), or `messages`: a list of "
-    '{"role": "system" | "user" | "assistant", "content": string} with at least one assistant turn, or `prompt` and '
-    "`completion` strings, or a `text` string (see --data.format; --data.columns renames columns)."
-)
-
-
-# ---------------------------------------------------------------------------------------------- reading
-
-def require_data_file(path: Path) -> Path:
-    path = Path(path)
-    if not path.is_file():
-        what = "is a directory, not a file" if path.is_dir() else "does not exist"
-        raise DataError(f"The dataset {path} {what}. Pass --data.json_path pointing to a .json or .jsonl file.")
-    return path
-
-
-def file_sha256(path: Path) -> str:
-    stat = Path(path).stat()
-    return _file_sha256(Path(path).resolve(), stat.st_size, stat.st_mtime_ns)
-
-
-@functools.lru_cache(maxsize=4)
-def _file_sha256(path: Path, size: int, mtime_ns: int) -> str:
-    # Keyed on size and mtime too: a run asks for its recipe several times and reads the file once, an edited file
-    # is read again.
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def read_rows(path: Path) -> tuple[list[Any], Optional[list[int]]]:
-    """Rows of a JSON file (a list of rows) or a JSONL file (one row per line; blank lines skipped), and for JSONL
-    the 1-based line of each row. `.jsonl` files are read as JSONL, `.json` as JSON, anything else by its first
-    character (`[` means JSON)."""
-    path = require_data_file(path)
-    raw = path.read_bytes()
-    try:
-        text = raw.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        line = raw[: e.start].count(b"\n") + 1
-        raise DataError(
-            f"{path} is not UTF-8 text (undecodable byte at line {line}, byte offset {e.start}). Re-save it as "
-            "UTF-8, e.g. `iconv -f LATIN1 -t UTF-8 in.jsonl > out.jsonl`."
-        ) from None
-    if path.suffix == ".jsonl" or (path.suffix != ".json" and not text.lstrip().startswith("[")):
-        return _read_jsonl(path, text)
-    try:
-        rows = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise DataError(
-            f"{path} is not valid JSON: {e.msg}, line {e.lineno}, column {e.colno} (truncated or malformed file?). "
-            "A .json dataset must be one list of rows; use .jsonl for one row per line."
-        ) from None
-    if not isinstance(rows, list):
-        raise DataError(f"{path} holds a JSON {type(rows).__name__}, not a list of rows. {FORMAT_HELP}")
-    return rows, None
-
-
-def _read_jsonl(path: Path, text: str) -> tuple[list[Any], list[int]]:
-    rows, lines = [], []
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError as e:
-            raise DataError(
-                f"{path}, line {number}: invalid JSON ({e.msg}, column {e.colno}). A .jsonl dataset needs one "
-                "complete JSON object per line; fix or delete that line (a truncated last line usually means an "
-                "interrupted download or write)."
-            ) from None
-        lines.append(number)
-    return rows, lines
 
 
 # ---------------------------------------------------------------------------------------------- validation
@@ -190,8 +109,6 @@ def load_json_rows(path: Path) -> list[dict]:
 def load_hf_rows(name: str, split: str = "train") -> list[dict]:
     """Rows of a Hugging Face Hub dataset (downloaded and cached by `datasets`), read as `--data.path NAME` reads them
     (lit_qlora.data.formats: one Hub path, one offline error)."""
-    from lit_qlora.data.formats import read_source
-
     rows, _ = read_source(name, None, split)
     return validate_rows(rows, f"Hugging Face dataset {name!r}")
 
@@ -203,7 +120,8 @@ class Sample:
     input_ids: torch.Tensor  # int64 [T]
     labels: torch.Tensor  # int64 [T]; IGNORE_INDEX where no loss is taken
     positions: Optional[torch.Tensor] = None
-    """int64 [T] for a packed sample: each document's positions, from 0 (lit_qlora.attention_mask); None: 0..T-1."""
+    """int64 [T] for a packed sample: each document's positions, from 0 (lit_qlora.model.attention_mask); None:
+    0..T-1."""
 
     def __len__(self) -> int:
         return len(self.input_ids)

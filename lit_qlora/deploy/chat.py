@@ -65,7 +65,7 @@ class ChatSession:
               top_p: Optional[float] = None) -> Iterator[str]:
         """Stream the reply to the user's `text` as decoded text pieces; the turn is kept in the conversation, also
         when the reply is stopped (Ctrl-C, or the generator closed) after showing something: as far as it went."""
-        from lit_qlora.sampling import decoded_pieces, sample
+        from lit_qlora.model.sampling import decoded_pieces, sample
 
         tok = self.tokenizer
         messages = self.messages + [{"role": "user", "content": text}]
@@ -127,9 +127,9 @@ def chat_command(
         max_new_tokens: Longest reply, in tokens.
         seed: Seed of the sampler (a conversation repeats with the same inputs).
     """
+    from lit_qlora.checkpoint.loading import load_model
     from lit_qlora.data.inference import trained_tokenizer
-    from lit_qlora.finetune import DEFAULT_CHECKPOINT, ensure_default_checkpoint
-    from lit_qlora.loading import load_model
+    from lit_qlora.deploy.gguf_import import DEFAULT_CHECKPOINT, ensure_default_checkpoint
 
     checkpoint_dir = Path(checkpoint_dir or DEFAULT_CHECKPOINT)
     ensure_default_checkpoint(checkpoint_dir)

@@ -9,10 +9,10 @@ What llama.cpp reads, written the way its own converter writes it (gguf_import.p
 * the family's metadata (`{arch}.block_count`, heads, kv heads, rope base and rotated dims, RMSNorm epsilon, context
   length, Gemma's sliding window and soft-caps) and rope scaling as llama.cpp stores it: linear as metadata, Llama
   3.x as a `rope_freqs` tensor of per-frequency divisors, Phi-3's longrope as `rope_factors_long/short` tensors;
-* the tokenizer: byte-level BPE (Llama 3, Qwen, SmolLM2) as `gpt2` with its merges and the name of its split
-  regex (`tokenizer.ggml.pre`), or SentencePiece BPE (Llama 2, TinyLlama) as `llama` with its pieces' scores, byte
-  pieces and space prefix; special and added tokens typed as control or user-defined, BOS/EOS/pad/unk ids and
-  the chat template.
+* the tokenizer (gguf_tokenizer.py): byte-level BPE (Llama 3, Qwen, SmolLM2) as `gpt2` with its merges and the name
+  of its split regex (`tokenizer.ggml.pre`), or SentencePiece BPE (Llama 2, TinyLlama) as `llama` with its pieces'
+  scores, byte pieces and space prefix; special and added tokens typed as control or user-defined, BOS/EOS/pad/unk
+  ids and the chat template.
 
 Norms and biases stay F32 (llama.cpp's convention); a weight whose rows do not split into the quantization's 32-value
 blocks is written F16. Weights are produced a block of rows at a time (merged in fp32 from the base the adapter
@@ -29,11 +29,11 @@ from typing import Any, Literal, Optional
 
 from lit_qlora.deploy.gguf_families import (ARCHITECTURES, GGUFExportError, context_length, gguf_name, is_norm,
                                             norm_offset, permutes_rope_rows, refusals)
+from lit_qlora.deploy.gguf_tokenizer import tokenizer_metadata
 
 # torch, numpy and gguf are imported inside the functions: the CLI imports this module to build --help.
 
 GGUFType = Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"]
-_NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4  # llama.cpp's token types
 # general.file_type, what llama.cpp reports as the model's type (gguf.LlamaFileType's values)
 FILE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q8_0": 7, "q5_0": 8, "q5_1": 9, "bf16": 32}
 
@@ -55,130 +55,12 @@ def architecture(config) -> str:
     return ARCHITECTURES[config.model_type]
 
 
-def tokenizer_metadata(checkpoint_dir: Path) -> dict[str, Any]:
-    """The GGUF tokenizer fields of the checkpoint's tokenizer.json (byte-level or SentencePiece BPE), checked before
-    writing."""
-    from lit_qlora.deploy.gguf_import import _DIGIT_SPLIT_PRE, _SPLITS
-    from lit_qlora.tokenizer import Tokenizer
-
-    tok = Tokenizer(checkpoint_dir)
-    data = json.loads((Path(checkpoint_dir) / "tokenizer.json").read_text(encoding="utf-8"))
-    model = data.get("model", {})
-    if model.get("type") == "BPE" and model.get("byte_fallback"):
-        return _sentencepiece_fields(data, tok, checkpoint_dir)
-    if model.get("type") != "BPE":
-        raise GGUFExportError(
-            f"{checkpoint_dir}/tokenizer.json is a {model.get('type')} tokenizer; export_gguf writes byte-level BPE "
-            "(Llama 3, Qwen, SmolLM2) and SentencePiece BPE (Llama 2, TinyLlama, Mistral) tokenizers. Use llama.cpp's "
-            "convert_hf_to_gguf.py on out_dir/final/merged for this model.")
-    pre = _pre_tokenizer_name(data.get("pre_tokenizer") or {}, _SPLITS, _DIGIT_SPLIT_PRE)
-    vocab, added, tokens, types = _vocabulary(data)
-    for text, index in vocab.items():
-        if text not in added:
-            types[index] = _NORMAL
-    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
-    fields = {"model": "gpt2", "pre": pre, "tokens": tokens, "types": types, "merges": merges,
-              "bos": tok.bos_id, "eos": tok.eos_id, "add_bos": tok.add_bos, "chat_template": tok.chat_template,
-              "eos_ids": tok.eos_ids, "pad": _pad_id(checkpoint_dir, tok)}
-    return fields
-
-
-def _vocabulary(data: dict[str, Any]) -> tuple[dict[str, int], dict[str, Any], list[str], list[int]]:
-    """tokenizer.json's vocabulary with its added tokens: (piece -> id, added tokens by content, the pieces by id, their
-    types so far). Added tokens are typed control (special) or user-defined; ids no entry names (padding rows) get
-    an inert user-defined placeholder; the callers type the model's own pieces."""
-    vocab = dict(data["model"]["vocab"])
-    added = {t["content"]: t for t in data.get("added_tokens", [])}
-    for text, entry in added.items():
-        vocab[text] = entry["id"]
-    size = max(vocab.values()) + 1
-    tokens, types = [f"[PAD{i}]" for i in range(size)], [_USER_DEFINED] * size
-    for text, index in vocab.items():
-        tokens[index] = text
-        if text in added:
-            types[index] = _CONTROL if added[text].get("special") else _USER_DEFINED
-    return vocab, added, tokens, types
-
-
-def _sentencepiece_fields(data: dict[str, Any], tok, checkpoint_dir: Path) -> dict[str, Any]:
-    """A SentencePiece BPE vocabulary (byte fallback, "▁" for spaces) as llama.cpp's `llama` tokenizer: pieces,
-    scores and types. GGUF keeps no merges here: llama.cpp merges the adjacent pair whose joined piece scores
-    highest, so each piece's score is minus the rank of the first merge that makes it (gguf_import derives the
-    same merges back); byte pieces (<0x0A>) are type 6, the unknown piece 2, special added tokens control (3)."""
-    import re
-
-    model = data["model"]
-    vocab, added, tokens, types = _vocabulary(data)
-    scores = [0.0] * len(tokens)
-    rank: dict[str, int] = {}
-    for i, merge in enumerate(model.get("merges", [])):
-        left, right = merge.split(" ", 1) if isinstance(merge, str) else merge
-        rank.setdefault(left + right, i)
-    unk = model.get("unk_token")
-    for text, index in vocab.items():
-        if text in added:
-            continue
-        if text == unk:
-            types[index] = 2
-        elif re.fullmatch(r"<0x[0-9A-F]{2}>", text):
-            types[index] = 6
-        else:
-            types[index] = _NORMAL
-            scores[index] = -float(rank.get(text, len(rank) + index))
-    return {"model": "llama", "pre": "default", "tokens": tokens, "types": types, "scores": scores, "merges": [],
-            "bos": tok.bos_id, "eos": tok.eos_id, "unk": vocab.get(unk) if unk else None, "add_bos": tok.add_bos,
-            "chat_template": tok.chat_template, "eos_ids": tok.eos_ids, "pad": _pad_id(checkpoint_dir, tok),
-            "add_space_prefix": _space_prefix(data)}
-
-
-def _space_prefix(data: dict[str, Any]) -> bool:
-    """Whether the text gets a leading "▁" (SentencePiece's add_dummy_prefix): a Prepend normalizer (Llama 2's
-    tokenizer.json, gguf_import's) or a Metaspace pre-tokenizer that prepends."""
-    def steps(part: Any) -> list[dict[str, Any]]:
-        if not part:
-            return []
-        return [s for p in part.get("normalizers", part.get("pretokenizers", [part])) for s in steps(p)] \
-            if part.get("type") == "Sequence" else [part]
-
-    for step in steps(data.get("normalizer")) + steps(data.get("pre_tokenizer")):
-        if step.get("type") == "Prepend":
-            return True
-        if step.get("type") == "Metaspace":
-            return step.get("prepend_scheme", "always") != "never"
-    return False
-
-
-def _pre_tokenizer_name(pre: dict[str, Any], splits: dict[str, str], digit_split: tuple[str, ...]) -> str:
-    steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
-    kinds = [s.get("type") for s in steps]
-    if kinds == ["ByteLevel"] and steps[0].get("use_regex", True):
-        return "gpt2"
-    if kinds == ["Digits", "ByteLevel"] and steps[0].get("individual_digits"):
-        return digit_split[0]  # "smollm": digits one by one, then GPT-2's regex
-    if kinds[:1] == ["Split"]:
-        regex = (steps[0].get("pattern") or {}).get("Regex")
-        for name in ("llama-bpe", "qwen2"):
-            if regex == splits[name]:
-                return name
-    raise GGUFExportError(
-        f"the tokenizer's pre-tokenizer ({', '.join(map(str, kinds))}) is not one export_gguf can name for llama.cpp "
-        "(GPT-2, SmolLM2/StarCoder digits, Llama 3 and Qwen2 splits are). Use llama.cpp's convert_hf_to_gguf.py.")
-
-
-def _pad_id(checkpoint_dir: Path, tok) -> Optional[int]:
-    config = json.loads((Path(checkpoint_dir) / "tokenizer_config.json").read_text()) \
-        if (Path(checkpoint_dir) / "tokenizer_config.json").is_file() else {}
-    pad = config.get("pad_token")
-    pad = pad.get("content") if isinstance(pad, dict) else pad
-    return tok.token_to_id(pad) if pad else None
-
-
 def export_gguf(checkpoint_dir: Path, out: Path, adapter_dir: Optional[Path] = None, dtype: GGUFType = "f16",
                 quantize: Optional[Literal["nf4", "none"]] = None) -> Path:
     """Write `out` (GGUF) and a Modelfile beside it for the checkpoint, with the adapter merged when given; returns
     the GGUF path. See the module docstring."""
+    from lit_qlora.checkpoint.loading import load_model
     from lit_qlora.data.inference import trained_chat_template
-    from lit_qlora.loading import load_model
 
     checkpoint_dir = Path(checkpoint_dir)
     tokenizer = require_exportable(checkpoint_dir)  # every refusal before anything loads or is written
@@ -193,8 +75,8 @@ def gguf_config(model, merged: bool):
     embedding W: QLoRA computed it from an NF4 copy, dequant(NF4(W)), but a GGUF is quantized for llama.cpp anyway,
     and tied it keeps the checkpoint's shape and size (one vocabulary-sized matrix; llama.cpp's gemma2 has no head of
     its own at all). The merged Hugging Face model keeps QLoRA's head exactly (export.export_config)."""
-    from lit_qlora.export import export_config
-    from lit_qlora.lora import LoRALinear
+    from lit_qlora.deploy.export import export_config
+    from lit_qlora.lora.layer import LoRALinear
 
     config = export_config(model, merged=merged)
     if getattr(model, "head_tied_in_checkpoint", False) and not isinstance(getattr(model, "lm_head", None), LoRALinear):
@@ -207,7 +89,7 @@ def gguf_config(model, merged: bool):
 def require_exportable(checkpoint_dir: Path, head_adapted: bool = False) -> dict[str, Any]:
     """The checkpoint's GGUF tokenizer fields; a GGUFExportError when export_gguf cannot write this model (merged
     with an adapter on lm_head when `head_adapted`: that unties a tied head)."""
-    from lit_qlora.config import Config
+    from lit_qlora.model.config import Config
 
     config = Config.from_checkpoint(checkpoint_dir)
     architecture(config.replace(tie_embeddings=False) if head_adapted else config)
@@ -221,7 +103,7 @@ def write_gguf(model, checkpoint_dir: Path, out: Path, dtype: GGUFType = "f16", 
     instead, a fine-tune's prompt style), and an Ollama Modelfile beside it."""
     import gguf
 
-    from lit_qlora.checkpoint import remove_path
+    from lit_qlora.checkpoint.files import remove_path
 
     out = Path(out)
     config = gguf_config(model, merged)
@@ -273,8 +155,8 @@ def gguf_tensors(model, config, arch: str, merged: bool) -> list[tuple[str, tupl
     import numpy as np
     import torch
 
-    from lit_qlora.export import hf_tensor_specs
-    from lit_qlora.hf_layout import fuse_plan
+    from lit_qlora.deploy.export import hf_tensor_specs
+    from lit_qlora.model.hf_layout import fuse_plan
 
     specs = {spec.name: spec for spec in hf_tensor_specs(model, torch.float32, merge=merged)}
     plan = fuse_plan(config, specs)
@@ -366,7 +248,7 @@ def _rope_tensors(config) -> dict[str, Any]:
     longrope factors (`rope_factors_long`, `rope_factors_short`)."""
     import numpy as np
 
-    from lit_qlora.config import rope_inv_freq
+    from lit_qlora.model.rope import rope_inv_freq
 
     scaling = config.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type"))
@@ -381,7 +263,7 @@ def _rope_tensors(config) -> dict[str, Any]:
 
 
 def _write_metadata(writer, config, arch: str, tok: dict[str, Any], name: str, file_type: str, length: int) -> None:
-    from lit_qlora.config import rope_attention_factor, rotary_dim
+    from lit_qlora.model.rope import rope_attention_factor, rotary_dim
 
     writer.add_name(name)
     writer.add_context_length(length)
@@ -436,7 +318,7 @@ def _write_metadata(writer, config, arch: str, tok: dict[str, Any], name: str, f
 def write_modelfile(gguf_path: Path, tok: dict[str, Any]) -> Path:
     """An Ollama Modelfile beside the GGUF file (`ollama create NAME -f Modelfile`). The GGUF carries the chat
     template, which Ollama reads from it; the stop tokens are listed here so a reply ends at end-of-turn."""
-    from lit_qlora.checkpoint import atomic_write_text
+    from lit_qlora.checkpoint.files import atomic_write_text
 
     stops = [tok["tokens"][i] for i in tok["eos_ids"] if i is not None and i < len(tok["tokens"])]
     lines = [f"FROM ./{gguf_path.name}", *(f"PARAMETER stop {json.dumps(s)}" for s in dict.fromkeys(stops))]

@@ -94,7 +94,7 @@ def is_norm(hf_tensor_name: str) -> bool:
 
 def gemma_layer_types(arch: str, n_layer: int) -> list[str]:
     """The sliding and full layers llama.cpp gives a Gemma model of `n_layer` layers."""
-    from lit_qlora.config import sliding_pattern
+    from lit_qlora.model.config import sliding_pattern
 
     return sliding_pattern(n_layer, GEMMA_SLIDING_EVERY[arch])
 

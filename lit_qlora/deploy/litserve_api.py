@@ -140,8 +140,8 @@ class ChatAPI(ls.LitAPI):
         self.precision, self.max_new_tokens = precision, max_new_tokens
 
     def setup(self, device: str) -> None:
+        from lit_qlora.checkpoint.loading import load_model
         from lit_qlora.data.inference import trained_tokenizer
-        from lit_qlora.loading import load_model
 
         self.model = load_model(self.checkpoint_dir, self.quantize, self.precision, self.adapter_dir)
         # the prompt format the adapter trained with (lit_qlora.data.inference): the ids training saw
@@ -154,9 +154,11 @@ class ChatAPI(ls.LitAPI):
         template refuses them or they leave no room in the context for a reply)."""
         from jinja2.exceptions import TemplateError
 
+        from lit_qlora.data.errors import DataError
+
         try:
             ids = self.tokenizer.encode_chat(chat_messages(request))
-        except TemplateError as e:
+        except (TemplateError, DataError) as e:  # (DataError: the trained prompt style refused them)
             raise refusal(400, f"The model's chat template refused these messages: {e}", "messages",
                           "invalid_messages") from None
         context = self.model.config.max_seq_length
@@ -168,7 +170,7 @@ class ChatAPI(ls.LitAPI):
 
     def predict(self, request: ChatRequest, context: Any = None) -> Iterator[Any]:
         """The reply's text pieces as they are generated, then its finish reason and token counts."""
-        from lit_qlora.sampling import decoded_pieces, generate
+        from lit_qlora.model.sampling import decoded_pieces, generate
 
         tok = self.tokenizer
         ids = self.prompt_ids(request)

@@ -69,9 +69,9 @@ def serve_command(
         max_new_tokens: A reply's length when the request gives no max_tokens, and the most it may ask for.
         model_name: The model id /v1/models lists (default: the adapter's or checkpoint's directory name).
     """
-    from lit_qlora.finetune import DEFAULT_CHECKPOINT, ensure_default_checkpoint
-    from lit_qlora.lora import read_adapter_config
+    from lit_qlora.checkpoint.adapter import read_adapter_config
     from lit_qlora.data.inference import trained_style, trained_tokenizer
+    from lit_qlora.deploy.gguf_import import DEFAULT_CHECKPOINT, ensure_default_checkpoint
 
     checkpoint_dir = Path(checkpoint_dir or DEFAULT_CHECKPOINT)
     ensure_default_checkpoint(checkpoint_dir)

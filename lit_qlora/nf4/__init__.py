@@ -4,8 +4,10 @@ Modules, lowest first (each imports only those above it):
 
 * :mod:`~lit_qlora.nf4.reference`: the format (levels, thresholds, double quantization) and its PyTorch path;
 * :mod:`~lit_qlora.nf4.layout`: block layouts that fit any real shape and FSDP2's dim-0 split;
-* :mod:`~lit_qlora.nf4.native`: kernels.c, compiled on first use, self-tested, threaded;
+* :mod:`~lit_qlora.nf4.native`: kernels.c, compiled on first use, self-tested, threaded (and whether the Triton
+  kernel, :mod:`~lit_qlora.nf4.triton`, runs on CUDA);
 * :mod:`~lit_qlora.nf4.codec`: :func:`quantize_nf4` / :func:`dequantize_nf4` (bit-identical to torchao);
+* :mod:`~lit_qlora.nf4.ops`: the dequantize as a custom op, so ``torch.compile`` traces through it;
 * :mod:`~lit_qlora.nf4.linear`: the NF4 linear (autograd function) and the frozen NF4 module;
 * :mod:`~lit_qlora.nf4.convert`: every base linear of a model to NF4.
 

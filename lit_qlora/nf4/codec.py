@@ -26,8 +26,8 @@ from torchao.quantization import NF4Tensor
 from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import SubclassTensorArgs
 
 from lit_qlora.nf4.layout import check_layout, nf4_layout, row_blocks, rows_per_chunk
-from lit_qlora.nf4.native import dequantize_blocks, is_fake, native_error, native_lib, quantize_blocks, use_native
-from lit_qlora.nf4.ops import triton_available
+from lit_qlora.nf4.native import (dequantize_blocks, is_fake, native_error, native_lib, quantize_blocks,
+                                  triton_available, use_native)
 from lit_qlora.nf4.reference import (quant_chunk_elems, SUPPORTED_DTYPES, dequantize_eager, dequantize_scalers,
                                   double_quantize, level_table, quantize_eager)
 

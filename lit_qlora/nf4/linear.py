@@ -36,7 +36,8 @@ from torchao.quantization import NF4Tensor
 
 from lit_qlora.nf4.codec import dequantize_nf4, is_nf4
 from lit_qlora.nf4.layout import row_slices
-from lit_qlora.nf4.ops import dequantize_op, triton_available
+from lit_qlora.nf4.native import triton_available
+from lit_qlora.nf4.ops import dequantize_op
 from lit_qlora.nf4.reference import SUPPORTED_DTYPES
 
 DENSE_CHUNK_ELEMS = 1 << 23

@@ -6,12 +6,16 @@ The shared library is cached per source, compiler, flags and CPU under ``~/.cach
 ``$LIT_QLORA_KERNEL_CACHE``), so an edited kernels.c or another CPU gets its own build. Without a compiler,
 with a failing self-test, or with ``LIT_QLORA_NF4_BACKEND=eager``, callers fall back to
 :mod:`lit_qlora.nf4.reference` (one warning).
+
+Beside it, which path CUDA tensors take: ``triton_available`` (the Triton kernel, :mod:`lit_qlora.nf4.triton`).
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
+import importlib.util
 import logging
 import os
 import platform
@@ -232,7 +236,7 @@ def dequantize_blocks(qdata: torch.Tensor, scales: torch.Tensor, levels: torch.T
 
 def dropout_elements(src: torch.Tensor, out: torch.Tensor, seed: int, threshold: int, scale: float) -> None:
     """C kernel: ``out = src * scale`` where the hash of (element index, seed) >= threshold, else 0 (both
-    contiguous, same dtype; see lit_qlora/lora_dropout.py)."""
+    contiguous, same dtype; see lit_qlora/lora/dropout.py)."""
     lib = _native_state["lib"]
     fmt, n = _FMT[src.dtype], src.numel()
     threads = _threads(-(-n // (1 << 14)), n * src.element_size())  # the C side splits in chunks of 2**14
@@ -287,3 +291,11 @@ def nf4_backend() -> str:
     compiler, or if the check fails, the PyTorch path is used (with one warning).
     """
     return "native" if use_native() else "eager"
+
+
+@functools.lru_cache(maxsize=None)
+def triton_available() -> bool:
+    """Whether the Triton kernel is used where it applies: Triton is installed (the kernel runs on CUDA tensors, or on
+    CPU ones under ``TRITON_INTERPRET=1``) and ``LIT_QLORA_NF4_TRITON`` is not 0 (0: the PyTorch path in 16M-value
+    slices, as before the kernel; for comparisons)."""
+    return os.environ.get("LIT_QLORA_NF4_TRITON", "1") != "0" and importlib.util.find_spec("triton") is not None

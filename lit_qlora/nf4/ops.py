@@ -15,20 +15,9 @@ backward, the memory QLoRA exists to save.
 
 from __future__ import annotations
 
-import functools
-import importlib.util
-import os
-
 import torch
 
-
-
-@functools.lru_cache(maxsize=None)
-def triton_available() -> bool:
-    """Whether the Triton kernel is used where it applies: Triton is installed (the kernel runs on CUDA tensors, or on
-    CPU ones under ``TRITON_INTERPRET=1``) and ``LIT_QLORA_NF4_TRITON`` is not 0 (0: the PyTorch path in 16M-value
-    slices, as before the kernel; for comparisons)."""
-    return os.environ.get("LIT_QLORA_NF4_TRITON", "1") != "0" and importlib.util.find_spec("triton") is not None
+from lit_qlora.nf4.codec import NF4Fields, dequantize_into
 
 
 @torch.library.custom_op("lit_qlora::nf4_dequantize", mutates_args=())
@@ -37,8 +26,6 @@ def nf4_dequantize(codes: torch.Tensor, qscalers: torch.Tensor, factor: torch.Te
                    dtype: torch.dtype, recompute: int = 0) -> torch.Tensor:
     """The (rows, cols) dense weight in ``dtype`` of the NF4 tensor with these inner tensors (``levels``: its
     ``nf4`` table, in its storage dtype). Equal bit for bit to torchao's ``get_original_weight().to(dtype)``."""
-    from lit_qlora.nf4.codec import NF4Fields, dequantize_into  # (codec imports this module)
-
     out = torch.empty(rows, cols, dtype=dtype, device=codes.device)
     fields = NF4Fields(codes, qscalers, factor, mean, levels, block_size, scaler_block_size)
     dequantize_into(fields, out.view(-1))

@@ -11,7 +11,7 @@ plain ``/`` in Triton may compile to an approximate division). One program write
 from ``BYTES`` code bytes: traffic is ~0.5 byte read and 2 written per bf16 value, against ~10.5 for the PyTorch
 path's index_select/mul chain (reference.py), and one launch per weight instead of ~10 per 8M-value slice.
 
-This module needs Triton (callers import it only where :func:`lit_qlora.nf4.ops.triton_available`); on CPU tensors
+This module needs Triton (callers import it only where :func:`lit_qlora.nf4.native.triton_available`); on CPU tensors
 it runs under ``TRITON_INTERPRET=1`` (the tests; the interpreter has no bf16 arithmetic, so they compare fp32/fp16).
 """
 

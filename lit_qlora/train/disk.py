@@ -52,26 +52,33 @@ def size_text(nbytes: float) -> str:
     return f"{int(nbytes)} B"
 
 
-def output_sizes(checkpoint_dir: Path, lora, train, export, lora_bytes: int) -> OutputSizes:
+def output_sizes(checkpoint_dir: Path, lora, train, export, lora_bytes: int, quantize: str = "nf4",
+                 ignore_modules: tuple[str, ...] = ()) -> OutputSizes:
     """What a run with these settings writes (module doc). `lora`, `train`, `export`: the run's LoRAArgs, TrainArgs
-    and ExportArgs; `lora_bytes`: bytes per adapter value (its dtype's size)."""
+    and ExportArgs; `lora_bytes`: bytes per adapter value (its dtype's size); `quantize`, `ignore_modules`: as the
+    run's (a QLoRA head of its own is written apart from the embedding in the merged model)."""
     import torch
 
-    from lit_qlora.config import Config
-    from lit_qlora.lora import apply_lora, lora_modules
-    from lit_qlora.model import Transformer
+    from lit_qlora.model.config import Config
+    from lit_qlora.lora.layer import apply_lora, lora_modules
+    from lit_qlora.model.transformer import Transformer
+    from lit_qlora.nf4 import is_ignored
 
     config = Config.from_checkpoint(checkpoint_dir)
     with torch.device("meta"):
         model = apply_lora(Transformer(config), lora.r, lora.alpha, targets=lora.targets)
     adapter = sum(m.lora_A.numel() + m.lora_B.numel() for m in lora_modules(model).values())
     base = sum(p.numel() for name, p in model.named_parameters() if not name.endswith(("lora_A", "lora_B")))
-    # A merged adapter on a tied head unties it: the head is written beside the embedding (export.export_config).
-    untied = config.tie_embeddings and "lm_head" in lora_modules(model)
-    weights = base + (config.vocab_size * config.n_embd if untied else 0)
+    # A tied head is written beside the embedding when adapted (either export), or in the merged model when QLoRA
+    # computed it from an NF4 copy (deploy.export.export_config; the GGUF writes it tied: gguf_export.gguf_config).
+    head = config.vocab_size * config.n_embd if config.tie_embeddings else 0
+    adapted = "lm_head" in lora_modules(model)
+    nf4_head = quantize == "nf4" and not is_ignored("lm_head", ignore_modules)
+    weights = base + (head if adapted else 0)
+    merged = base + (head if adapted or nf4_head else 0)
     checkpoints = (train.keep_last or 0) + 1  # the ones kept and the next, written before the oldest goes
     copies = 1 + checkpoints * 3 + (train.eval_interval is not None)  # final/, (adapter + 2 AdamW moments) each, best/
-    return OutputSizes(merged=weights * 2 if export.merged else 0,
+    return OutputSizes(merged=merged * 2 if export.merged else 0,
                        gguf=int(weights * gguf_bytes_per_weight(export.gguf)) if export.gguf else 0,
                        peft=adapter * lora_bytes if export.peft else 0, adapters=adapter * lora_bytes * copies)
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-from lit_qlora.memory import heap_in_use_bytes, release_free_memory, rss_bytes
+from lit_qlora.memory.accounting import heap_in_use_bytes, release_free_memory, rss_bytes
 
 # Resident free heap allowed to build up beyond a block's working set between trims. Each trim costs re-faulting
 # everything free (the working set, tens of MB), and blocks add ~3-10 MB each of pages the previous block did not

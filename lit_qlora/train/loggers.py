@@ -121,7 +121,7 @@ def jsonl_rows_through(path: Path, step: int) -> list[str]:
 
 def _drop_rows_after(path: Path, step: int) -> None:
     """metrics.csv's rows up to `step` (the CSV logger's counterpart of jsonl_rows_through), rewritten atomically."""
-    from lit_qlora.checkpoint import atomic_write_text
+    from lit_qlora.checkpoint.files import atomic_write_text
 
     if not path.is_file():
         return

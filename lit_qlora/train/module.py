@@ -11,9 +11,9 @@ from typing import Any, Optional
 import lightning as L
 import torch
 
-from lit_qlora.compile import compile_blocks, compile_seconds, is_compiled
-from lit_qlora.memory import peak_memory_stats
-from lit_qlora.model import Transformer
+from lit_qlora.train.compile import compile_blocks, compile_seconds, is_compiled
+from lit_qlora.memory.accounting import peak_memory_stats
+from lit_qlora.model.transformer import Transformer
 from lit_qlora.parallel.distributed import full, no_gradient_sync, reshard, shard_model
 from lit_qlora.parallel.tensor_parallel import average_over_data, parallelize
 from lit_qlora.train.args import TrainArgs

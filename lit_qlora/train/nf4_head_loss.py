@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from lit_qlora.lora_dropout import dropped_down
+from lit_qlora.lora.dropout import dropped_down
 from lit_qlora.nf4 import is_nf4, row_slices
 from lit_qlora.nf4 import linear as nf4_linear
 from lit_qlora.nf4.linear import DENSE_CHUNK_ELEMS, _dense_rows
@@ -30,7 +30,7 @@ from lit_qlora.nf4.linear import DENSE_CHUNK_ELEMS, _dense_rows
 def vocab_sliced_head(head: nn.Module, softcap: Optional[float]) -> bool:
     """Whether `nf4_head_ce_sum` applies: a plain (not sharded, not tensor-parallel) NF4 head without a soft-cap,
     bare or with our LoRA adapter."""
-    from lit_qlora.lora import LoRALinear
+    from lit_qlora.lora.layer import LoRALinear
 
     weight = getattr(head, "weight", None)
     if softcap is not None or weight is None or not is_nf4(weight) or getattr(head, "bias", None) is not None:
@@ -127,7 +127,7 @@ def subtract_targets(g: torch.Tensor, targets: torch.Tensor, rows: tuple[int, in
 def nf4_head_ce_sum(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, logits_elems: int) -> torch.Tensor:
     """Sum of CE(head(hidden), targets) over rows of (N, d) `hidden`, for a head `vocab_sliced_head` accepts; each
     slice of the head covers at most `logits_elems` logits (and DENSE_CHUNK_ELEMS dense weight values)."""
-    from lit_qlora.lora import LoRALinear
+    from lit_qlora.lora.layer import LoRALinear
 
     rows = max(1, logits_elems // max(1, targets.numel()))
     # On a GPU (weights dequantized whole, into one buffer per device) a slice's dense rows are bounded as its logits

@@ -1,8 +1,8 @@
 """One fine-tune run: `setup()` builds the pieces (Trainer with its callbacks, FinetuneModule, data) from resolved
 settings; `fit()` validates, trains, validates again and writes final/, summary.json and the report.
 
-`litqlora finetune` (lit_qlora.finetune) checks what a user can get wrong, then calls these; Python callers and tests
-may call them directly.
+`litqlora finetune` (lit_qlora.train.finetune) checks what a user can get wrong, then calls these; Python callers and
+tests may call them directly.
 """
 
 from __future__ import annotations
@@ -16,24 +16,26 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
-from lit_qlora.checkpoint import atomic_write_text
-from lit_qlora.compile import compile_seconds
-from lit_qlora.config import ADAPTER_DTYPES, DTYPE_NAMES, MIXED_PRECISIONS, PRECISION_DTYPES, Config, Quantize
-from lit_qlora.export import export_final
-from lit_qlora.finetune import ensure_default_checkpoint, recipe, resolve_resume
+from lit_qlora.checkpoint.adapter import full_lora_state_dict, load_adapter
+from lit_qlora.checkpoint.files import atomic_write_text
+from lit_qlora.checkpoint.loading import load_model
+from lit_qlora.checkpoint.tokenizer import Tokenizer
+from lit_qlora.deploy.gguf_import import ensure_default_checkpoint
 from lit_qlora.guards import oom_advice
 from lit_qlora.hardware import choose_precision, uses_cuda
-from lit_qlora.lora import apply_lora, full_lora_state_dict, load_adapter, resolve_targets, tied_head_note
-from lit_qlora.loading import load_model
-from lit_qlora.memory import peak_memory_stats, release_free_memory
+from lit_qlora.lora.layer import apply_lora, resolve_targets, tied_head_note
+from lit_qlora.memory.accounting import peak_memory_stats, release_free_memory
+from lit_qlora.model.config import ADAPTER_DTYPES, DTYPE_NAMES, MIXED_PRECISIONS, PRECISION_DTYPES, Config, Quantize
 from lit_qlora.nf4 import count_linears
 from lit_qlora.parallel.distributed import build_strategy, keep_frozen_out_of_ddp, nf4_shards_for
 from lit_qlora.parallel.tensor_parallel import TensorParallelShard
-from lit_qlora.tokenizer import Tokenizer
 from lit_qlora.train.args import DataArgs, ExportArgs, LoRAArgs, TrainArgs, total_steps_for
+from lit_qlora.train.compile import compile_seconds
 from lit_qlora.train.disk import output_sizes, require_disk_space
+from lit_qlora.train.final import export_final
 from lit_qlora.train.offload import offload_for_run, offload_summary
 from lit_qlora.train.report import print_report
+from lit_qlora.train.resume import recipe, resolve_resume
 from lit_qlora.train.state import read_state
 
 
@@ -115,7 +117,7 @@ class Run:
     config: RunConfig
     trainer: Any  # lightning.Trainer
     module: Any  # lit_qlora.train.module.FinetuneModule
-    data: Any  # lit_qlora.data.module.SFTDataModule
+    data: Any  # lit_qlora.train.datamodule.SFTDataModule
     train_loader: Any  # torch.utils.data.DataLoader
     started: float  # perf_counter() at the start: this process's part of summary.json's wall_seconds
     export: ExportArgs = field(default_factory=ExportArgs)  # what final/ holds besides the adapter
@@ -136,8 +138,8 @@ def setup(checkpoint_dir: Path, out_dir: Path, quantize: str, precision: str, se
     with lean_imports():
         import lightning as L
 
-        from lit_qlora.data.module import SFTDataModule
-        from lit_qlora.precision import NF4Precision
+        from lit_qlora.train.datamodule import SFTDataModule
+        from lit_qlora.train.precision import NF4Precision
         from lit_qlora.train.callbacks import HeapRelease, MetricsLog, ResumableCheckpoints, StopOnSignal
         from lit_qlora.train.module import FinetuneModule
         from lit_qlora.train.progress import StepProgressBar, quiet_lightning
@@ -158,7 +160,8 @@ def setup(checkpoint_dir: Path, out_dir: Path, quantize: str, precision: str, se
     L.seed_everything(seed, verbose=False)
     ensure_default_checkpoint(checkpoint_dir)
     # Before anything heavy: a run that cannot write its exports should not train first.
-    require_disk_space(out_dir, output_sizes(checkpoint_dir, lora, train, export, ADAPTER_DTYPES[precision].itemsize))
+    require_disk_space(out_dir, output_sizes(checkpoint_dir, lora, train, export, ADAPTER_DTYPES[precision].itemsize,
+                                             quantize, tuple(ignore_modules or ())))
     dm = SFTDataModule(data, Tokenizer(checkpoint_dir), train.max_seq_length, train.micro_batch_size, seed)
     dm.setup("fit")
     total_steps = total_steps_for(train, len(dm.train_set))

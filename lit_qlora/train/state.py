@@ -15,9 +15,9 @@ from typing import Any, Optional
 
 import torch
 
-from lit_qlora.checkpoint import TensorSpec, atomic_write_text, iter_safetensors, replace_dir, write_safetensors
+from lit_qlora.checkpoint.files import TensorSpec, atomic_write_text, iter_safetensors, replace_dir, write_safetensors
 from lit_qlora.guards import require_finite
-from lit_qlora.lora import full_lora_state_dict, load_adapter
+from lit_qlora.checkpoint.adapter import full_lora_state_dict, load_adapter
 from lit_qlora.parallel.distributed import full, shard_like
 
 STEP_DIR = re.compile(r"^step-(\d{6,})$")

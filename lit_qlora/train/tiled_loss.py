@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from lit_qlora.lora_dropout import dropped_down
+from lit_qlora.lora.dropout import dropped_down
 from lit_qlora.nf4 import dequantize_nf4, is_nf4
 from lit_qlora.train.nf4_head_loss import fold_slice, subtract_targets
 
@@ -41,7 +41,7 @@ per-token statistics."""
 def tiled_head(head: nn.Module) -> bool:
     """Whether `tiled_ce_sum` can run `head`: a plain linear (dense or NF4, frozen weight and bias), bare or with our
     LoRA adapter; not tensor-parallel or sharded heads."""
-    from lit_qlora.lora import LoRALinear
+    from lit_qlora.lora.layer import LoRALinear
     from lit_qlora.nf4.linear import FrozenNF4Linear
 
     if type(head) not in (nn.Linear, FrozenNF4Linear, LoRALinear):
@@ -183,7 +183,7 @@ def tiled_ce_sum(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, s
     `next_token_pairs`), for a head `tiled_head` accepts: tiles of `tile_tokens` (default LOSS_TILE_TOKENS) tokens
     and slices of `logits_elems / tile_tokens` vocabulary rows. With gradients enabled they are computed here,
     for `hidden` and the head's LoRA factors."""
-    from lit_qlora.lora import LoRALinear
+    from lit_qlora.lora.layer import LoRALinear
 
     tile_tokens = max(1, min(tile_tokens or LOSS_TILE_TOKENS, targets.numel()))
     slice_rows = max(1, logits_elems // tile_tokens)

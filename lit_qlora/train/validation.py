@@ -16,8 +16,8 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from lit_qlora.checkpoint import atomic_write_text, remove_path, replace_dir
-from lit_qlora.lora import full_lora_state_dict, save_adapter
+from lit_qlora.checkpoint.files import atomic_write_text, remove_path, replace_dir
+from lit_qlora.checkpoint.adapter import full_lora_state_dict, save_adapter
 from lit_qlora.parallel.distributed import reshard
 from lit_qlora.train.loggers import jsonl_rows_through, log_scalars
 from lit_qlora.train.tensorboard import TAGS
@@ -140,7 +140,7 @@ class PeriodicValidation(Callback):
         random number generators and train/eval modes are restored, as after a validation."""
         if self.sample_prompt is None:
             return
-        from lit_qlora.sampling import generate
+        from lit_qlora.model.sampling import generate
 
         ids, tokenizer = self.sample_prompt
         model = pl_module.model

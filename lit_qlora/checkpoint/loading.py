@@ -14,11 +14,12 @@ from typing import Iterable, Iterator, Optional
 import torch
 import torch.nn as nn
 
-from lit_qlora.checkpoint import load_checkpoint
-from lit_qlora.config import DTYPES, PRECISION_DTYPES, Config, Precision, Quantize
+from lit_qlora.checkpoint.hf import load_checkpoint
+from lit_qlora.model.config import DTYPES, PRECISION_DTYPES, Config, Precision, Quantize
 from lit_qlora.hardware import PrecisionChoice, resolved
-from lit_qlora.lora import apply_lora, load_adapter, read_adapter_config
-from lit_qlora.model import Transformer
+from lit_qlora.lora.layer import apply_lora
+from lit_qlora.checkpoint.adapter import load_adapter, read_adapter_config
+from lit_qlora.model.transformer import Transformer
 from lit_qlora.nf4 import base_linears, is_ignored, is_nf4, quantize_linears, quantize_weight
 from lit_qlora.parallel.tensor_parallel import TensorParallelShard, check_divisible, tp_layout_weight, tp_style
 

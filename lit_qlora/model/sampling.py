@@ -6,7 +6,7 @@ from typing import Iterable, Iterator, Optional, Sequence
 
 import torch
 
-from lit_qlora.model import Transformer
+from lit_qlora.model.transformer import Transformer
 
 
 def sample(logits: torch.Tensor, temperature: float, top_k: Optional[int], generator: torch.Generator,

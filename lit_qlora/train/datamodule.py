@@ -15,7 +15,8 @@ from lit_qlora.data.errors import DataError
 from lit_qlora.data.inference import use_prompt_style
 from lit_qlora.data.prompts import get_prompt_style, resolve_prompt_style
 from lit_qlora.data.formats import read_source, rename_columns, to_rows
-from lit_qlora.data.sft import DEMO_DATASET, Collate, SFTDataset, pack, tokenize_rows, validate_rows
+from lit_qlora.data.files import DEMO_DATASET
+from lit_qlora.data.sft import Collate, SFTDataset, pack, tokenize_rows, validate_rows
 from lit_qlora.train.args import DataArgs, data_source
 from lit_qlora.train.sampler import EpochSampler, MicroBatches, StepSampler
 

@@ -8,7 +8,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
-from lit_qlora.config import require_checkpoint_dir
+from lit_qlora.model.config import require_checkpoint_dir
 
 # Chat templates end a turn with one of these; generation should stop there even when the checkpoint's
 # `eos_token` is another token (Llama 3 Instruct: eos <|end_of_text|>, turns end with <|eot_id|>).

@@ -8,7 +8,7 @@
 | Gemma 2's attention soft cap (any mask)                        | flex_attention (O(L))   | `capped_attention`     |
 | KV-cache decoding (generation)                                 | dense, as on CPU        | dense                  |
 
-The mask is built once per forward by `lit_qlora.attention_mask.attention_mask`, from one rule (`mask_mod`): a
+The mask is built once per forward by `lit_qlora.model.attention_mask.attention_mask`, from one rule (`mask_mod`): a
 `BlockMask` for flex_attention where `use_flex_attention` says so, else a dense boolean mask or None (plain causal);
 `attend` dispatches on what it receives. flex_attention is O(L) only compiled: outside a compiled region it runs
 through `torch.compile(flex_attention)`, made once, lazily; inside one (`--compile true`, regional compilation) the

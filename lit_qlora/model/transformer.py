@@ -17,13 +17,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from lit_qlora.attention import FlexShape, attend, flex_runs, softcap, use_flex_attention
-from lit_qlora.attention_mask import as_dense, attention_mask, document_lengths
-from lit_qlora.config import Config, rope_attention_factor, rope_inv_freq
-from lit_qlora.fused_projections import fused_projections
-from lit_qlora.lora_dropout import reusing_down_products
-from lit_qlora.tiled_mlp import mlp_tile_tokens, tiled_mlp
-from lit_qlora.train.offload import block_input_saved
+from lit_qlora.lora.dropout import reusing_down_products
+from lit_qlora.model.attention import FlexShape, attend, flex_runs, softcap, use_flex_attention
+from lit_qlora.model.attention_mask import as_dense, attention_mask, document_lengths
+from lit_qlora.model.config import Config
+from lit_qlora.model.fused_projections import fused_projections
+from lit_qlora.model.offload import block_input_saved
+from lit_qlora.model.rope import rope_attention_factor, rope_inv_freq
+from lit_qlora.model.tiled_mlp import mlp_tile_tokens, tiled_mlp
 
 
 class RMSNorm(nn.Module):
@@ -154,7 +155,7 @@ class MLP(nn.Module):
 
         self.act = partial(F.gelu, approximate="tanh") if config.mlp_activation == "gelu_tanh" else F.silu
         self.tile_tokens = mlp_tile_tokens(config.intermediate_size)
-        """Training sequences longer than this run the MLP tile by tile (lit_qlora.tiled_mlp)."""
+        """Training sequences longer than this run the MLP tile by tile (lit_qlora.model.tiled_mlp)."""
         self.output_read = config.sandwich_norms
         """Whether the block saves this MLP's output for backward (Gemma's post-MLP norm; a residual add does not)."""
 
@@ -237,7 +238,7 @@ class Transformer(nn.Module):
         self.checkpoint_blocks = 0
         """The first N blocks recompute their activations in backward instead of storing them."""
         self.activation_offload = None
-        """An ActivationOffload (lit_qlora.train.offload): the checkpointed blocks' inputs wait in host memory."""
+        """An ActivationOffload (lit_qlora.model.offload): the checkpointed blocks' inputs wait in host memory."""
 
     @property
     def blocks(self) -> nn.ModuleList:
@@ -266,7 +267,7 @@ class Transformer(nn.Module):
                        positions: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Final-norm hidden states (B, T, n_embd): what the head (or a chunked loss) consumes. `positions` (B, T):
         packed rows' per-token positions, restarting at 0 at each document, which then attends only within itself
-        (lit_qlora.attention_mask)."""
+        (lit_qlora.model.attention_mask)."""
         T = idx.size(1)
         if input_pos is None and self.max_cache_len:
             raise ValueError("input_pos is required after set_kv_cache().")

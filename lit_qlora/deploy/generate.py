@@ -1,5 +1,5 @@
 """The `litqlora generate` command: a reply to one prompt, a sanity check of a checkpoint (the sampling itself:
-lit_qlora.sampling)."""
+lit_qlora.model.sampling)."""
 
 from __future__ import annotations
 
@@ -50,8 +50,8 @@ def generate_command(
     """
     if compare_base and adapter_dir is None:
         raise ValueError("--compare_base true compares the base with a fine-tune: give the fine-tune's --adapter_dir.")
-    from lit_qlora.loading import load_model
-    from lit_qlora.lora import adapters_disabled
+    from lit_qlora.checkpoint.loading import load_model
+    from lit_qlora.lora.layer import adapters_disabled
     from lit_qlora.nf4 import is_nf4
     from lit_qlora.data.inference import trained_tokenizer
 
@@ -74,7 +74,7 @@ def generate_command(
 def stream_reply(model: Transformer, tokenizer: Tokenizer, ids: list[int], max_new_tokens: int, temperature: float,
                  top_k: Optional[int], seed: int) -> str:
     """Print the reply to stdout as it is generated; returns it."""
-    from lit_qlora.sampling import decoded_pieces, generate
+    from lit_qlora.model.sampling import decoded_pieces, generate
 
     pieces = []
     for piece in decoded_pieces(tokenizer, generate(model, ids, max_new_tokens, temperature, top_k, tokenizer.eos_ids,

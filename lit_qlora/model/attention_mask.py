@@ -5,9 +5,9 @@ A packed row carries per-token `positions` (B, T) that restart at 0 where each d
 documents' RoPE positions and, read through `document_ids`, their boundaries (right padding sits at position 0, so
 each padding token is a document of its own and nothing attends to it). `attention_mask` is the one place masks are
 built, from one rule per kind written as flex_attention's `mask_mod(b, h, q_idx, kv_idx)` (`causal_mask_mod`,
-`document_mask_mod`): a flex_attention `BlockMask` where `lit_qlora.attention` runs flex_attention (CUDA; O(T) memory),
-else the dense boolean mask for SDPA and Gemma 2's capped attention (CPU, KV-cache decoding; O(T^2)) or None where
-plain causal SDPA is exact.
+`document_mask_mod`): a flex_attention `BlockMask` where `lit_qlora.model.attention` runs flex_attention (CUDA; O(T)
+memory), else the dense boolean mask for SDPA and Gemma 2's capped attention (CPU, KV-cache decoding; O(T^2)) or None
+where plain causal SDPA is exact.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ def attention_mask(q_pos: torch.Tensor, kv_len: int, window: Optional[int], deco
     decoding, or a sliding window shorter than the row), else None. With packed `positions` (B, T): causal, same
     document and, given `window`, at most window - 1 positions back, as (B, 1, T, T).
 
-    `flex` (a full-sequence forward where `lit_qlora.attention.use_flex_attention`): the same mask as a flex_attention
-    BlockMask instead of a dense one, and with `capped` (Gemma 2's soft-capped scores, which SDPA cannot take) a
-    causal BlockMask also where plain causal would do; None still where plain causal SDPA is exact."""
+    `flex` (a full-sequence forward where `lit_qlora.model.attention.use_flex_attention`): the same mask as a
+    flex_attention BlockMask instead of a dense one, and with `capped` (Gemma 2's soft-capped scores, which SDPA cannot
+    take) a causal BlockMask also where plain causal would do; None still where plain causal SDPA is exact."""
     if flex and not decoding:
         T = q_pos.numel()
         if positions is not None:
@@ -105,7 +105,7 @@ def block_mask(mask_mod: MaskMod, batch: Optional[int], length: int, device):
 def _compiled_create_block_mask():
     from torch.nn.attention.flex_attention import create_block_mask
 
-    from lit_qlora.attention import raise_recompile_limit
+    from lit_qlora.model.attention import raise_recompile_limit
 
     raise_recompile_limit()
     return torch.compile(create_block_mask)
@@ -121,7 +121,7 @@ def dense_mask(mask_mod: MaskMod, batch: int, length: int, device=None) -> torch
 
 def as_dense(block_mask) -> torch.Tensor:
     """The boolean mask a BlockMask describes, (batch, 1, length, length): where flex_attention cannot run a shape
-    (`lit_qlora.attention.flex_runs`), the same attention through the dense paths."""
+    (`lit_qlora.model.attention.flex_runs`), the same attention through the dense paths."""
     q_len, kv_len = block_mask.seq_lengths
     if q_len != kv_len:
         raise ValueError(f"a full-sequence BlockMask is square; this one is {q_len} x {kv_len}")

@@ -11,7 +11,7 @@ from typing import Iterable
 
 import torch
 
-from lit_qlora.config import Config
+from lit_qlora.model.config import Config
 
 # Fused module -> the model's modules it holds, in the order of its output rows.
 PHI3_FUSED = {

@@ -25,8 +25,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lit_qlora import lora_dropout
-from lit_qlora.lora_dropout import draw_seed
+from lit_qlora.lora import dropout as lora_dropout
+from lit_qlora.lora.dropout import draw_seed
 from lit_qlora.nf4 import linear as nf4_linear
 from lit_qlora.nf4.linear import FrozenNF4Linear
 from lit_qlora.nf4.reference import SUPPORTED_DTYPES

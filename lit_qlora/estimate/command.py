@@ -1,0 +1,204 @@
+"""`litqlora estimate`: a fine-tune recipe's peak device memory per rank, by category (lit_qlora.estimate.step traces
+its training step), and with a card's memory the largest micro-batch or the longest sequence that fits
+(lit_qlora.estimate.search); printed and written to estimate.json."""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+from lit_qlora.estimate.search import AUTO_LENGTH_TRACES, LENGTH_STEP, largest_batches, longest_context
+from lit_qlora.estimate.step import offload_decision, parallel_bytes, trace_step
+from lit_qlora.hardware import PrecisionChoice, choose_precision
+from lit_qlora.train.args import DataArgs, LoRAArgs, TrainArgs
+
+# torch and the model stack are imported inside the functions, and annotations name their types as text: the CLI
+# imports `estimate` to build `--help` (lit_qlora.cli.commands says why and how).
+
+GiB = 1 << 30
+
+
+def parse_bytes(text: str) -> int:
+    """'24GiB', '24 GB', '80G', '512MiB' -> bytes (GB and G read as GiB: card sizes are quoted that way)."""
+    found = re.fullmatch(r"\s*([\d.]+)\s*([KMGT]?)(i?B)?\s*", str(text), flags=re.IGNORECASE)
+    if not found:
+        raise ValueError(f"--device_memory {text!r} is not a size; write it like 24GiB, 80GB or 512MiB.")
+    scale = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[found[2].upper()]
+    return int(float(found[1]) * scale)
+
+
+def resolve_config(checkpoint_dir: str | Path) -> tuple[Config, str]:
+    """The model to estimate and where its shape came from: a directory's config.json (no weights needed), a preset
+    name, or, for a recipe whose checkpoint is not downloaded, the preset its directory is named after."""
+    from lit_qlora.model.config import PRESETS, Config
+
+    path = Path(checkpoint_dir)
+    if (path / "config.json").is_file():
+        return Config.from_checkpoint(path), f"{path / 'config.json'}"
+    if str(checkpoint_dir) in PRESETS:
+        return PRESETS[str(checkpoint_dir)], f"preset {checkpoint_dir}"
+    name = path.name.lower()
+    matches = [preset for preset in PRESETS if name.startswith(preset.lower())]
+    if matches:
+        preset = max(matches, key=len)
+        return PRESETS[preset], f"preset {preset} ({path} has no config.json: not downloaded)"
+    raise ValueError(f"--checkpoint_dir {checkpoint_dir}: no config.json there and no preset of that name. Give a "
+                     f"directory with the model's config.json (weights are not needed) or one of the presets: "
+                     f"{', '.join(sorted(PRESETS))}.")
+
+
+def estimate(
+    checkpoint_dir: str = "checkpoints/SmolLM2-135M-Instruct",
+    out_dir: Path = Path("out/estimate"),
+    quantize: Literal["nf4", "none"] = "nf4",
+    precision: PrecisionChoice = "auto",
+    seed: int = 1337,
+    devices: int = 1,
+    num_nodes: int = 1,
+    strategy: Literal["auto", "ddp", "fsdp", "tp"] = "auto",
+    tensor_parallel: int = 1,
+    lora: LoRAArgs = LoRAArgs(),
+    train: TrainArgs = TrainArgs(),
+    data: DataArgs = DataArgs(),
+    device: Literal["cuda", "cpu"] = "cuda",
+    device_memory: Optional[str] = None,
+) -> dict[str, Any]:
+    """Predict a fine-tune's peak device memory per rank, by category, without weights or a GPU.
+
+    Args:
+        checkpoint_dir: A model directory (only its config.json is read), a preset name from lit_qlora/model/config.py
+            (e.g. Llama-2-7b), or a recipe's checkpoint directory that is not downloaded yet (its preset is used).
+        out_dir: Where estimate.json goes.
+        quantize: nf4 (QLoRA) or none (LoRA), as for finetune.
+        precision: As for finetune; auto is what finetune's auto picks on the target --device: bf16-true for
+            cuda (it assumes a GPU with bf16, compute capability >= 8.0; for a T4 or V100 pass 16-mixed), and for
+            cpu what this machine's CPU would pick.
+        seed: Accepted so a finetune recipe reads as it is (an estimate has no randomness).
+        devices: Devices per node, as for finetune.
+        num_nodes: Nodes, as for finetune.
+        strategy: auto, ddp, fsdp or tp, as for finetune.
+        tensor_parallel: Ranks per tensor-parallel group with --strategy tp.
+        lora: Adapter settings, as for finetune.
+        train: Optimization settings, as for finetune (micro_batch_size, max_seq_length, activation_checkpointing
+            set the step's size).
+        data: Accepted so a finetune recipe reads as it is (the step runs on max_seq_length tokens per sequence).
+        device: cuda (predict torch.cuda.max_memory_allocated on a GPU) or cpu (allocated tensor bytes on a CPU).
+        device_memory: The card's memory, e.g. 24GiB: also find the largest micro-batch size that fits, with and
+            without activation checkpointing; with --train.max_seq_length auto, the longest sequence that fits at
+            the given micro-batch instead (and the host memory it needs for offloaded activations).
+    """
+    from lit_qlora.checkpoint.files import atomic_write_text
+    from lit_qlora.model.config import Quantize
+
+    auto_length = train.max_seq_length == "auto"
+    for flag, value, least in (("--devices", devices, 1), ("--num_nodes", num_nodes, 1),
+                               ("--train.micro_batch_size", train.micro_batch_size, 1),
+                               ("--train.max_seq_length", AUTO_LENGTH_TRACES[0] if auto_length else train.max_seq_length,
+                                2)):
+        if not isinstance(value, int):
+            raise ValueError(f"{flag} takes a whole number, got {value!r}.")
+        if value < least:
+            raise ValueError(f"{flag} must be at least {least}, got {value}.")
+    config, source = resolve_config(checkpoint_dir)
+    quantize = Quantize(quantize)
+    world_size = devices * num_nodes
+    strategy = strategy if strategy != "auto" else ("ddp" if world_size > 1 else "auto")
+    if strategy == "tp" and (tensor_parallel < 2 or world_size % tensor_parallel):
+        raise ValueError(f"--strategy tp needs --tensor_parallel >= 2 dividing devices x num_nodes ({world_size}).")
+    train.accumulation(world_size // (tensor_parallel if strategy == "tp" else 1))  # checks the batch sizes
+    train.require_valid_offload(device == "cuda")
+    budget = parse_bytes(device_memory) if device_memory is not None else None
+    if auto_length and budget is None:
+        raise ValueError("--train.max_seq_length auto asks for the longest sequence that fits a card: give the card's "
+                         "memory too, e.g. --device_memory 24GiB.")
+    precision, precision_reason = estimate_precision(precision, device)
+    print(f"Estimating {config.name} ({source}): {'QLoRA (NF4 base)' if quantize is Quantize.NF4 else 'LoRA'}, "
+          f"micro-batch {train.micro_batch_size} x {train.max_seq_length} tokens, activation checkpointing "
+          f"{train.activation_checkpointing}, {world_size} rank(s), {device}, precision {precision} "
+          f"({precision_reason})")
+
+    @functools.cache  # the batch and length searches may ask again for a size and setting already traced
+    def predict(micro_batch_size: int, checkpointing: Any = train.activation_checkpointing,
+                length: Optional[int] = None, offload: Any = None) -> tuple[int, dict, int]:
+        """(peak device bytes, by category, host bytes of offloaded activations) at this batch, checkpointing,
+        sequence length and offload setting (defaults: the recipe's)."""
+        offload = (train.offload_activations if offload is None else offload) if checkpointing else False
+        trace = trace_step(config, quantize, precision, lora, replace(
+            train, activation_checkpointing=checkpointing, offload_activations=offload,
+            max_seq_length=length or train.max_seq_length), device, micro_batch_size, budget)
+        parts = parallel_bytes(trace.peak_by_category, config, strategy, world_size, tensor_parallel)
+        return sum(parts.values()), parts, trace.host_peak
+
+    searched: dict[str, Any] = {}
+    if auto_length:
+        if train.offload_activations == "auto" and train.activation_checkpointing and device == "cuda":
+            # auto turns offload on at the lengths this search is about; one setting for every trace keeps the
+            # growth a line (auto switching on between two traces would bend it)
+            train = replace(train, offload_activations=True)
+            print("Offloaded activation checkpoints: on for the length search (auto is on wherever it saves 1 GiB)")
+        searched = longest_context(lambda length: predict(train.micro_batch_size, train.activation_checkpointing,
+                                                          length, train.offload_activations)[0], budget, device)
+        train = replace(train, max_seq_length=searched["max_seq_length"] or LENGTH_STEP)
+    offload, offload_reason, pinned = offload_decision(config, precision, train, device, device_total=budget)
+    print(f"Offloaded activation checkpoints: {'on' if offload else 'off'} ({offload_reason})")
+    peak, by_category, host = predict(train.micro_batch_size, train.activation_checkpointing, train.max_seq_length,
+                                      train.offload_activations)
+    result: dict[str, Any] = {
+        "model": config.name, "source": source, "quantize": str(quantize), "precision": precision,
+        "precision_reason": precision_reason, "device": device,
+        "world_size": world_size, "strategy": strategy, "tensor_parallel": tensor_parallel,
+        "micro_batch_size": train.micro_batch_size, "max_seq_length": train.max_seq_length,
+        "activation_checkpointing": train.activation_checkpointing, "peak_bytes": peak, "by_category": by_category,
+        "offload_activations": offload, "offload_reason": offload_reason, "offload_host_bytes": host,
+        "offload_pinned_bytes": pinned, "max_micro_batch_size": None,
+    }
+    if auto_length:
+        result.update(device_memory_bytes=budget, **searched)
+    elif budget is not None:
+        result.update(device_memory_bytes=budget, **largest_batches(predict, budget, device))
+        result["max_micro_batch_size"] = result["max_micro_batch_size_by_checkpointing"][
+            "on" if train.activation_checkpointing else "off"]
+    print(render(result))
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out_dir / "estimate.json", json.dumps(result, indent=2) + "\n")
+    print(f"Wrote {out_dir / 'estimate.json'}")
+    return result
+
+
+def estimate_precision(precision: str, device: str) -> tuple[str, str]:
+    """(the precision the estimate models, why): --precision auto on a cuda target assumes an Ampere-or-newer GPU."""
+    if precision == "auto" and device == "cuda":
+        return "bf16-true", ("auto on cuda, assuming a GPU with bf16 (compute capability >= 8.0); a T4 or V100 "
+                             "runs 16-mixed: pass --precision 16-mixed")
+    return choose_precision(precision, device)
+
+
+def render(result: dict[str, Any]) -> str:
+    from lit_qlora.memory.trace import CATEGORIES
+
+    rank = f" per rank ({result['world_size']} ranks, {result['strategy']})" if result["world_size"] > 1 else ""
+    lines = [f"Predicted peak {result['device']} memory{rank}: {result['peak_bytes'] / GiB:.2f} GiB", "",
+             f"{'category':<24}{'GiB':>9}"]
+    lines += [f"{name:<24}{result['by_category'][name] / GiB:>9.3f}" for name in CATEGORIES]
+    if result.get("offload_activations"):
+        lines += ["", f"Host memory for offloaded activations: {result['offload_host_bytes'] / GiB:.2f} GiB (not in "
+                      f"the peak above; {result['offload_pinned_bytes'] / GiB:.2f} GiB of pinned buffers)"]
+    if "traced_peaks" in result:
+        lines += ["", f"On {result['device_memory_bytes'] / GiB:.0f} GiB: the longest sequence that fits micro-batch "
+                      f"{result['micro_batch_size']} is {result['max_seq_length']} tokens "
+                      f"({result['bytes_per_token'] / 1024:.0f} KiB more per token; traced at "
+                      f"{', '.join(result['traced_peaks'])})"]
+    elif "device_memory_bytes" in result:
+        sizes = result["max_micro_batch_size_by_checkpointing"]
+        lines += ["", f"On {result['device_memory_bytes'] / GiB:.0f} GiB: largest micro-batch {sizes['on']} with "
+                      f"activation checkpointing, {sizes['off']} without"
+                      + (" (checkpointing is needed)" if result["activation_checkpointing_needed"] else "")]
+        if sizes["on"] == 0:
+            lines.append("Not even micro-batch 1 fits: use --quantize nf4, a shorter --train.max_seq_length, or "
+                         "more devices with --strategy fsdp.")
+    return "\n".join(lines)
