@@ -110,6 +110,68 @@ def test_command_writes_estimate_json_and_finds_the_largest_micro_batch(tmp_path
     assert "Predicted peak cpu memory" in printed and "largest micro-batch 3 with activation checkpointing" in printed
 
 
+def test_device_memory_units_mean_what_they_say_and_the_bytes_are_echoed(tmp_path, capsys):
+    from lit_qlora.estimate.command import parse_bytes
+
+    assert parse_bytes("24GB") == 24 * 10**9 and parse_bytes("24 GiB") == 24 << 30 and parse_bytes("24G") == 24 << 30
+    assert parse_bytes("512MiB") == 512 << 20 and parse_bytes("1.5GB") == 1_500_000_000
+    assert parse_bytes("1500000000") == parse_bytes("1500000000B") == 1_500_000_000
+    estimate(checkpoint_dir=str(config_only_dir(tmp_path)), device="cpu", out_dir=tmp_path / "o", device_memory="1GB",
+             train=TrainArgs(micro_batch_size=1, global_batch_size=1, max_seq_length=64))
+    assert "Device memory: 1GB = 1,000,000,000 bytes (0.93 GiB)" in capsys.readouterr().out
+
+
+def test_the_length_searchs_offload_line_names_auto_not_a_flag_the_user_never_passed(tmp_path, capsys):
+    common = dict(checkpoint_dir=str(config_only_dir(tmp_path)), device="cuda", lora=LoRAArgs(r=4, alpha=8, dropout=0.0))
+    budget = estimate(**common, out_dir=tmp_path / "fixed", train=TrainArgs(
+        micro_batch_size=1, global_batch_size=1, max_seq_length=3000, activation_checkpointing=True))["peak_bytes"]
+    result = estimate(**common, out_dir=tmp_path / "auto", device_memory=f"{budget * 2}B", train=TrainArgs(
+        micro_batch_size=1, global_batch_size=1, max_seq_length="auto", activation_checkpointing=True))
+    assert result["offload_reason"].startswith("auto: the longest-context search traces with it on")
+    printed = capsys.readouterr().out
+    assert "Offloaded activation checkpoints: on (auto: " in printed and "--train.offload_activations true" not in printed
+
+
+def test_the_trace_names_the_ops_behind_other_temporaries_and_the_peak():
+    """AllocationTrace keeps, at the peak, the live "other temporaries" bytes by the op (and step phase) that
+    allocated them, and the op that set the peak; other_temporaries names the largest three and sums the rest."""
+    from lit_qlora.estimate.step import other_temporaries
+    from lit_qlora.memory.trace import AllocationTrace
+
+    phase = ["forward"]
+    trace = AllocationTrace(lambda t: "activations" if t.dim() == 2 else "other temporaries", context=lambda: phase[0])
+    with trace:
+        x = torch.ones(64, 64)  # activations: 16 KiB
+        a, b = torch.ones(1000), torch.zeros(500)  # other: ones 4000 B, zeros 2000 B
+        phase[0] = "backward"
+        c, d = torch.arange(250.0), torch.full((100,), 2.0)  # arange 1000 B, full 400 B: the peak is set by full
+        del a  # after the peak: what was live then is what counts
+        torch.ones(10)
+    assert trace.peak_op == "full (backward)"
+    assert trace.peak_other_by_origin == {"ones (forward)": 4000, "zeros (forward)": 2000, "arange (backward)": 1000,
+                                          "full (backward)": 400}
+    parts = {"other temporaries": trace.peak_by_category["other temporaries"]}
+    assert other_temporaries(trace, parts) == {"ones (forward)": 4000, "zeros (forward)": 2000,
+                                               "arange (backward)": 1000, "everything else": 400}
+    fsdp = other_temporaries(trace, {"other temporaries": 7400 + 512})
+    assert fsdp["FSDP's gathered block and the prefetched next one"] == 512
+    del x, b, c, d
+
+
+def test_the_estimate_reports_what_the_peak_is_made_of(tmp_path, capsys):
+    """The estimate's breakdown of "other temporaries" adds up to the category; it names the op and phase that set
+    the peak, on screen and in estimate.json."""
+    result = estimate(checkpoint_dir=str(config_only_dir(tmp_path)), device="cpu", out_dir=tmp_path / "o",
+                      lora=LoRAArgs(r=4, alpha=8, dropout=0.0),
+                      train=TrainArgs(micro_batch_size=2, global_batch_size=2, max_seq_length=128))
+    parts = result["other_temporaries_by_op"]
+    assert len(parts) <= 4 and sum(parts.values()) == result["by_category"]["other temporaries"]
+    assert result["peak_operation"].split(" (")[1].rstrip(")") in ("forward", "backward", "optimizer",
+                                                                     "backward, recomputing a checkpointed block")
+    assert f"The peak is reached at: {result['peak_operation']}" in capsys.readouterr().out
+    assert json.loads((tmp_path / "o" / "estimate.json").read_text())["peak_operation"] == result["peak_operation"]
+
+
 def test_a_recipe_whose_checkpoint_is_not_downloaded_falls_back_to_its_preset_and_says_so():
     config, source = resolve_config("checkpoints/meta-llama/Llama-2-7b-hf")
     assert config.name == "Llama-2-7b" and "not downloaded" in source
@@ -252,6 +314,7 @@ def test_auto_length_finds_the_longest_sequence_a_budget_holds(tmp_path, capsys)
     assert result["max_seq_length"] == 2816 and result["peak_bytes"] <= budget  # 3072 > 3000 tokens do not fit
     assert json.loads((tmp_path / "auto" / "estimate.json").read_text())["max_seq_length"] == 2816
     assert "the longest sequence that fits micro-batch 1 is 2816 tokens" in capsys.readouterr().out
+    assert result["offload_reason"] == "auto: not on CUDA"  # (a CPU target: nothing was forced on for the search)
     with pytest.raises(SystemExit) as e:
         main(["estimate", "--checkpoint_dir", str(model_dir), "--out_dir", str(tmp_path / "o"),
               "--train.max_seq_length", "auto"])

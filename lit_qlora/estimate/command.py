@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 from lit_qlora.estimate.search import AUTO_LENGTH_TRACES, LENGTH_STEP, largest_batches, longest_context
-from lit_qlora.estimate.step import offload_decision, parallel_bytes, trace_step
+from lit_qlora.estimate.step import offload_decision, other_temporaries, parallel_bytes, trace_step
 from lit_qlora.hardware import PrecisionChoice, choose_precision
 from lit_qlora.train.args import DataArgs, LoRAArgs, TrainArgs
 
@@ -23,12 +23,14 @@ GiB = 1 << 30
 
 
 def parse_bytes(text: str) -> int:
-    """'24GiB', '24 GB', '80G', '512MiB' -> bytes (GB and G read as GiB: card sizes are quoted that way)."""
+    """A size as written: '24GiB' (2^30), '24GB' (10^9), '80G' (a bare prefix: binary, as cards are quoted),
+    '512MiB', '1500000000' or '1500000000B' (bytes)."""
     found = re.fullmatch(r"\s*([\d.]+)\s*([KMGT]?)(i?B)?\s*", str(text), flags=re.IGNORECASE)
     if not found:
         raise ValueError(f"--device_memory {text!r} is not a size; write it like 24GiB, 80GB or 512MiB.")
-    scale = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[found[2].upper()]
-    return int(float(found[1]) * scale)
+    power = " KMGT".index(found[2].upper() or " ")
+    decimal = bool(found[2]) and (found[3] or "").lower() == "b"  # GB: 10^9; GiB, G: 2^30
+    return int(float(found[1]) * (1000 if decimal else 1024) ** power)
 
 
 def resolve_config(checkpoint_dir: str | Path) -> tuple[Config, str]:
@@ -89,7 +91,8 @@ def estimate(
         device: cuda (predict torch.cuda.max_memory_allocated on a GPU) or cpu (allocated tensor bytes on a CPU).
         device_memory: The card's memory, e.g. 24GiB: also find the largest micro-batch size that fits, with and
             without activation checkpointing; with --train.max_seq_length auto, the longest sequence that fits at
-            the given micro-batch instead (and the host memory it needs for offloaded activations).
+            the given micro-batch instead (and the host memory it needs for offloaded activations). Units as
+            written: GiB (2^30 bytes), GB (10^9), a bare G reads as GiB; the bytes are echoed.
     """
     from lit_qlora.checkpoint.files import atomic_write_text
     from lit_qlora.model.config import Quantize
@@ -112,6 +115,8 @@ def estimate(
     train.accumulation(world_size // (tensor_parallel if strategy == "tp" else 1))  # checks the batch sizes
     train.require_valid_offload(device == "cuda")
     budget = parse_bytes(device_memory) if device_memory is not None else None
+    if budget is not None:
+        print(f"Device memory: {device_memory} = {budget:,} bytes ({budget / GiB:.2f} GiB)")
     if auto_length and budget is None:
         raise ValueError("--train.max_seq_length auto asks for the longest sequence that fits a card: give the card's "
                          "memory too, e.g. --device_memory 24GiB.")
@@ -123,19 +128,22 @@ def estimate(
 
     @functools.cache  # the batch and length searches may ask again for a size and setting already traced
     def predict(micro_batch_size: int, checkpointing: Any = train.activation_checkpointing,
-                length: Optional[int] = None, offload: Any = None) -> tuple[int, dict, int]:
-        """(peak device bytes, by category, host bytes of offloaded activations) at this batch, checkpointing,
-        sequence length and offload setting (defaults: the recipe's)."""
+                length: Optional[int] = None, offload: Any = None) -> tuple[int, dict, int, dict]:
+        """(peak device bytes, by category, host bytes of offloaded activations, what the peak is made of beyond the
+        categories) at this batch, checkpointing, sequence length and offload setting (defaults: the recipe's)."""
         offload = (train.offload_activations if offload is None else offload) if checkpointing else False
         trace = trace_step(config, quantize, precision, lora, replace(
             train, activation_checkpointing=checkpointing, offload_activations=offload,
             max_seq_length=length or train.max_seq_length), device, micro_batch_size, budget)
         parts = parallel_bytes(trace.peak_by_category, config, strategy, world_size, tensor_parallel)
-        return sum(parts.values()), parts, trace.host_peak
+        peak = {"peak_operation": trace.peak_op, "other_temporaries_by_op": other_temporaries(trace, parts)}
+        return sum(parts.values()), parts, trace.host_peak, peak
 
     searched: dict[str, Any] = {}
+    searched_with_offload = False
     if auto_length:
         if train.offload_activations == "auto" and train.activation_checkpointing and device == "cuda":
+            searched_with_offload = True
             # auto turns offload on at the lengths this search is about; one setting for every trace keeps the
             # growth a line (auto switching on between two traces would bend it)
             train = replace(train, offload_activations=True)
@@ -144,9 +152,11 @@ def estimate(
                                                           length, train.offload_activations)[0], budget, device)
         train = replace(train, max_seq_length=searched["max_seq_length"] or LENGTH_STEP)
     offload, offload_reason, pinned = offload_decision(config, precision, train, device, device_total=budget)
+    if searched_with_offload:  # (the flag the search set stands for the user's auto)
+        offload_reason = "auto: the longest-context search traces with it on, as auto turns it on at such lengths"
     print(f"Offloaded activation checkpoints: {'on' if offload else 'off'} ({offload_reason})")
-    peak, by_category, host = predict(train.micro_batch_size, train.activation_checkpointing, train.max_seq_length,
-                                      train.offload_activations)
+    peak, by_category, host, breakdown = predict(train.micro_batch_size, train.activation_checkpointing,
+                                                 train.max_seq_length, train.offload_activations)
     result: dict[str, Any] = {
         "model": config.name, "source": source, "quantize": str(quantize), "precision": precision,
         "precision_reason": precision_reason, "device": device,
@@ -154,7 +164,7 @@ def estimate(
         "micro_batch_size": train.micro_batch_size, "max_seq_length": train.max_seq_length,
         "activation_checkpointing": train.activation_checkpointing, "peak_bytes": peak, "by_category": by_category,
         "offload_activations": offload, "offload_reason": offload_reason, "offload_host_bytes": host,
-        "offload_pinned_bytes": pinned, "max_micro_batch_size": None,
+        "offload_pinned_bytes": pinned, "max_micro_batch_size": None, **breakdown,
     }
     if auto_length:
         result.update(device_memory_bytes=budget, **searched)
@@ -185,6 +195,9 @@ def render(result: dict[str, Any]) -> str:
     lines = [f"Predicted peak {result['device']} memory{rank}: {result['peak_bytes'] / GiB:.2f} GiB", "",
              f"{'category':<24}{'GiB':>9}"]
     lines += [f"{name:<24}{result['by_category'][name] / GiB:>9.3f}" for name in CATEGORIES]
+    lines += [f"  {part}: {nbytes / GiB:.3f}" for part, nbytes in result.get("other_temporaries_by_op", {}).items()]
+    if result.get("peak_operation"):
+        lines += ["", f"The peak is reached at: {result['peak_operation']}"]
     if result.get("offload_activations"):
         lines += ["", f"Host memory for offloaded activations: {result['offload_host_bytes'] / GiB:.2f} GiB (not in "
                       f"the peak above; {result['offload_pinned_bytes'] / GiB:.2f} GiB of pinned buffers)"]

@@ -272,7 +272,11 @@ def trace_step(config: Config, quantize: Quantize, precision: Precision, lora: L
                 return "activations"
             return "gradients" if (tuple(t.shape), t.dtype) in shapes else "other temporaries"
 
-        trace = AllocationTrace(categorize, CUDA_BLOCK if device == "cuda" else 1, frozenset({OFFLOADED}))
+        def context() -> str:  # named beside each op in the peak's breakdown
+            recomputing = phase.phase == "backward" and torch.is_grad_enabled()
+            return "backward, recomputing a checkpointed block" if recomputing else phase.phase
+
+        trace = AllocationTrace(categorize, CUDA_BLOCK if device == "cuda" else 1, frozenset({OFFLOADED}), context)
         for name, p in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers()):
             if p.requires_grad:
                 trace.hold(p, "LoRA weights")
@@ -310,6 +314,24 @@ def trace_step(config: Config, quantize: Quantize, precision: Precision, lora: L
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
     return trace
+
+
+FSDP_GATHER = "FSDP's gathered block and the prefetched next one"
+"""The part of "other temporaries" parallel_bytes adds under FSDP."""
+
+
+def other_temporaries(trace: AllocationTrace, parts: dict[str, int], largest: int = 3) -> dict[str, int]:
+    """"other temporaries" at the peak by what allocated them (the op, and the step's phase), the `largest` named and
+    the rest summed; FSDP's gathered blocks (parallel_bytes) apart."""
+    ranked = sorted(trace.peak_other_by_origin.items(), key=lambda item: -item[1])
+    named = dict(ranked[:largest])
+    rest = sum(nbytes for _, nbytes in ranked[largest:])
+    if rest:
+        named["everything else"] = rest
+    gathered = parts["other temporaries"] - trace.peak_by_category["other temporaries"]
+    if gathered:
+        named[FSDP_GATHER] = gathered
+    return named
 
 
 def parallel_bytes(by_category: dict[str, int], config: Config, strategy: str, world_size: int,

@@ -54,14 +54,20 @@ class AllocationTrace(TorchDispatchMode):
     activations) are host memory: counted apart (`host_peak`), never in the device's peak."""
 
     def __init__(self, categorize: Callable[[torch.Tensor], str], round_to: int = 1,
-                 host_categories: frozenset[str] = frozenset()) -> None:
+                 host_categories: frozenset[str] = frozenset(), context: Callable[[], str] = lambda: "") -> None:
         super().__init__()
         self.categorize = categorize
         self.round_to = round_to
         self.host_categories = host_categories
+        self.context = context  # what the step is doing (forward, backward...): named beside each op
         self.host_current = 0
         self.host_peak = 0
         self.live: dict[int, tuple[StorageWeakRef, int, str]] = {}
+        self.origins: dict[int, str] = {}  # live storage -> the op (and step phase) that allocated it
+        self.peak_other_by_origin: dict[str, int] = {}
+        """At the peak: the live "other temporaries" bytes by the op that allocated them."""
+        self.peak_op = ""
+        """The op (and step phase) whose allocation set the peak."""
         self.held: dict[int, torch.UntypedStorage] = {}
         self.by_category = dict.fromkeys(CATEGORIES, 0)
         self.current = 0  # an upper bound between sweeps: frees are noticed only when swept
@@ -88,13 +94,15 @@ class AllocationTrace(TorchDispatchMode):
         self.current += nbytes
         return nbytes
 
-    def _add(self, storage: torch.UntypedStorage, category: str) -> None:
+    def _add(self, storage: torch.UntypedStorage, category: str, origin: str = "") -> None:
         ref = StorageWeakRef(storage)
         if ref.cdata not in self.live and ref.cdata not in self.held:
             self.live[ref.cdata] = (ref, self._count(storage.nbytes(), category), category)
+            self.origins[ref.cdata] = origin
 
     def sweep(self) -> None:
         for key in [key for key, (ref, _, _) in self.live.items() if ref.expired()]:
+            self.origins.pop(key, None)
             _, nbytes, category = self.live.pop(key)
             if category in self.host_categories:
                 self.host_current -= nbytes
@@ -102,15 +110,22 @@ class AllocationTrace(TorchDispatchMode):
             self.by_category[category] -= nbytes
             self.current -= nbytes
 
-    def note_peak(self) -> None:
+    def note_peak(self, op: str = "") -> None:
         if self.current <= self.peak:
             return  # the upper bound is below the peak: the exact figure is too
         self.sweep()
         if self.current > self.peak:
-            self.peak, self.peak_by_category = self.current, dict(self.by_category)
+            self.peak, self.peak_by_category, self.peak_op = self.current, dict(self.by_category), op
+            other: dict[str, int] = {}
+            for key, (_, nbytes, category) in self.live.items():
+                if category == "other temporaries":
+                    other[self.origins[key]] = other.get(self.origins[key], 0) + nbytes
+            self.peak_other_by_origin = other
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*masks_as_all_true(func, args), **(kwargs or {}))
+        context = self.context()
+        origin = f"{func.overloadpacket.__name__}{f' ({context})' if context else ''}"
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 category = None
@@ -118,8 +133,8 @@ class AllocationTrace(TorchDispatchMode):
                     key = StorageWeakRef(storage).cdata
                     if key not in self.live and key not in self.held:
                         category = category or self.categorize(t)
-                        self._add(storage, category)
-        self.note_peak()
+                        self._add(storage, category, origin)
+        self.note_peak(origin)
         return out
 
 
