@@ -17,7 +17,6 @@ import inspect
 import os
 import sys
 import typing
-import warnings
 from pathlib import Path
 from types import UnionType
 from typing import Any, Callable, Literal, Optional
@@ -26,7 +25,7 @@ import yaml
 from jsonargparse import ActionConfigFile, ArgumentError, ArgumentParser, Namespace, set_parsing_settings
 
 from lit_qlora.errors import UserError
-from lit_qlora.quiet import quiet_third_party
+from lit_qlora.quiet import debug_children, quiet_library_logs
 from lit_qlora.train.signals import Interrupted, TrainingStopped
 
 Command = Callable[..., Any]
@@ -80,14 +79,6 @@ def is_user_error(error: Exception) -> bool:
     from lit_qlora.guards import is_oom  # imports torch: asked only of errors not ours (a command's checks raise ours)
 
     return is_oom(error)
-
-
-def quiet_library_logs() -> None:
-    """Third-party noise off (lit_qlora.quiet; what Lightning's Trainer prints during a fine-tune:
-    lit_qlora.train.progress.quiet_lightning), and Python warnings, ours included, as one line each instead of a
-    file name, line number and source line."""
-    quiet_third_party()
-    warnings.formatwarning = lambda message, category, filename, lineno, line=None: f"litqlora: warning: {message}\n"
 
 
 # Commands whose first argument may be given bare (`litqlora download REPO_ID`); every other argument is a flag.
@@ -409,9 +400,7 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     debug = debug_requested(argv)
     argv = expand_positional(argv)
-    if debug:
-        os.environ["LITQLORA_DEBUG"] = "1"  # for the processes a command starts (LitServe's workers, ranks)
-    else:
+    if not debug:
         quiet_library_logs()
     set_parsing_settings(docstring_parse_attribute_docstrings=True)  # dataclass field docstrings become --help
     table = commands()
@@ -425,6 +414,7 @@ def main(argv: list[str] | None = None) -> None:
               file=sys.stderr)
         sys.exit(2)
 
+    restore = debug_children(debug)
     try:
         run(parser, table, cfg)
     except TrainingStopped as e:
@@ -444,6 +434,8 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         print("litqlora: interrupted", file=sys.stderr)
         raise Interrupted(130) from None
+    finally:
+        restore()
 
 
 if __name__ == "__main__":

@@ -23,7 +23,9 @@ def packed_data(tmp_path):
     rows = [{"instruction": f"Add {i} and {i + 3}.", "output": f"{i} + {i + 3} = {2 * i + 3}."} for i in range(40)]
     path = tmp_path / "rows.json"
     path.write_text(json.dumps(rows))
-    return DataArgs(json_path=path, val_split=0.2, packing=True)  # every training batch has the same shape
+    # every training batch has the same shape; alpaca rows and the tied head adapted (fine_tune): the recipe the
+    # tolerances below were measured with
+    return DataArgs(json_path=path, val_split=0.2, packing=True, prompt_style="alpaca")
 
 
 def fine_tune(checkpoint_dir, out_dir, data, quantize, precision, compile, monkeypatch):
@@ -32,7 +34,8 @@ def fine_tune(checkpoint_dir, out_dir, data, quantize, precision, compile, monke
     # every offer of a heap release (HeapTrimmer decides whether to trim: that depends on the heap, not the hooks)
     monkeypatch.setattr(HeapTrimmer, "__call__", lambda self: releases.append(torch.is_grad_enabled()) or False)
     summary = finetune(checkpoint_dir=checkpoint_dir, out_dir=out_dir, quantize=quantize, precision=precision,
-                       accelerator="cpu", lora=LoRAArgs(r=4, alpha=8, dropout=0.1), data=data, compile=compile,
+                       accelerator="cpu", lora=LoRAArgs(r=4, alpha=8, dropout=0.1, targets=["all", "lm_head"]),
+                       data=data, compile=compile,
                        train=TrainArgs(micro_batch_size=2, global_batch_size=4, max_seq_length=64, lr=1e-2,
                                        warmup_steps=1, max_steps=3, activation_checkpointing=True))
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]

@@ -11,21 +11,24 @@ import pytest
 import torch
 
 import lit_qlora
-from lit_qlora.model.config import ADAPTER_DTYPES, DTYPE_NAMES, DTYPES, MIXED_PRECISIONS, PRECISION_DTYPES, Precision, Quantize
-from lit_qlora.hardware import PrecisionChoice
+from lit_qlora.hardware import PRECISION_ALIASES, PrecisionChoice
+from lit_qlora.model.config import (ADAPTER_DTYPES, DTYPE_NAMES, DTYPES, LOSS_SCALED_PRECISIONS, MIXED_PRECISIONS,
+                                    PRECISION_DTYPES, Precision, Quantize)
 
 
 def test_views_of_the_table_agree():
-    assert PRECISION_DTYPES == {"bf16-true": torch.bfloat16, "16-mixed": torch.float16, "16-true": torch.float16,
-                                "32-true": torch.float32}
-    # 16-mixed: fp16 base and compute, fp32 adapters (and so AdamW state); the only mixed one
-    assert ADAPTER_DTYPES == {**PRECISION_DTYPES, "16-mixed": torch.float32}
-    assert MIXED_PRECISIONS == {"16-mixed"}
+    assert PRECISION_DTYPES == {"bf16-true": torch.bfloat16, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16,
+                                "16-true": torch.float16, "32-true": torch.float32}
+    # the mixed ones: a bf16 or fp16 base and compute, fp32 adapters (and so AdamW state); fp16's is loss-scaled
+    assert ADAPTER_DTYPES == {**PRECISION_DTYPES, "bf16-mixed": torch.float32, "16-mixed": torch.float32}
+    assert MIXED_PRECISIONS == {"bf16-mixed", "16-mixed"} and LOSS_SCALED_PRECISIONS == {"16-mixed"}
     assert DTYPES == {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
     assert DTYPE_NAMES == {dtype: name for name, dtype in DTYPES.items()}
     assert typing.get_args(Precision) == tuple(PRECISION_DTYPES)
-    # what --precision takes (lit_qlora.hardware, light: no torch) is auto or a row of the table
-    assert typing.get_args(PrecisionChoice) == ("auto", *PRECISION_DTYPES)
+    # what --precision takes (lit_qlora.hardware, light: no torch) is auto, a row of the table or Lightning's alias
+    # of one
+    assert typing.get_args(PrecisionChoice) == ("auto", *PRECISION_DTYPES, *PRECISION_ALIASES)
+    assert set(PRECISION_ALIASES.values()) <= set(PRECISION_DTYPES)
     assert [q.value for q in Quantize] == ["nf4", "none"]
 
 
@@ -49,4 +52,4 @@ def test_cli_verbs_offer_the_tables_values(verb):
                 for name, hint in hints.items() if name in ("quantize", "precision")}
     assert typing.get_args(literals["quantize"]) == tuple(q.value for q in Quantize)
     if "precision" in literals:
-        assert typing.get_args(literals["precision"]) == ("auto", *PRECISION_DTYPES)
+        assert typing.get_args(literals["precision"]) == ("auto", *PRECISION_DTYPES, *PRECISION_ALIASES)

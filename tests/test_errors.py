@@ -119,7 +119,8 @@ CASES = [
     ("unknown-command", lambda c: ["finetun"], ["unknown command 'finetun'", "Did you mean `finetune`"], None),
     ("no-command", lambda c: [], ["no command given", "'finetune', 'estimate', 'download'"], None),
     ("bad-choice", lambda c: finetune_args(c, "--precision", "bf17"),
-     ["--precision: expected one of 'auto', 'bf16-true', '16-mixed', '16-true', '32-true', got 'bf17'"], None),
+     ["--precision: expected one of 'auto', 'bf16-true', 'bf16-mixed', '16-mixed', '16-true', '32-true', 'bf16', "
+      "'16', '32', got 'bf17'. The nearest lit-qlora takes: 'bf16'."], None),
     ("no-value", lambda c: finetune_args(c, "--resume"), ["--resume: expected bool, 'auto' or Path, got no value"],
      None),
     ("missing-required", lambda c: ["generate", "--checkpoint_dir", c.base], ["generate: --prompt is required"],

@@ -55,14 +55,14 @@ def parity(tiny_llama_dir, tmp_path_factory) -> SimpleNamespace:
     copy_tokenizer_files(tiny_llama_dir, base)
 
     model = load_model(base, "nf4")
-    apply_lora(model, r=4, alpha=8, targets="all", dtype=torch.bfloat16)
+    apply_lora(model, r=4, alpha=8, targets=["all", "lm_head"], dtype=torch.bfloat16)  # the tied head too, named
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_" in name:
                 p.copy_(torch.randn(p.shape, generator=gen) * (0.2 if name.endswith("lora_B") else 0.1))
     adapter = save_adapter(model, root / "adapter", {
-        "r": 4, "alpha": 8, "targets": ["all"], "rslora": False, "quantize": "nf4",
+        "r": 4, "alpha": 8, "targets": ["all", "lm_head"], "rslora": False, "quantize": "nf4",
         "base_dtype": "bfloat16", "lora_dtype": "bfloat16"})
     merged = merge(base, adapter, root / "merged")  # quantize defaults to the adapter's: nf4
     return SimpleNamespace(base=base, adapter=adapter, merged=merged)
