@@ -220,7 +220,7 @@ def test_online_nf4_adapter_equals_merged(parity, tmp_path):
 @pytest.mark.slow
 def test_smollm2_scores_equal_hflm(smollm2_dir, tmp_path):
     """The same on real weights (a real config and real, peaked distributions), on the first 3 questions: HFLM
-    is slow on a 135M model on CPU (benchmarks/eval_speed.py)."""
+    is slow on a 135M model on CPU (benchmarks/evaluation/eval_speed.py)."""
     ours = evaluate(checkpoint_dir=smollm2_dir, tasks=",".join(TASKS), data_file=SAMPLE_DATA_FILE,
                     precision="32-true", limit=3, batch_size=8, out_dir=tmp_path / "ours")
     theirs = hflm_evaluate(smollm2_dir, TASKS, tmp_path, limit=3)

@@ -20,7 +20,6 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 KIT = ROOT / "benchmarks" / "gpu"
 sys.path.insert(0, str(KIT))
-sys.path.insert(0, str(KIT.parent))
 
 import check  # noqa: E402
 import gpu_suite  # noqa: E402

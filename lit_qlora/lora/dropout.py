@@ -13,7 +13,7 @@ lanes at a time by the C kernel beside the NF4 ones (PyTorch ops where it is una
 The dropped copy of x is itself never written where it can be avoided (`down`, `down_backward`): one C kernel
 pass hashes, scales and multiplies by A for every adapter of one input, and backward's pass makes the A gradients
 and adds the input gradient in place. Writing the copy, page faults on its fresh memory included, had made
-dropout 0.05 cost 13.5% of a SmolLM2 4x512 step; 6% now (`benchmarks/dropout_ab.py`, benchmarks/README.md).
+dropout 0.05 cost 13.5% of a SmolLM2 4x512 step; 6% now (`benchmarks/ab/dropout_ab.py`, benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -253,7 +253,7 @@ class _ReplayedDropoutDown(torch.autograd.Function):
 class _ReplayedLoRA(torch.autograd.Function):
     """A whole LoRA term added to the base's output, ``out + scale * dropout(x) @ a^T @ b^T``, with the mask replayed
     as in `_ReplayedDropoutDown`: one autograd node and 5 kernels forward, 8 backward, where the same term as
-    separate ops took 7 and 13 (benchmarks/launch_count.py). An eager GPU step is bound by its host, which pays for
+    separate ops took 7 and 13 (benchmarks/gpu/launch_count.py). An eager GPU step is bound by its host, which pays for
     every kernel and node: an 8B step has 224 adapters, each run forward twice (checkpointing) and backward once.
     Saved: x (as before), the factors and the r-wide ``h = scale * dropout(x) a^T``."""
 

@@ -1,7 +1,7 @@
 """Fast NF4 quantize / dequantize that produce and consume torchao ``NF4Tensor`` objects.
 
 torchao's :class:`~torchao.quantization.NF4Tensor` stays the storage format (its FSDP2 hooks, aten ops and
-state-dict handling keep working); only the hot paths are ours (CPU numbers: benchmarks/nf4_kernels.py):
+state-dict handling keep working); only the hot paths are ours (CPU numbers: benchmarks/speed/nf4_kernels.py):
 
 * :func:`quantize_nf4` builds an ``NF4Tensor`` whose inner tensors are bit-for-bit what
   ``torchao.quantization.to_nf4(w, block_size, scaler_block_size)`` builds, 55-75x faster on CPU (18-25x on

@@ -10,7 +10,7 @@ step time on SmolLM2 4x512: benchmarks/README, issue 16.)
 many tokens through a wide weight, it dequantizes the weight whole instead.)
 On CPU the dense slice is written into a per-thread scratch buffer reused across calls: a fresh multi-MB
 allocation costs more in page faults (~2.5 GB/s on small VMs) than the dequantization itself
-(benchmarks/results/nf4_kernels.md). ``LIT_QLORA_NF4_SCRATCH=0`` turns the buffer off.
+(benchmarks/speed/results/nf4_kernels.md). ``LIT_QLORA_NF4_SCRATCH=0`` turns the buffer off.
 
 On CUDA (with Triton) a weight is dequantized whole, one kernel launch (:mod:`lit_qlora.nf4.triton`), into a
 per-device buffer (one per process) the size of the largest weight: no slices, no fresh allocation per call.

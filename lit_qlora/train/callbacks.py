@@ -169,7 +169,7 @@ class HeapRelease(Callback):
     glibc keeps freed blocks below its (dynamic, up to 32 MB) mmap threshold in the heap: on a 1.1B model at 1x512
     (checkpointing on) a QLoRA step left ~0.5 GB of freed activations resident, and the next backward stacked its
     own peak on top. Trimming at every one of those points kept the peak but cost ~1.4 M page faults per SmolLM2
-    4x512 step; the budget keeps the working set resident (benchmarks/results/heap_release.md)."""
+    4x512 step; the budget keeps the working set resident (benchmarks/ab/results/heap_release.md)."""
 
     def __init__(self, trimmer: Optional[HeapTrimmer] = None) -> None:
         self.trimmer = trimmer or HeapTrimmer()

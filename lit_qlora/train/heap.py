@@ -3,7 +3,7 @@
 glibc keeps freed blocks in its heap. Training's temporaries (multi-MB activations, under glibc's dynamic mmap
 threshold) leave holes between longer-lived tensors, and each block's forward lands partly on pages the previous
 block did not touch: without a release the resident heap grows ~10 MB per block and a SmolLM2 4x512 QLoRA run
-peaks 600 MB higher (benchmarks/results/heap_release.md). `malloc_trim` after every block keeps the peak, but it
+peaks 600 MB higher (benchmarks/ab/results/heap_release.md). `malloc_trim` after every block keeps the peak, but it
 hands back each block's whole working set, which the next block faults in again (~1.4 M page faults, ~5 GB, per
 step). Trimming only once the resident free bytes have grown by a budget beyond that working set lets several
 blocks run between trims, each reusing the pages the previous one freed.

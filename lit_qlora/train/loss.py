@@ -26,7 +26,7 @@ def _head_ce_sum(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Ten
 LOGITS_CHUNK_ELEMS = 1 << 22
 # On CUDA, 8x more: 128 MiB of fp32 logits a chunk. Each chunk or vocabulary slice costs a dozen kernel launches and
 # their Python, and an eager 8B step at 2x2048 is bound by its host: at 4M logits the loss launched 5.6k of the step's
-# 15.7k kernels (QLoRA: 126 head slices; LoRA: 128 token chunks; benchmarks/launch_count.py), at 32M 0.8k. The
+# 15.7k kernels (QLoRA: 126 head slices; LoRA: 128 token chunks; benchmarks/gpu/launch_count.py), at 32M 0.8k. The
 # chunk's transients (~0.5 GiB) stay under the step's peak, a checkpointed block's recompute (`litqlora estimate`).
 CUDA_LOGITS_CHUNK_ELEMS = 1 << 25
 

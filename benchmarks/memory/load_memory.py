@@ -1,0 +1,140 @@
+"""Peak RSS of streaming a ~1.1B checkpoint (TinyLlama shape, random weights) into the model.
+
+    python benchmarks/memory/load_memory.py            # writes the checkpoint once under benchmarks/_work/, then measures
+
+Each measurement runs in a fresh child process (one configuration per process); peak RSS comes from the OS
+(`resource.getrusage(RUSAGE_SELF).ru_maxrss` read inside the child after loading). Results go to
+benchmarks/memory/results/load_memory.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import time
+from datetime import date
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+WORK = HERE.parent / "_work"
+RESULTS = HERE / "results"
+
+
+def write_tinyllama(path: Path) -> Path:
+    """A random TinyLlama-1.1B-shaped Hugging Face directory in bf16 (written tensor by tensor)."""
+    import torch
+
+    from lit_qlora.checkpoint.hf import save_hf_checkpoint
+
+    from lit_qlora.checkpoint.files import TensorSpec
+    from lit_qlora.model.config import Config
+    from lit_qlora.model.transformer import Transformer
+
+    if (path / "model.safetensors").is_file():
+        return path
+    config = Config.from_name("TinyLlama-1.1B")
+    with torch.device("meta"):
+        model = Transformer(config)
+    gen = torch.Generator().manual_seed(0)
+
+    def produce(shape):
+        return lambda: (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)
+
+    specs = [TensorSpec(n, t.shape, torch.bfloat16, produce(t.shape)) for n, t in model.state_dict().items()]
+    return save_hf_checkpoint(path, config, specs, dtype=torch.bfloat16)
+
+
+def child(checkpoint_dir: str, quantize: str) -> None:
+    """Runs in its own process: load, then report peak RSS and the model's resident bytes."""
+    import torch
+
+    from lit_qlora.checkpoint.loading import load_model
+    from lit_qlora.memory.accounting import module_bytes, peak_rss_bytes
+    from lit_qlora.nf4 import nf4_backend
+
+    nf4_backend()  # libraries imported and the NF4 kernel built: the baseline holds code, not weights
+    base_rss = peak_rss_bytes()
+    t0 = time.perf_counter()
+    model = load_model(checkpoint_dir, quantize, "bf16-true")
+    # safetensors may hand out memory-mapped tensors: touch every byte so the weights are really resident.
+    # Touch in 1M-element pieces so the touching itself adds no transient.
+    with torch.no_grad():
+        for t in list(model.parameters()) + list(model.buffers()):  # not state_dict(): it dequantizes NF4
+            if type(t) is torch.Tensor:
+                for piece in t.reshape(-1).split(1 << 20):
+                    piece.sum(dtype=torch.float32)
+    seconds = time.perf_counter() - t0
+
+    print(json.dumps({
+        "quantize": quantize,
+        "peak_rss_bytes": peak_rss_bytes(),
+        "rss_before_load_bytes": base_rss,
+        "model_bytes": module_bytes(model),
+        "load_seconds": round(seconds, 2),
+    }))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quantize", nargs="+", default=["none"], choices=["none", "nf4"])
+    parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        return child(*args.child)
+
+    import torch
+
+    ckpt = write_tinyllama(WORK / "tinyllama-1.1b-random")
+    file_bytes = sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))
+    # The interpreter with torch and the model code imported, nothing loaded: subtracted to isolate the load.
+    rows = []
+    for quantize in args.quantize:
+        out = subprocess.run([sys.executable, __file__, "--child", str(ckpt), quantize], check=True,
+                             capture_output=True, text=True).stdout
+        row = json.loads(out.strip().splitlines()[-1])
+        row["checkpoint_bytes"] = file_bytes
+        row["load_rss_bytes"] = row["peak_rss_bytes"] - row["rss_before_load_bytes"]
+        row["load_rss_over_model"] = round(row["load_rss_bytes"] / row["model_bytes"], 3)
+        row["load_rss_over_checkpoint"] = round(row["load_rss_bytes"] / file_bytes, 3)
+        rows.append(row)
+        print(json.dumps(row))
+
+    RESULTS.mkdir(exist_ok=True)
+    previous = {}
+    json_path = RESULTS / "load_memory.json"
+    if json_path.is_file():
+        previous = {r["quantize"]: r for r in json.loads(json_path.read_text())["runs"]}
+    previous.update({r["quantize"]: r for r in rows})
+    record = {
+        "benchmark": "streaming load of a random TinyLlama-1.1B-shaped bf16 checkpoint",
+        "date": date.today().isoformat(),
+        "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}, {torch.get_num_threads()} threads",
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "command": "python benchmarks/memory/load_memory.py --quantize " + " ".join(args.quantize),
+        "runs": list(previous.values()),
+    }
+    json_path.write_text(json.dumps(record, indent=2) + "\n")
+    gib = 1024**3
+    lines = [
+        f"# Streaming load, TinyLlama-1.1B shape ({record['date']}, {record['machine']}, torch {record['torch']})",
+        "",
+        f"Reproduce: `{record['command']}`. Load RSS = peak RSS of the child minus its RSS before loading (libraries already imported). Goal for nf4: RSS / model <= 1.3.",
+        "",
+        "| base | checkpoint (GiB) | model in memory (GiB) | load peak RSS (GiB) | RSS / model | RSS / checkpoint | seconds |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in record["runs"]:
+        lines.append(
+            f"| {r['quantize']} | {r['checkpoint_bytes'] / gib:.3f} | {r['model_bytes'] / gib:.3f} | "
+            f"{r['load_rss_bytes'] / gib:.3f} | {r['load_rss_over_model']} | {r['load_rss_over_checkpoint']} | "
+            f"{r['load_seconds']} |"
+        )
+    (RESULTS / "load_memory.md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
