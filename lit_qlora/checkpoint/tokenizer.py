@@ -82,8 +82,6 @@ class Tokenizer:
         self.eos_ids: list[int] = list(dict.fromkeys(eos_ids))
         self.prompt_format: Optional[Callable[[list[dict[str, Any]]], list[int]]] = None
         """Set to a fine-tune's prompt format (lit_qlora.data.inference): encode_chat and encode_prompt use it."""
-        self.prompt_style: Optional[str] = None
-        """The name of that format's prompt style."""
 
     @property
     def vocab_size(self) -> int:

@@ -30,7 +30,6 @@ def use_prompt_style(tokenizer: Tokenizer, style: str) -> Tokenizer:
     """`tokenizer`, whose encode_chat / encode_prompt now format conversations in `style` (a name, or auto)."""
     prompt_style = get_prompt_style(style, tokenizer)
     tokenizer.prompt_format = lambda messages: prompt_ids(prompt_style, messages)
-    tokenizer.prompt_style = prompt_style.name
     return tokenizer
 
 

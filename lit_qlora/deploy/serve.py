@@ -70,7 +70,7 @@ def serve_command(
         model_name: The model id /v1/models lists (default: the adapter's or checkpoint's directory name).
     """
     from lit_qlora.checkpoint.adapter import read_adapter_config
-    from lit_qlora.data.inference import trained_style, trained_tokenizer
+    from lit_qlora.data.inference import trained_tokenizer
     from lit_qlora.deploy.gguf_import import DEFAULT_CHECKPOINT, ensure_default_checkpoint
 
     checkpoint_dir = Path(checkpoint_dir or DEFAULT_CHECKPOINT)
@@ -78,7 +78,8 @@ def serve_command(
     # Checked here, where a bad path is a one-line error: in LitServe's worker it is a traceback and a failed start.
     if adapter_dir is not None:
         read_adapter_config(adapter_dir)
-    if not trained_tokenizer(checkpoint_dir, adapter_dir).has_chat_template and trained_style(adapter_dir) is None:
+    tokenizer = trained_tokenizer(checkpoint_dir, adapter_dir)
+    if not tokenizer.has_chat_template and tokenizer.prompt_format is None:
         raise ValueError(f"{checkpoint_dir} has no chat template (tokenizer_config.json chat_template) and no "
                          "fine-tune's prompt style was given (--adapter_dir): serve answers chat messages through one "
                          "of them. Serve a chat model or a fine-tune of it, or use `litqlora generate` for this one.")
