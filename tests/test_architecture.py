@@ -36,7 +36,8 @@ LAYERS = (
     ("lit_qlora.data",),
     ("lit_qlora.deploy",),  # serves a fine-tune in the prompt format it trained in (data.inference)
     ("lit_qlora.train",),
-    ("lit_qlora.estimate", "lit_qlora.eval"),
+    ("lit_qlora.preference",),  # litqlora dpo: train/'s run with its own data module and LightningModule
+    ("lit_qlora.estimate", "lit_qlora.eval"),  # estimate --method dpo traces the preference step
     ("lit_qlora.cli",),
 )
 
@@ -224,7 +225,8 @@ def imported_names(sources=SOURCES, extra=("tests", "benchmarks", "scripts")) ->
     sources, tests, benchmarks and scripts, at a module's top or inside a function, and in the tutorials' code."""
     found = set()
     files = [path for root, _ in sources for path in root.rglob("*.py")]
-    files += [path for folder in extra for path in (REPO / folder).rglob("*.py")]
+    # (benchmarks/_work holds the peers' virtual environments: not ours, and ignored by git)
+    files += [path for folder in extra for path in (REPO / folder).rglob("*.py") if "_work" not in path.parts]
     for path in files:
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
             where = f"{path.relative_to(REPO)}:{getattr(node, 'lineno', 0)}"

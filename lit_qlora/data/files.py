@@ -1,5 +1,5 @@
-"""The files rows come in: the instruction set shipped with the package, JSON and JSONL read with each row's line
-(for errors that point at it), and a file's digest (a run's recipe records its data by content)."""
+"""The files rows come in: the instruction and preference sets shipped with the package, JSON and JSONL read with
+each row's line (for errors that point at it), and a file's digest (a run's recipe records its data by content)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from lit_qlora.data.errors import DataError
 
 # The instruction dataset shipped with the package (see scripts/make_demo.py), found from any working directory.
 DEMO_DATASET = Path(str(files("lit_qlora.data").joinpath("demo.jsonl")))
+# Its preference pairs (see scripts/make_preference_demo.py): each demo prompt with a right and a wrong answer.
+PREFERENCE_DEMO_DATASET = Path(str(files("lit_qlora.data").joinpath("preference_demo.jsonl")))
 
 FORMAT_HELP = (
     "Each row must hold `instruction` and `output` strings (optional `input`), or `messages`: a list of "

@@ -73,6 +73,9 @@ class TrainArgs:
     early_stopping_patience: Optional[int] = None
     """With eval_interval: stop after K validations in a row without a lower validation loss; final/ is then the
     best adapter."""
+    init_adapter: Optional[Path] = None
+    """Start from a finished run's adapter (its out_dir or final/; e.g. SFT before `litqlora dpo`) instead of a new
+    one: its rank, alpha, targets and prompt style are taken with it."""
 
     def accumulation(self, world_size: int) -> int:
         per_step = self.micro_batch_size * world_size
@@ -214,3 +217,20 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             flat[f"{prefix}{key}"] = value
     return flat
+
+
+def with_init_adapter(lora: LoRAArgs, data: DataArgs, init_adapter: Optional[Path]) -> tuple[LoRAArgs, DataArgs]:
+    """--train.init_adapter: the adapter's shape (r, alpha, targets, rslora) replaces --lora.*'s (a run goes on from
+    it; --lora.dropout stays the user's), and --data.prompt_style auto becomes the style it trained in."""
+    if init_adapter is None:
+        return lora, data
+    from dataclasses import replace
+
+    from lit_qlora.checkpoint.adapter import read_adapter_config
+
+    config = read_adapter_config(Path(init_adapter))
+    lora = replace(lora, r=config["r"], alpha=config["alpha"], targets=list(config["targets"]),
+                   rslora=bool(config.get("rslora", False)))
+    if data.prompt_style == "auto" and config.get("prompt_style"):
+        data = replace(data, prompt_style=config["prompt_style"])
+    return lora, data

@@ -89,6 +89,8 @@ class ResumableCheckpoints(Callback):
         if trainer.is_global_zero:
             state = {"total_steps": self.total_steps, "run": self.run, "initial_val_loss": pl_module.initial_val_loss,
                      "totals": self.totals(pl_module.history)}
+            if pl_module.initial_val_metrics:  # an objective's validation numbers before the first step
+                state["initial_val_metrics"] = pl_module.initial_val_metrics
             if pl_module.validation_record is not None:  # --train.eval_interval: best step, early stop
                 state["validation"] = pl_module.validation_record.as_json()
             loss_scale = getattr(trainer.precision_plugin, "loss_scale", lambda: None)()

@@ -104,11 +104,15 @@ class SFTDataModule(L.LightningDataModule):
             train_rows, val_rows = rows, self.read(self.source, args.val_split)
         else:
             train_rows, val_rows = split_rows(rows, args.val_split, self.seed)
-        train = tokenize_rows(train_rows, self.style, self.tokenizer, self.max_seq_length)
+        train = self.tokenize(train_rows)
         if self.args.packing:
             train = pack(train, self.max_seq_length)
         self.train_set = SFTDataset(train)
-        self.val_set = SFTDataset(tokenize_rows(val_rows, self.style, self.tokenizer, self.max_seq_length))
+        self.val_set = SFTDataset(self.tokenize(val_rows))
+
+    def tokenize(self, rows: list[dict]) -> list:
+        """Samples of validated rows (what `read` returns)."""
+        return tokenize_rows(rows, self.style, self.tokenizer, self.max_seq_length)
 
     def _require_setup(self) -> SFTDataset:
         if self.train_set is None:

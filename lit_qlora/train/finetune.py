@@ -14,7 +14,7 @@ from typing import Any, Literal, Optional, Union
 from lit_qlora.deploy.gguf_import import DEFAULT_CHECKPOINT
 from lit_qlora.errors import UserError
 from lit_qlora.hardware import PrecisionChoice, choose_precision, cpu_emulates, uses_cuda
-from lit_qlora.train.args import DataArgs, ExportArgs, LoRAArgs, TrainArgs, data_source
+from lit_qlora.train.args import DataArgs, ExportArgs, LoRAArgs, TrainArgs, data_source, with_init_adapter
 from lit_qlora.train.loggers import LoggerName, require_loggers
 
 def finetune(
@@ -80,6 +80,19 @@ def finetune(
             MLFLOW_TRACKING_URI is set; pip install mlflow).
         export: More exports of the fine-tune beside final/'s adapter, merged model and PEFT adapter.
     """
+    return start_run(checkpoint_dir, out_dir, quantize, precision, seed, accelerator, devices, num_nodes, strategy,
+                     tensor_parallel, nf4_shards, resume, lora, train, data, ignore_modules, compile, overwrite, logger,
+                     export)
+
+
+def start_run(checkpoint_dir: Path, out_dir: Path, quantize: str, precision: str, seed: int, accelerator: str,
+              devices: int, num_nodes: int, strategy: str, tensor_parallel: int, nf4_shards: Optional[int],
+              resume: Union[bool, str, Path], lora: LoRAArgs, train: TrainArgs, data: DataArgs,
+              ignore_modules: Optional[list[str]], compile: Union[bool, str], overwrite: bool,
+              logger: Union[str, list[str]], export: ExportArgs, hooks: Optional[Any] = None) -> dict[str, Any]:
+    """`finetune`'s checks, resume and run, for any objective: `hooks` (lit_qlora.train.run.RunHooks) is what a verb
+    above train/ trains instead of SFT (`litqlora dpo`)."""
+
     from lit_qlora.model.config import require_checkpoint_dir
     from lit_qlora.data.formats import require_source
     from lit_qlora.data.files import require_data_file
@@ -97,6 +110,11 @@ def finetune(
         if source is not None:
             require_source(source)
     loggers = require_loggers(logger)
+    if train.init_adapter is not None:
+        from lit_qlora.checkpoint.adapter import read_adapter_config
+
+        read_adapter_config(Path(train.init_adapter))  # it exists and is an adapter: a clear error now, not after loading
+    lora, data = with_init_adapter(lora, data, train.init_adapter)
     if export.gguf and Path(checkpoint_dir).is_dir():  # (the default checkpoint, not yet converted: after training)
         from lit_qlora.deploy.gguf_export import require_exportable
         from lit_qlora.lora.layer import resolve_targets
@@ -114,8 +132,8 @@ def finetune(
     resume_from = resolve_resume(resume, Path(out_dir))
     if resume_from is not None:
         state = read_state(resume_from)
-        require_same_recipe(state, resume_from, recipe(checkpoint_dir, quantize, precision, seed, lora, train, data,
-                                                       ignore_modules))
+        now = recipe(checkpoint_dir, quantize, precision, seed, lora, train, data, ignore_modules)
+        require_same_recipe(state, resume_from, {**now, **(hooks.recorded() if hooks else {})})
         finished = finished_summary(Path(out_dir), state, train.max_steps)
         if finished is not None:
             return finished
@@ -125,7 +143,7 @@ def finetune(
                      accelerator=accelerator, devices=devices, num_nodes=num_nodes, strategy=strategy,
                      tensor_parallel=tensor_parallel, nf4_shards=nf4_shards, resume=resume_from or False, lora=lora,
                      train=train, data=data, ignore_modules=ignore_modules, compile=compile,
-                     precision_reason=precision_reason, logger=loggers, export=export))
+                     precision_reason=precision_reason, logger=loggers, export=export, hooks=hooks))
 
 
 COMPILE_EMULATED = (

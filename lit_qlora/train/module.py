@@ -45,7 +45,12 @@ class FinetuneModule(L.LightningModule):
         # One row per optimizer step of this process: metrics.jsonl's columns plus the step's `seconds`.
         self.history: list[dict[str, Any]] = []
         self.val_loss: Optional[float] = None
+        # An objective's own numbers (lit_qlora.preference: rewards/chosen, ...): the step's, in its metrics row
+        # and under train/ in the loggers; the last validation's, in its metrics row and under eval/.
+        self.extra_metrics: dict[str, float] = {}
+        self.val_metrics: dict[str, float] = {}
         self.initial_val_loss: Optional[float] = None  # before the run's first step (a resumed run: from its checkpoint)
+        self.initial_val_metrics: dict[str, float] = {}
         # --train.eval_interval: what the validations during training decided (lit_qlora.train.validation), which
         # each checkpoint records; None without it.
         self.validation_record: Optional[Any] = None
@@ -195,10 +200,11 @@ class FinetuneModule(L.LightningModule):
         peak_memory = max(peak_memory_stats(self.device).values())
         row = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                "tokens_per_sec": tokens / max(seconds, 1e-9), "peak_memory_bytes": peak_memory, "tokens": tokens,
-               **({"skipped": skipped} if skipped else {}), **self._step_compile_seconds()}
+               **self.extra_metrics, **({"skipped": skipped} if skipped else {}), **self._step_compile_seconds()}
         self.history.append({**row, "seconds": seconds})
         # A skipped step logs NaN for its loss and gradient norm: left out, Lightning would repeat the last ones.
         numbers = {TAGS[k]: float("nan") if v is None else float(v) for k, v in row.items() if k in TAGS}
+        numbers.update({f"train/{k}": float(v) for k, v in self.extra_metrics.items()})
         self.log_dict({**numbers, "step": float(step)})  # "step": Lightning's logger takes it as the x-axis value
 
     def _step_compile_seconds(self) -> dict[str, float]:
@@ -246,4 +252,8 @@ class FinetuneModule(L.LightningModule):
     def on_validation_epoch_end(self) -> None:
         self.val_loss = self.reduced_val_loss()
         # Every rank holds the same reduced value: sync_dist only tells Lightning so (it averages equal numbers).
-        self.log_dict({TAGS["val_loss"]: self.val_loss, "step": float(self.step)}, sync_dist=True)
+        self.log_dict({**self.validation_scalars(), "step": float(self.step)}, sync_dist=True)
+
+    def validation_scalars(self) -> dict[str, float]:
+        """The last validation's numbers by logger tag."""
+        return {TAGS["val_loss"]: self.val_loss}

@@ -13,6 +13,7 @@ def print_report(summary: dict[str, Any], out_dir: Path) -> None:
         *([("precision", summary["precision"])] if summary.get("precision") else []),
         ("train loss (last step)", loss(summary["train_loss"])),
         ("val loss (before -> after)", f"{loss(summary['initial_val_loss'])} -> {loss(summary['val_loss'])}"),
+        *objective_rows(summary),
         (f"tokens/s (after {warmup(summary)})", f"{summary['tokens_per_sec']:.1f}" if summary["tokens_per_sec"] else "-"),
         *compile_rows(summary),
         ("peak RSS (whole run)", f"{summary['peak_rss_bytes'] / gib:.2f} GiB"),
@@ -29,6 +30,12 @@ def print_report(summary: dict[str, Any], out_dir: Path) -> None:
     ]
     width = max(len(k) for k, _ in rows)
     print("\n".join([f"\nRun finished: {out_dir}"] + [f"  {k:<{width}}  {v}" for k, v in rows]))
+
+
+def objective_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
+    """An objective's validation numbers before and after (`litqlora dpo`: eval_rewards/accuracies, ...)."""
+    return [(f"{k[len('eval_'):]} (val, before -> after)", f"{summary[f'initial_{k}']:.4f} -> {summary[k]:.4f}")
+            for k in summary if k.startswith("eval_") and summary.get(f"initial_{k}") is not None]
 
 
 def warmup(summary: dict[str, Any]) -> str:

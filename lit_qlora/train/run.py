@@ -40,6 +40,20 @@ from lit_qlora.train.state import read_state
 
 
 @dataclass
+class RunHooks:
+    """What a verb above train/ changes in a run (`litqlora dpo`, lit_qlora.preference, passes its own; train/ never
+    imports it): the data module and the LightningModule it builds, and the settings it adds to the recipe."""
+
+    method: str = "sft"  # state.json's run and final/adapter_config.json say which
+    recipe: dict[str, Any] = field(default_factory=dict)  # its settings: part of the recipe a resume must match
+    data_module: Optional[Callable[..., Any]] = None  # as SFTDataModule(data, tokenizer, max_seq_length, micro, seed)
+    module: Optional[Callable[..., Any]] = None  # (model, data module, RunConfig) -> a FinetuneModule
+
+    def recorded(self) -> dict[str, Any]:
+        return {} if self.method == "sft" else {"method": self.method, **self.recipe}
+
+
+@dataclass
 class RunConfig:
     """A run's resolved settings."""
 
@@ -64,6 +78,8 @@ class RunConfig:
     precision_reason: str = "given with --precision"
     tied_head: bool = False  # the base's head is its embedding: `all` leaves it out (lit_qlora.lora.resolve_targets)
     prompt_style: Optional[str] = None  # the style rows were rendered in (--data.prompt_style, auto resolved)
+    hooks: RunHooks = field(default_factory=lambda: RunHooks())  # what trains: SFT, or a verb's objective
+    initial_val_metrics: dict[str, float] = field(default_factory=dict)  # a resumed run's, from its checkpoint
 
     @property
     def dtype(self) -> torch.dtype:
@@ -83,7 +99,7 @@ class RunConfig:
     def as_json(self) -> dict[str, Any]:
         """What every checkpoint's state.json records as "run": the recipe and how it was laid out on devices."""
         return {**recipe(self.checkpoint_dir, self.quantize, self.precision, self.seed, self.lora, self.train, self.data,
-                         self.ignore_modules),
+                         self.ignore_modules), **self.hooks.recorded(),
                 "world_size": self.world_size, "strategy": self.strategy, "tensor_parallel": self.tensor_parallel,
                 "nf4_shards": self.nf4_shards, "compile": self.compile}
 
@@ -98,6 +114,7 @@ class RunConfig:
             "lora_dtype": lora_dtype_name, "base_model": str(Path(self.checkpoint_dir).resolve()),
             "ignore_modules": self.ignore_modules, "nf4_world_size": self.nf4_shards,
             "prompt_style": self.prompt_style,  # inference and exports format prompts as training did
+            **({"method": self.hooks.method} if self.hooks.method != "sft" else {}),
             **({"nf4_tensor_parallel": self.tensor_parallel} if self.quantize is Quantize.NF4 and self.tensor_parallel > 1
                else {}),
         }
@@ -127,10 +144,12 @@ def setup(checkpoint_dir: Path, out_dir: Path, quantize: str, precision: str, se
           devices: int, num_nodes: int, strategy: str, tensor_parallel: int, nf4_shards: Optional[int],
           resume: Union[bool, str, Path], lora: LoRAArgs, train: TrainArgs, data: DataArgs,
           ignore_modules: Optional[list[str]], compile: bool = False, precision_reason: Optional[str] = None,
-          logger: Sequence[str] = ("tensorboard",), export: ExportArgs = ExportArgs()) -> Run:
+          logger: Sequence[str] = ("tensorboard",), export: ExportArgs = ExportArgs(),
+          hooks: Optional[RunHooks] = None) -> Run:
     """Check the settings, load the data and the base (NF4 unless quantize=none), add LoRA, build the Trainer.
     `precision` may be auto (resolved here); `precision_reason` says why it is what it is (summary.json); `logger`
-    names the loggers besides metrics.jsonl (lit_qlora.train.loggers)."""
+    names the loggers besides metrics.jsonl (lit_qlora.train.loggers); `hooks`, what a verb other than finetune
+    trains (its data and module)."""
     # Lightning (and what builds on it) loads here, without transformers, matplotlib and scipy, which torchmetrics
     # would import only because they are installed (lit_qlora.train.lean_imports).
     from lit_qlora.train.lean_imports import lean_imports
@@ -162,7 +181,9 @@ def setup(checkpoint_dir: Path, out_dir: Path, quantize: str, precision: str, se
     # Before anything heavy: a run that cannot write its exports should not train first.
     require_disk_space(out_dir, output_sizes(checkpoint_dir, lora, train, export, ADAPTER_DTYPES[precision].itemsize,
                                              quantize, tuple(ignore_modules or ())))
-    dm = SFTDataModule(data, Tokenizer(checkpoint_dir), train.max_seq_length, train.micro_batch_size, seed)
+    hooks = hooks or RunHooks()
+    dm = (hooks.data_module or SFTDataModule)(data, Tokenizer(checkpoint_dir), train.max_seq_length,
+                                              train.micro_batch_size, seed)
     dm.setup("fit")
     total_steps = total_steps_for(train, len(dm.train_set))
     resume_from = resolve_resume(resume, out_dir)
@@ -174,7 +195,8 @@ def setup(checkpoint_dir: Path, out_dir: Path, quantize: str, precision: str, se
                        list(ignore_modules or []), world_size, strategy, tensor_parallel,
                        nf4_shards_for(strategy, world_size, nf4_shards), resume_state.get("step", 0), total_steps,
                        resume_from, resume_state.get("initial_val_loss"), compile, precision_reason,
-                       Config.from_checkpoint(checkpoint_dir).tie_embeddings, dm.style.name)
+                       Config.from_checkpoint(checkpoint_dir).tie_embeddings, dm.style.name, hooks,
+                       resume_state.get("initial_val_metrics") or {})
 
     checkpoints = ResumableCheckpoints(out_dir, train.save_interval, train.keep_last, total_steps, config.as_json(),
                                        resume_from, started)
@@ -210,6 +232,8 @@ def setup(checkpoint_dir: Path, out_dir: Path, quantize: str, precision: str, se
         model = load_model(config.checkpoint_dir, config.quantize, precision, shard=shard,
                            ignore_modules=config.ignore_modules, nf4_world_size=config.nf4_shards).train()
     apply_lora(model, lora.r, lora.alpha, lora.dropout, lora.targets, lora.rslora, dtype=config.lora_dtype)
+    if train.init_adapter is not None:  # a finished run's adapter to go on from (a resume then restores its own)
+        load_adapter(model, train.init_adapter)
     note = tied_head_note(lora.targets, config.tied_head)
     if note and trainer.is_global_zero:
         print(note)
@@ -221,7 +245,8 @@ def setup(checkpoint_dir: Path, out_dir: Path, quantize: str, precision: str, se
     # said where it is a choice: on a GPU (a CPU run has nothing to offload to, and says nothing of it)
     if trainer.is_global_zero and trainer.strategy.root_device.type == "cuda":
         print(f"Offloaded activation checkpoints: {'on' if model.activation_offload else 'off'} ({offload_reason})")
-    module = FinetuneModule(model, train, total_steps, config.start_step, compile=compile)
+    module = hooks.module(model, dm, config) if hooks.module else FinetuneModule(model, train, total_steps,
+                                                                                config.start_step, compile=compile)
     periodic = periodic_validation(callbacks)
     module.validation_record = periodic.record if periodic else None
     keep_frozen_out_of_ddp(module)
@@ -252,12 +277,12 @@ def train_and_export(run: Run) -> dict[str, Any]:
     if config.start_step == 0:
         with config.oom(lambda: "in the first validation"):
             trainer.validate(module, dataloaders=val_loader, verbose=False)
-        module.initial_val_loss = module.val_loss
+        module.initial_val_loss, module.initial_val_metrics = module.val_loss, dict(module.val_metrics)
         if periodic:
-            write_val_row(config.out_dir, 0, module.val_loss, trainer.is_global_zero)
+            write_val_row(config.out_dir, 0, module.val_loss, trainer.is_global_zero, module.val_metrics)
             periodic.log_sample(trainer, module, 0)
     else:
-        module.initial_val_loss = config.initial_val_loss
+        module.initial_val_loss, module.initial_val_metrics = config.initial_val_loss, config.initial_val_metrics
     stopped_early = periodic.record.stopped_early if periodic else None  # a resume of a run that stopped early
     if config.start_step < config.total_steps and stopped_early is None:
         with config.oom(lambda: f"at optimizer step {module.step + 1}"):
@@ -331,6 +356,9 @@ def run_summary(run: Run) -> dict[str, Any]:
         "train_loss": history[-1]["loss"] if history else last_logged_loss(run.config.out_dir),
         "val_loss": module.val_loss,
         "initial_val_loss": module.initial_val_loss,
+        # An objective's numbers (lit_qlora.preference): the last step's, the last validation's and the first's.
+        **({k: history[-1][k] for k in module.extra_metrics if k in history[-1]} if history else {}),
+        **module.val_metrics, **{f"initial_{k}": v for k, v in module.initial_val_metrics.items()},
         "tokens_per_sec": totals["steady_tokens"] / totals["steady_seconds"] if totals["steady_seconds"] else None,
         "warmup_steps": totals["warmup_steps"],
         "first_step_seconds": totals["first_step_seconds"],

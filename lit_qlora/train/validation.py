@@ -20,7 +20,6 @@ from lit_qlora.checkpoint.files import atomic_write_text, remove_path, replace_d
 from lit_qlora.checkpoint.adapter import full_lora_state_dict, save_adapter
 from lit_qlora.parallel.distributed import reshard
 from lit_qlora.train.loggers import jsonl_rows_through, log_scalars
-from lit_qlora.train.tensorboard import TAGS
 
 BEST_DIR, BEST_FILE, SAMPLES_FILE = "best", "best.json", "samples.jsonl"
 SAMPLE_TOKENS = 48  # a reply's length at most: a glance at what the adapter does, seconds on a CPU
@@ -114,7 +113,7 @@ class PeriodicValidation(Callback):
         for callback in others:
             callback.on_validation_end(trainer, pl_module)  # the progress line "Validation at step S/T: loss L"
         if trainer.is_global_zero:
-            log_scalars(trainer.loggers, {TAGS["val_loss"]: pl_module.val_loss}, step)
+            log_scalars(trainer.loggers, pl_module.validation_scalars(), step)
         self.record_validation(trainer, pl_module, step, pl_module.val_loss)
         self.log_sample(trainer, pl_module, step)
         if self.patience is not None and self.record.since_best >= self.patience:
@@ -125,7 +124,7 @@ class PeriodicValidation(Callback):
 
     def record_validation(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int, val_loss: float) -> None:
         """A validation after training started: its metrics.jsonl row, and best/ when it is the best so far."""
-        write_val_row(self.out_dir, step, val_loss, trainer.is_global_zero)
+        write_val_row(self.out_dir, step, val_loss, trainer.is_global_zero, pl_module.val_metrics)
         if self.record.update(step, val_loss):
             adapter = full_lora_state_dict(pl_module.model)  # FSDP: every rank gathers, rank 0 writes
             if trainer.is_global_zero:
@@ -194,8 +193,10 @@ def sample_prompt_ids(prompt: Optional[str], val_set: Any, tokenizer: Any) -> li
     return sample.input_ids[: start or max(1, min(32, len(sample.input_ids) // 2))].tolist()
 
 
-def write_val_row(out_dir: Path, step: int, val_loss: float, global_zero: bool) -> None:
-    """metrics.jsonl's row for a validation: {"step": S, "val_loss": L} (a training row has "loss" instead). A run
+def write_val_row(out_dir: Path, step: int, val_loss: float, global_zero: bool,
+                  extra: Optional[dict[str, float]] = None) -> None:
+    """metrics.jsonl's row for a validation: {"step": S, "val_loss": L, **extra} (a training row has "loss" instead;
+    `extra`: an objective's validation metrics, e.g. eval_rewards/accuracies). A run
     killed after its final validation's row but before final/ validates again when resumed: the step's row is then
     already the file's last, and is not written twice."""
     if not global_zero:
@@ -206,7 +207,7 @@ def write_val_row(out_dir: Path, step: int, val_loss: float, global_zero: bool) 
     if last.get("step") == step and "val_loss" in last:
         return
     with open(path, "a") as f:
-        f.write(json.dumps({"step": step, "val_loss": val_loss}) + "\n")
+        f.write(json.dumps({"step": step, "val_loss": val_loss, **(extra or {})}) + "\n")
 
 
 def save_best(out_dir: Path, model: torch.nn.Module, adapter_config: dict[str, Any],

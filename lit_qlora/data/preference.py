@@ -1,0 +1,273 @@
+"""Preference pairs for `litqlora dpo` (DPO, IPO, ORPO): rows holding a prompt, a chosen and a rejected answer, read
+from any source `lit_qlora.data.formats` reads, validated, tokenized as two sequences that share the prompt's tokens,
+and collated so that both answers of a pair go through one forward.
+
+Row forms, as TRL documents them:
+- explicit prompt: `prompt`, `chosen`, `rejected`. Strings (the prompt becomes one user turn, rendered with the prompt
+  style like an alpaca instruction; the answers are the assistant's reply), or conversational: `prompt` a list of
+  messages, `chosen` and `rejected` lists of messages ending with an assistant message (messages before it, the same
+  in both, join the prompt);
+- implicit prompt: `chosen` and `rejected` only. Strings (their common start, cut back to a word boundary, is the
+  prompt: raw text, no template), or message lists (their common leading messages are the prompt).
+
+Only the final reply and its stop token train (their labels); everything before is masked. Labels are aligned with
+`input_ids`, as in `lit_qlora.data.sft`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import warnings
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence, Union
+
+import torch
+
+from lit_qlora.data.errors import DataError
+from lit_qlora.data.formats import read_source, rename_columns
+from lit_qlora.data.prompts import PromptStyle, Segment, raw_segments
+from lit_qlora.data.sft import IGNORE_INDEX, ROLES, Collate, Sample, tokenize_segments
+
+PREFERENCE_FORMATS = ("explicit", "implicit")
+# What `auto` looks for, in order: the first format whose columns a row has.
+DETECT = (("explicit", ("prompt", "chosen", "rejected")), ("implicit", ("chosen", "rejected")))
+PAIR_HELP = (
+    "A preference row holds `prompt`, `chosen` and `rejected` (explicit prompt), or only `chosen` and `rejected` "
+    "(implicit prompt: what both start with). Each is a non-empty string or a list of "
+    '{"role": "system" | "user" | "assistant", "content": string} messages, `chosen` and `rejected` both strings or '
+    "both lists, each list ending with the assistant's answer and differing from the other only there "
+    "(see --data.format; --data.columns renames columns)."
+)
+
+Message = dict[str, str]
+Side = Union[str, list[Message]]
+
+
+# ---------------------------------------------------------------------------------------------- rows -> pairs
+
+def pair_format(row: Any) -> Optional[str]:
+    """The preference format a row's columns say (the first of DETECT it has), or None."""
+    if isinstance(row, dict):
+        for name, needs in DETECT:
+            if all(column in row for column in needs):
+                return name
+    return None
+
+
+def split_text(chosen: str, rejected: str) -> tuple[str, str, str]:
+    """(prompt, chosen answer, rejected answer) of two texts: the prompt is their character-level common start, cut
+    back to its last whitespace so that no word is split; the whitespace starts the answers, as TRL's extract_prompt
+    leaves it (a BPE vocabulary spells a word with its leading space)."""
+    prefix = os.path.commonprefix([chosen, rejected])
+    cut = max((m.start() for m in re.finditer(r"\s+", prefix)), default=0)
+    return chosen[:cut], chosen[cut:], rejected[cut:]
+
+
+def _side(row: dict, key: str) -> tuple[Optional[Side], list[str]]:
+    """A column's value (a string, or a list of {role, content} messages), or None and what is wrong with it."""
+    if key not in row:
+        return None, [f"missing `{key}`"]
+    value = row[key]
+    if value is None or (isinstance(value, (str, list)) and not (value.strip() if isinstance(value, str) else value)):
+        return None, [f"empty `{key}`"]  # a CSV's empty cell reads as None
+    if isinstance(value, str):
+        return value, []
+    if not isinstance(value, list):
+        return None, [f"`{key}` is not a string or a list of messages (a {type(value).__name__})"]
+    problems = []
+    for m in value:
+        if not isinstance(m, dict) or not isinstance(m.get("content"), str):
+            problems.append(f"`{key}` has a message without a string `content`")
+        elif m.get("role") not in ROLES:
+            problems.append(f"`{key}` has a message with role {m.get('role')!r} (use system, user or assistant)")
+    if problems:
+        return None, problems
+    return [{"role": m["role"], "content": m["content"]} for m in value], []
+
+
+def _pair(row: Any, fmt: str) -> tuple[Optional[dict], list[str]]:
+    """A row as a normalized pair, or None and its problems."""
+    if not isinstance(row, dict):
+        return None, [f"not a JSON object (a {type(row).__name__})"]
+    sides: dict[str, Any] = {}
+    problems: list[str] = []
+    for key in ("prompt", "chosen", "rejected") if fmt == "explicit" else ("chosen", "rejected"):
+        sides[key], found = _side(row, key)
+        problems += found
+    if problems:
+        return None, problems
+    chosen, rejected = sides["chosen"], sides["rejected"]
+    if isinstance(chosen, str) != isinstance(rejected, str):
+        return None, ["`chosen` and `rejected` are not of one kind (both strings or both lists of messages)"]
+    if isinstance(chosen, str) and fmt == "implicit":
+        prompt, chosen, rejected = split_text(chosen, rejected)
+        if (not chosen.strip() or not rejected.strip()) and chosen.strip() != rejected.strip():
+            return None, ["`chosen` and `rejected` have no differing part (one is the other's start: no answer of its "
+                          "own after the prompt they share)"]
+        return {"prompt_text": prompt, "chosen": chosen, "rejected": rejected}, []
+    prompt = sides.get("prompt", [])
+    prompt = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    if isinstance(chosen, str):
+        return {"prompt": prompt, "chosen": chosen, "rejected": rejected}, []
+    for key, messages in (("chosen", chosen), ("rejected", rejected)):
+        if messages[-1]["role"] != "assistant":
+            problems.append(f"`{key}` does not end with an assistant message")
+        elif not messages[-1]["content"].strip():
+            problems.append(f"`{key}` ends with an empty answer")
+    if not problems and chosen[:-1] != rejected[:-1]:
+        problems.append("`chosen` and `rejected` differ before their last message (only the final assistant answer "
+                        "may differ; what comes before it is the prompt)")
+    if problems:
+        return None, problems
+    return {"prompt": prompt + chosen[:-1], "chosen": chosen[-1]["content"], "rejected": rejected[-1]["content"]}, []
+
+
+def _rows_error(source: str, bad: dict[str, list[str]]) -> DataError:
+    def some(numbers: list[str]) -> str:
+        more = f" and {len(numbers) - 5} more" if len(numbers) > 5 else ""
+        return ("row " if len(numbers) == 1 else "rows ") + ", ".join(numbers[:5]) + more
+
+    details = "; ".join(f"{some(numbers)}: {problem}" for problem, numbers in bad.items())
+    return DataError(f"{source} has preference rows that cannot be used: {details}. {PAIR_HELP} Fix or remove those "
+                     "rows.")
+
+
+def to_pairs(rows: list, fmt: str, source: str, lines: Optional[list[int]] = None
+             ) -> tuple[list[dict], dict[str, int]]:
+    """Normalized pairs of `rows` and how many rows of each format there were. `fmt`: "auto" (each row by its
+    columns: prompt+chosen+rejected is explicit, chosen+rejected implicit), "explicit" or "implicit".
+
+    A pair is `{"prompt": [messages], "chosen": str, "rejected": str}` (rendered with the prompt style; an explicit
+    string prompt is one user message) or `{"prompt_text": str, "chosen": str, "rejected": str}` (implicit string
+    rows: raw text, no template). A DataError lists every bad row (1-based, with its JSONL line where that differs);
+    pairs whose answers are the same (but for surrounding whitespace) are left out with one warning."""
+    if fmt not in ("auto", *PREFERENCE_FORMATS):
+        raise DataError(f"Unknown preference format {fmt!r} (--data.format): choose auto, "
+                        f"{', '.join(PREFERENCE_FORMATS)}.")
+    if not rows:
+        raise DataError(f"{source} holds no rows. {PAIR_HELP}")
+    formats = [pair_format(row) if fmt == "auto" else fmt for row in rows]
+    if not any(formats):
+        columns = dict.fromkeys(key for row in rows if isinstance(row, dict) for key in row)
+        raise DataError(
+            f"Cannot tell the preference format of {source} from its columns ({', '.join(columns) or 'none'}): "
+            "lit-qlora reads rows of `prompt`, `chosen` and `rejected` (explicit prompt) or `chosen` and `rejected` "
+            "(implicit prompt). Rename columns with --data.columns (e.g. {question: prompt, good: chosen, bad: "
+            "rejected}) or name the format with --data.format.")
+    pairs, bad = [], {}
+    for index, (row, row_fmt) in enumerate(zip(rows, formats)):
+        pair, problems = _pair(row, row_fmt or "implicit")  # a row auto cannot place: told what it lacks
+        where = f"{index + 1}" if lines is None or lines[index] == index + 1 else f"{index + 1} (line {lines[index]})"
+        for problem in dict.fromkeys(problems):
+            bad.setdefault(problem, []).append(where)
+        pairs.append(pair)
+    if bad:
+        raise _rows_error(source, bad)
+    counts: dict[str, int] = {}
+    for row_fmt in formats:
+        counts[row_fmt] = counts.get(row_fmt, 0) + 1
+    kept = [pair for pair in pairs if pair["chosen"].strip() != pair["rejected"].strip()]
+    if not kept:
+        raise DataError(f"Every pair in {source} has identical chosen and rejected answers: they carry no preference "
+                        "to learn. Make `rejected` the worse answer to each prompt.")
+    if len(kept) < len(pairs):
+        warnings.warn(f"{source}: {len(pairs) - len(kept)} of {len(pairs)} pairs have identical chosen and rejected "
+                      "answers and were left out: they carry no preference.", UserWarning, stacklevel=2)
+    return kept, counts
+
+
+def read_pairs(source: str, subset: Optional[str], split: str, columns: Optional[dict[str, str]], fmt: str
+               ) -> list[dict]:
+    """The normalized pairs of a file, folder or Hub dataset: read by --data.format (auto: each row by its columns),
+    renamed by --data.columns."""
+    rows, lines = read_source(source, subset, split)
+    rows = rename_columns(rows, columns, source)
+    pairs, counts = to_pairs(rows, fmt, source, lines)
+    how = "detected from their columns" if fmt == "auto" else "as --data.format says"
+    print(f"Data: {source}: {', '.join(f'{n} {name}' for name, n in counts.items())} rows ({how})")
+    return pairs
+
+
+# ---------------------------------------------------------------------------------------------- tokenization
+
+@dataclass
+class PairSample:
+    chosen: Sample  # labels IGNORE_INDEX on the prompt: only the final answer and its stop token train
+    rejected: Sample
+    index: int  # the pair's position in its split (cached reference log-probs are looked up by it)
+
+    @property
+    def input_ids(self) -> torch.Tensor:  # code written for SFT samples (the validation sample's prompt) works
+        return self.chosen.input_ids
+
+    @property
+    def labels(self) -> torch.Tensor:
+        return self.chosen.labels
+
+    def __len__(self) -> int:  # the tokens the pair costs
+        return len(self.chosen) + len(self.rejected)
+
+
+def render_pair(pair: dict, style: PromptStyle, tokenizer: Any) -> tuple[list[Segment], list[Segment]]:
+    """The segments of prompt + chosen and of prompt + rejected. A messages pair is rendered by the prompt style, and
+    every trained segment but the last is masked (earlier assistant turns of the prompt are context); a raw-text pair
+    is its prompt (masked) and the answer with the tokenizer's EOS (trained), as prompt/completion rows are."""
+    out = []
+    for side in ("chosen", "rejected"):
+        if "prompt_text" in pair:
+            out.append(raw_segments({"prompt": pair["prompt_text"], "completion": pair[side]}, tokenizer))
+            continue
+        segments = style.render({"messages": [*pair["prompt"], {"role": "assistant", "content": pair[side]}]})
+        last = max(i for i, s in enumerate(segments) if s.train)
+        out.append([Segment(s.text, s.train and i == last) for i, s in enumerate(segments)])
+    return out[0], out[1]
+
+
+def tokenize_pairs(pairs: Sequence[dict], style: PromptStyle, tokenizer: Any, max_seq_length: int
+                   ) -> list[PairSample]:
+    """One PairSample per pair. A sequence longer than `max_seq_length` is truncated keeping the start; a pair whose
+    prompt alone fills it (chosen or rejected keeps no trained token) is left out. One counted warning for each."""
+    samples: list[PairSample] = []
+    truncated = dropped = 0
+    for pair in pairs:
+        sides, cut = [], 0
+        for segments in render_pair(pair, style, tokenizer):
+            sample = tokenize_segments(segments, tokenizer)
+            if len(sample) > max_seq_length:
+                cut += 1
+                sample = Sample(sample.input_ids[:max_seq_length], sample.labels[:max_seq_length])
+            sides.append(sample)
+        if any(bool((s.labels == IGNORE_INDEX).all()) for s in sides):
+            dropped += 1
+            continue
+        truncated += cut
+        samples.append(PairSample(sides[0], sides[1], index=len(samples)))
+    if pairs and not samples:
+        raise DataError(f"Every one of the {len(pairs)} pairs has a prompt of max_seq_length={max_seq_length} tokens "
+                        "or more, leaving no answer token to compare. Raise --train.max_seq_length or shorten the "
+                        "prompts.")
+    if truncated:
+        warnings.warn(f"{truncated} of {2 * len(samples)} sequences (a prompt with its chosen or rejected answer) are "
+                      f"longer than max_seq_length={max_seq_length} tokens and were truncated (keeping the start). "
+                      "Raise --train.max_seq_length or shorten those rows.", UserWarning, stacklevel=2)
+    if dropped:
+        warnings.warn(f"{dropped} of {len(pairs)} pairs were left out: their prompt fills max_seq_length="
+                      f"{max_seq_length} tokens, leaving no token of the chosen or rejected answer. Raise "
+                      "--train.max_seq_length or shorten those prompts.", UserWarning, stacklevel=2)
+    return samples
+
+
+class PairCollate:
+    """A batch of B pairs as one of 2B sequences: `{"input_ids": [2B, T], "labels": [2B, T], "index": [B]}` (int64);
+    rows 0..B-1 are the chosen sequences, B..2B-1 the rejected ones in the same pair order, right-padded to the
+    longest of all 2B (inputs with `pad_id`, labels with IGNORE_INDEX), so both answers go through one forward."""
+
+    def __init__(self, pad_id: int) -> None:
+        self.pad_id = pad_id
+        self._collate = Collate(pad_id)
+
+    def __call__(self, samples: Sequence[PairSample]) -> dict[str, torch.Tensor]:
+        batch = self._collate([s.chosen for s in samples] + [s.rejected for s in samples])
+        batch["index"] = torch.tensor([s.index for s in samples], dtype=torch.long)
+        return batch

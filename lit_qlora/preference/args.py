@@ -1,0 +1,56 @@
+"""What `litqlora dpo --dpo.* --data.*` accept. Plain dataclasses: the CLI reads them for `--help` without torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+from lit_qlora.errors import UserError
+from lit_qlora.train.args import DataArgs
+
+
+@dataclass
+class DPOArgs:
+    beta: float = 0.1
+    """How far the policy may move from the reference: the scale of the implicit reward beta * (log pi - log ref).
+    Lower lets it move further (TRL's default is 0.1)."""
+    loss: Literal["sigmoid", "ipo", "orpo"] = "sigmoid"
+    """sigmoid: DPO (Rafailov et al.); ipo: IPO (Azar et al.), a squared loss on mean token log-probabilities that
+    does not drive the margin to infinity; orpo: ORPO (Hong et al.), reference-free: the chosen answer's NLL plus
+    orpo_lambda x the odds-ratio term (SFT and preference in one run, from the base)."""
+    label_smoothing: float = 0.0
+    """sigmoid only: the share of pairs assumed mislabeled (conservative DPO), in [0, 0.5)."""
+    orpo_lambda: float = 0.1
+    """orpo only: the weight of the odds-ratio term beside the NLL."""
+    reference: Literal["adapters_off", "cached"] = "adapters_off"
+    """The reference model is the same base with the adapters switched off (or, after --train.init_adapter, set back
+    to that adapter): no second copy of the weights. adapters_off computes it in every step (one more forward,
+    without gradients); cached computes each pair's once before training into out_dir/reference_logps.safetensors
+    (reused on resume)."""
+
+    def require_valid(self) -> None:
+        if not self.beta > 0:
+            raise UserError(f"--dpo.beta must be > 0 (the implicit reward's scale; TRL's default is 0.1), got "
+                            f"{self.beta}.")
+        if not 0 <= self.label_smoothing < 0.5:
+            raise UserError(f"--dpo.label_smoothing is the share of pairs taken for mislabeled, in [0, 0.5); got "
+                            f"{self.label_smoothing}.")
+        if self.label_smoothing and self.loss != "sigmoid":
+            raise UserError(f"--dpo.label_smoothing applies to --dpo.loss sigmoid (conservative DPO), and this run uses "
+                            f"{self.loss}: leave it out or use sigmoid.")
+        if not self.orpo_lambda > 0:
+            raise UserError(f"--dpo.orpo_lambda must be > 0, got {self.orpo_lambda}.")
+
+
+@dataclass
+class PreferenceDataArgs(DataArgs):
+    path: Optional[str] = None
+    """The preference pairs: a local file (.json, .jsonl, .csv, .parquet, .arrow), a folder (of such files, or one
+    written by `datasets`' save_to_disk), or a Hugging Face Hub dataset name. Default: the demo pairs shipped with
+    lit-qlora (lit_qlora/data/preference_demo.jsonl)."""
+    format: Literal["auto", "explicit", "implicit"] = "auto"  # type: ignore[assignment]
+    """explicit: `prompt`, `chosen`, `rejected` (strings, or lists of chat messages as TRL's conversational form);
+    implicit: `chosen` and `rejected` only (the common start is the prompt); auto tells them apart by the columns.
+    A string prompt is one user turn in the prompt style; implicit strings are raw text."""
+    packing: bool = False
+    """Not for preference pairs (each pair is scored as a whole): leave it false."""

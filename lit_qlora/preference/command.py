@@ -1,0 +1,170 @@
+"""`litqlora dpo`: preference tuning (DPO, IPO, ORPO) of a LoRA adapter on the frozen NF4 (or bf16) base, with
+`finetune`'s run: the same checks, Trainer, checkpoints, resume, validation, loggers and final/ exports
+(lit_qlora.train), given this package's data module and LightningModule through `RunHooks`.
+
+Light at import, as `finetune` is: the CLI reads the signature for `--help`."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+from lit_qlora.deploy.gguf_import import DEFAULT_CHECKPOINT
+from lit_qlora.errors import UserError
+from lit_qlora.hardware import PrecisionChoice
+from lit_qlora.preference.args import DPOArgs, PreferenceDataArgs
+from lit_qlora.train.args import ExportArgs, LoRAArgs, TrainArgs, data_source
+from lit_qlora.train.loggers import LoggerName
+
+
+def dpo(
+    checkpoint_dir: Path = DEFAULT_CHECKPOINT,
+    out_dir: Path = Path("out/dpo"),
+    quantize: Literal["nf4", "none"] = "nf4",
+    precision: PrecisionChoice = "auto",
+    seed: int = 1337,
+    accelerator: str = "auto",
+    devices: int = 1,
+    num_nodes: int = 1,
+    strategy: Literal["auto", "ddp", "fsdp"] = "auto",
+    nf4_shards: Optional[int] = None,
+    resume: Union[bool, Literal["auto"], Path] = False,
+    lora: LoRAArgs = LoRAArgs(),
+    train: TrainArgs = TrainArgs(),
+    data: PreferenceDataArgs = PreferenceDataArgs(),
+    dpo: DPOArgs = DPOArgs(),
+    ignore_modules: Optional[list[str]] = None,
+    compile: Union[bool, Literal["force"]] = False,
+    overwrite: bool = False,
+    logger: Union[LoggerName, list[LoggerName]] = "tensorboard",
+    export: ExportArgs = ExportArgs(),
+) -> dict[str, Any]:
+    """Preference-tune a LoRA adapter (DPO, IPO or ORPO) on a frozen base, NF4 by default: rows of a prompt, a chosen
+    and a rejected answer. The reference model is the same base with the adapters off (or, with
+    --train.init_adapter, the adapter the run starts from): no second copy of the weights. Metrics under TRL's names
+    (rewards/chosen, rewards/rejected, rewards/accuracies, rewards/margins, logps/chosen, logps/rejected; eval_...
+    for validation) in metrics.jsonl, the loggers and summary.json.
+
+    Args:
+        checkpoint_dir: Base model (Hugging Face directory). The default is the bundled SmolLM2-135M-Instruct.
+        out_dir: Where adapters, merged model, logs, metrics and resumable checkpoints go.
+        quantize: nf4 = every base linear stored as NF4 (QLoRA); none = base in the precision's dtype (LoRA).
+        precision: As for `litqlora finetune` (auto picks by hardware).
+        seed: Seeds adapter init, data order and dropout: CPU runs repeat exactly.
+        accelerator: cpu, cuda, auto...
+        devices: Devices per node.
+        num_nodes: Nodes.
+        strategy: auto (one device), ddp or fsdp (FSDP2), as for `litqlora finetune`.
+        nf4_shards: NF4 layout: how many FSDP shards every NF4 weight must split into (see `litqlora finetune`).
+        resume: auto = continue from the newest checkpoint in out_dir (fresh start if none); a checkpoint
+            directory; or false.
+        lora: Adapter settings (with --train.init_adapter, the adapter's own rank, alpha and targets).
+        train: Optimization settings; --train.init_adapter DIR starts from a finished `finetune` run's adapter (SFT,
+            then DPO), which is then also the reference.
+        data: The preference pairs; with nothing given, the demo pairs shipped with lit-qlora.
+        dpo: The preference objective.
+        ignore_modules: Module names (prefixes) whose linears stay in high precision with nf4, e.g. lm_head.
+        compile: torch.compile each transformer block, as for `litqlora finetune`.
+        overwrite: Start a new run in an out_dir that holds another run's checkpoints or results, deleting them.
+        logger: tensorboard, csv, wandb or mlflow, or several (--logger '[tensorboard,csv]').
+        export: More exports of the adapter beside final/'s adapter, merged model and PEFT adapter.
+    """
+    from lit_qlora.data.files import PREFERENCE_DEMO_DATASET
+    from lit_qlora.train.finetune import start_run
+
+    dpo.require_valid()
+    if data.packing:
+        raise UserError("--data.packing true packs several samples into one sequence, and a preference pair is scored "
+                        "as a whole (its chosen and rejected answers side by side in one batch): leave packing out "
+                        "for `litqlora dpo`.")
+    if data_source(data) is None:
+        data = replace(data, path=str(PREFERENCE_DEMO_DATASET))
+    print(f"Objective: {describe(dpo, train.init_adapter)}")
+    summary = start_run(checkpoint_dir, out_dir, quantize, precision, seed, accelerator, devices, num_nodes, strategy,
+                        1, nf4_shards, resume, lora, train, data, ignore_modules, compile, overwrite, logger, export,
+                        hooks=preference_hooks(dpo))
+    if summary:
+        print_samples(Path(out_dir))
+    return summary
+
+
+def describe(dpo: DPOArgs, init_adapter: Optional[Path]) -> str:
+    """What the run optimizes and against which reference, in a line."""
+    if dpo.loss == "orpo":
+        return f"ORPO (lambda {dpo.orpo_lambda}), no reference model"
+    what = {"sigmoid": "DPO (sigmoid)", "ipo": "IPO"}[dpo.loss]
+    ref = (f"the base with the adapter of {init_adapter}, as the run starts from it" if init_adapter is not None
+           else "the base with the adapters off")
+    how = "computed once before training and cached" if dpo.reference == "cached" else "computed in every step"
+    return f"{what}, beta {dpo.beta}; reference: {ref} (no second copy of the weights), {how}"
+
+
+def preference_hooks(dpo: DPOArgs) -> Any:
+    from lit_qlora.train.run import RunHooks
+
+    return RunHooks(method="dpo", recipe={"dpo": asdict(dpo)}, data_module=data_module, module=lambda model, dm, config:
+                    build_module(model, dm, config, dpo))
+
+
+def data_module(*args: Any) -> Any:
+    from lit_qlora.preference.datamodule import PreferenceDataModule
+
+    return PreferenceDataModule(*args)
+
+
+def build_module(model: Any, dm: Any, config: Any, dpo: DPOArgs) -> Any:
+    """The run's PreferenceModule, with its reference: the base (adapters off) or the starting adapter."""
+    from lit_qlora.preference.loss import Objective
+    from lit_qlora.preference.module import PreferenceModule
+    from lit_qlora.preference.reference import Reference
+
+    objective = Objective(dpo.loss, dpo.beta, dpo.label_smoothing, dpo.orpo_lambda)
+    reference = None
+    if objective.uses_reference:
+        start = starting_adapter(config.train.init_adapter)
+        reference = Reference(dpo.reference, start, config.out_dir, {"train": dm.train_set, "val": dm.val_set},
+                              dm.collate, config.train.micro_batch_size, cache_fingerprint(config))
+    return PreferenceModule(model, config.train, config.total_steps, config.start_step, compile=config.compile,
+                            objective=objective, reference=reference)
+
+
+def starting_adapter(init_adapter: Optional[Path]) -> Optional[dict]:
+    """The full tensors of --train.init_adapter (the reference's adapter), or None (the reference is the base)."""
+    if init_adapter is None:
+        return None
+    from safetensors.torch import load_file
+
+    from lit_qlora.checkpoint.adapter import ADAPTER_WEIGHTS, find_adapter_dir
+
+    return load_file(str(find_adapter_dir(Path(init_adapter)) / ADAPTER_WEIGHTS))
+
+
+def cache_fingerprint(config: Any) -> dict[str, Any]:
+    """What the cached reference log-probabilities depend on: the base and how it is stored, the starting adapter,
+    the pairs (data, split, tokenization)."""
+    from lit_qlora.data.files import file_sha256
+
+    run = config.as_json()
+    init = config.train.init_adapter
+    if init is not None:
+        from lit_qlora.checkpoint.adapter import ADAPTER_WEIGHTS, find_adapter_dir
+
+        init = file_sha256(find_adapter_dir(Path(init)) / ADAPTER_WEIGHTS)
+    return {"base": run["checkpoint_dir"], "quantize": run["quantize"], "precision": run["precision"],
+            "ignore_modules": run["ignore_modules"], "nf4_shards": run["nf4_shards"], "seed": run["seed"],
+            "data": run["data"], "data_sha256": run["data_sha256"], "max_seq_length": config.train.max_seq_length,
+            "prompt_style": config.prompt_style, "init_adapter": init}
+
+
+def print_samples(out_dir: Path) -> None:
+    """With --train.eval_interval: the held-out prompt's greedy reply before training and after (samples.jsonl)."""
+    path = out_dir / "samples.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    if len(rows) < 2:
+        return
+    first, last = rows[0], rows[-1]
+    print(f"\nA held-out prompt (validation): {first['prompt'].strip()!r}\n"
+          f"  before (step {first['step']}): {first['reply'].strip()!r}\n"
+          f"  after (step {last['step']}): {last['reply'].strip()!r}")

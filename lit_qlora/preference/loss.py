@@ -1,0 +1,133 @@
+"""The preference objectives of `litqlora dpo` and their metrics, from the papers' formulas:
+
+- sigmoid (DPO, Rafailov et al. 2023): -log sigmoid(beta * h), h = (log pi(y_w) - log pi(y_l)) - (log ref(y_w) -
+  log ref(y_l)) over each answer's summed token log-probabilities; with label smoothing e (conservative DPO), the
+  loss is -(1 - e) log sigmoid(beta h) - e log sigmoid(-beta h).
+- ipo (Azar et al. 2023): (h - 1 / (2 beta))^2, with h over each answer's mean token log-probability (as TRL does).
+- orpo (Hong et al. 2024, reference-free): the chosen answer's token-mean negative log-likelihood plus
+  lambda * -log sigmoid(log odds(y_w) - log odds(y_l)), odds(y) = p / (1 - p) with p = exp(mean token log-prob).
+
+Rewards are TRL's: beta * (log pi - log ref) for sigmoid and ipo (on the log-probabilities the loss uses), beta *
+mean token log-prob for orpo. A step's metrics are sums over pairs (`PairSums`), reduced over ranks and micro-batches
+before they are divided, so an accumulated or distributed step reports what one large batch would.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from lit_qlora.data.sft import IGNORE_INDEX
+
+# Head logits are made for this many answer tokens at a time and recomputed in backward: a batch's answers never
+# hold vocab-sized logits for more than one chunk.
+LOGP_CHUNK_ELEMS = 1 << 24
+
+# metrics.jsonl's keys, TRL's names (and logps/accuracies: the share of pairs whose chosen answer the policy itself
+# finds likelier, which, unlike the rewards, means something before the first step): summed over pairs, then divided
+# by the pair count.
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+           "logps/rejected", "logps/accuracies")
+ORPO_METRICS = ("nll_loss", "log_odds_ratio")
+
+
+@dataclass(frozen=True)
+class Objective:
+    """A run's preference loss (`--dpo.*`)."""
+
+    loss: str = "sigmoid"
+    beta: float = 0.1
+    label_smoothing: float = 0.0
+    orpo_lambda: float = 0.1
+
+    @property
+    def uses_reference(self) -> bool:
+        return self.loss != "orpo"
+
+    @property
+    def mean_logps(self) -> bool:
+        """IPO and ORPO compare each answer's mean token log-probability, DPO its sum."""
+        return self.loss in ("ipo", "orpo")
+
+    @property
+    def metric_names(self) -> tuple[str, ...]:
+        return METRICS + (ORPO_METRICS if self.loss == "orpo" else ())
+
+
+def _token_logps(logits_of, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits = logits_of(hidden).float()
+    return logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def answer_logps(model, input_ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row: the summed log-probability (fp32) of its trained tokens (labels not IGNORE_INDEX, predicted from the
+    position before), and how many there are. Only answer positions go through the head, a chunk at a time."""
+    hidden = model.forward_hidden(input_ids)
+    targets = labels[:, 1:]
+    keep = targets != IGNORE_INDEX
+    rows = keep.nonzero()[:, 0]
+    hidden, targets = hidden[:, :-1][keep], targets[keep]
+    chunk = max(1, LOGP_CHUNK_ELEMS // model.config.vocab_size)
+    grad = torch.is_grad_enabled()
+    pieces = [checkpoint(_token_logps, model.logits, hidden[i : i + chunk], targets[i : i + chunk], use_reentrant=False)
+              if grad else _token_logps(model.logits, hidden[i : i + chunk], targets[i : i + chunk])
+              for i in range(0, len(targets), chunk)]
+    token_logps = torch.cat(pieces) if pieces else hidden.new_zeros(0, dtype=torch.float32)
+    sums = torch.zeros(input_ids.size(0), device=input_ids.device, dtype=torch.float32).index_add(0, rows, token_logps)
+    return sums, keep.sum(1).float()
+
+
+@dataclass
+class PairSums:
+    """A micro-batch's loss terms and metric sums (tensors; the loss terms carry gradients)."""
+
+    pair_loss: torch.Tensor  # summed over pairs: divide by the global pair count
+    nll_sum: torch.Tensor  # orpo: the chosen answers' summed token NLL, divide by the global chosen token count
+    chosen_tokens: torch.Tensor
+    pairs: int
+    metrics: dict[str, torch.Tensor]  # summed over pairs, detached
+
+
+def pair_sums(objective: Objective, logps: torch.Tensor, counts: torch.Tensor,
+              reference: Optional[torch.Tensor]) -> PairSums:
+    """The loss terms and metrics of a micro-batch of B pairs: `logps` and `counts` (2B,) are the policy's summed
+    answer log-probabilities and answer lengths, chosen rows first; `reference` (2B,) the reference's sums (None
+    for orpo)."""
+    pairs = logps.size(0) // 2
+    counts = counts.clamp(min=1)
+    chosen, rejected = logps[:pairs], logps[pairs:]
+    if objective.mean_logps:
+        chosen, rejected = chosen / counts[:pairs], rejected / counts[pairs:]
+    beta, metrics = objective.beta, {}
+    nll_sum = logps.new_zeros(())
+    if objective.loss == "orpo":
+        # log(1 - p) = log(-expm1(log p)): exact where p is near 1, where log1p(-exp) loses digits
+        log_odds = (chosen - rejected) - (torch.log(-torch.expm1(chosen)) - torch.log(-torch.expm1(rejected)))
+        ratio = F.logsigmoid(log_odds)
+        losses = -objective.orpo_lambda * ratio
+        nll_sum = -logps[:pairs].sum()
+        reward_chosen, reward_rejected = beta * chosen.detach(), beta * rejected.detach()
+        metrics["log_odds_ratio"] = ratio.detach().sum()
+    else:
+        ref = reference / counts if objective.mean_logps else reference
+        ref_chosen, ref_rejected = ref[:pairs], ref[pairs:]
+        h = (chosen - rejected) - (ref_chosen - ref_rejected)
+        if objective.loss == "ipo":
+            losses = (h - 1 / (2 * beta)) ** 2
+        else:
+            eps = objective.label_smoothing
+            losses = -(1 - eps) * F.logsigmoid(beta * h) - eps * F.logsigmoid(-beta * h)
+        reward_chosen = beta * (chosen - ref_chosen).detach()
+        reward_rejected = beta * (rejected - ref_rejected).detach()
+    metrics.update({
+        "rewards/chosen": reward_chosen.sum(), "rewards/rejected": reward_rejected.sum(),
+        "rewards/accuracies": (reward_chosen > reward_rejected).float().sum(),
+        "rewards/margins": (reward_chosen - reward_rejected).sum(),
+        "logps/chosen": chosen.detach().sum(), "logps/rejected": rejected.detach().sum(),
+        "logps/accuracies": (chosen > rejected).float().sum(),
+    })
+    return PairSums(losses.sum(), nll_sum, counts[:pairs].sum(), pairs, metrics)
