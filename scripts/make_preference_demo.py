@@ -150,7 +150,8 @@ def fahrenheit(m: re.Match, r: random.Random) -> str:
 
 def percentage(m: re.Match, r: random.Random) -> str:
     p, n, value = int(m[1]), int(m[2]), int(m[5])
-    wrong = other(r, [v for v in (value * 2, value // 2, value + n // 10, value - n // 10, n * p // 10) if v > 0], value)
+    slips = (value * 2, value // 2, value + n // 10, value - n // 10, n * p // 10)  # x2, /2, +-10% of n, x10
+    wrong = other(r, [v for v in slips if v > 0], value)
     return f"{p}% of {n} = {n} × {p} / 100 = {wrong}."
 
 
