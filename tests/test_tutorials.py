@@ -121,3 +121,37 @@ def test_deploy_tutorial_runs_as_written(smollm2_dir, tmp_path):
     replies = [line for line in serve.stdout.splitlines() if not line.startswith(("INFO", "20"))]
     assert "Paris" in replies[-2] and replies[-1].strip()  # the first reply, then the streamed one
     assert serve.stdout.count('"POST /v1/chat/completions HTTP/1.1" 200 OK') == 2
+
+
+@pytest.mark.slow
+def test_preference_tutorial_runs_as_written(smollm2_dir, tmp_path):
+    """tutorials/preference.md, every block in order: SFT, DPO from its adapter (the reference is that adapter: the
+    first validation loss is log 2 and every reward 0; the held-out pairs' reward accuracy rises well above chance),
+    evaluate the merged result, chat with it, then the own-pairs block (conversational and implicit rows, IPO)."""
+    import json
+    import math
+
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "SmolLM2-135M-Instruct").symlink_to(smollm2_dir)
+    (tmp_path / "eval").symlink_to(REPO / "eval")
+    (tmp_path / "config_hub").symlink_to(REPO / "config_hub")
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    sft, dpo, evaluate, own = (subprocess.run(["bash", "-ec", block], capture_output=True, text=True, env=env,
+                                              cwd=tmp_path, timeout=1800)
+                               for block in code_blocks("preference.md", "bash"))
+    assert sft.returncode == 0, sft.stderr
+    assert dpo.returncode == 0, dpo.stderr[-3000:]
+    assert "reference: the base with the adapter of out/tutorial/preference/sft" in dpo.stdout
+    summary = json.loads((tmp_path / "out/tutorial/preference/dpo/summary.json").read_text())
+    assert summary["initial_val_loss"] == pytest.approx(math.log(2), abs=1e-4)  # bf16 on AMX CPUs, fp32 elsewhere
+    assert summary["initial_eval_rewards/accuracies"] == 0 and summary["initial_eval_rewards/margins"] == 0
+    assert summary["eval_rewards/accuracies"] > 0.7, summary
+    assert summary["val_loss"] < summary["initial_val_loss"]
+    assert "A held-out prompt (validation)" in dpo.stdout
+    assert evaluate.returncode == 0, evaluate.stderr[-3000:]
+    results = json.loads((tmp_path / "out/tutorial/preference/eval/results.json").read_text())
+    assert 0 < results["results"]["truthfulqa_mc2"]["acc,none"] < 1
+    assert "children" in evaluate.stdout  # the chat's greedy answer
+    assert own.returncode == 0, own.stderr[-3000:]
+    assert "Data: data/pairs.jsonl: 2 explicit, 2 implicit rows (detected from their columns)" in own.stdout
+    assert "Objective: IPO" in own.stdout

@@ -1,25 +1,36 @@
 """`litqlora estimate`: a fine-tune recipe's peak device memory per rank, by category (lit_qlora.estimate.step traces
-its training step), and with a card's memory the largest micro-batch or the longest sequence that fits
-(lit_qlora.estimate.search); printed and written to estimate.json."""
+its training step; --method dpo, `litqlora dpo`'s: lit_qlora.estimate.preference), and with a card's memory the
+largest micro-batch or the longest sequence that fits (lit_qlora.estimate.search); printed and written to
+estimate.json."""
 
 from __future__ import annotations
 
 import functools
 import json
 import re
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal, Optional
 
+from lit_qlora.estimate.preference import SEQUENCES_PER_PAIR, PreferenceStep, reference_pass
 from lit_qlora.estimate.search import AUTO_LENGTH_TRACES, LENGTH_STEP, largest_batches, longest_context
 from lit_qlora.estimate.step import offload_decision, other_temporaries, parallel_bytes, trace_step
 from lit_qlora.hardware import PrecisionChoice, choose_precision
+from lit_qlora.preference.args import DPOArgs
 from lit_qlora.train.args import DataArgs, LoRAArgs, TrainArgs
 
 # torch and the model stack are imported inside the functions, and annotations name their types as text: the CLI
 # imports `estimate` to build `--help` (lit_qlora.cli.commands says why and how).
 
 GiB = 1 << 30
+
+
+@dataclass
+class RecipeDataArgs(DataArgs):
+    format: Literal["auto", "alpaca", "messages", "sharegpt", "prompt_completion", "text",  # type: ignore[assignment]
+                    "explicit", "implicit"] = "auto"
+    """A finetune recipe's row format or a dpo recipe's pair format (read, not used: the estimate's sequences are
+    max_seq_length tokens)."""
 
 
 def parse_bytes(text: str) -> int:
@@ -65,9 +76,11 @@ def estimate(
     tensor_parallel: int = 1,
     lora: LoRAArgs = LoRAArgs(),
     train: TrainArgs = TrainArgs(),
-    data: DataArgs = DataArgs(),
+    data: RecipeDataArgs = RecipeDataArgs(),
     device: Literal["cuda", "cpu"] = "cuda",
     device_memory: Optional[str] = None,
+    method: Optional[Literal["sft", "dpo"]] = None,
+    dpo: Optional[DPOArgs] = None,
 ) -> dict[str, Any]:
     """Predict a fine-tune's peak device memory per rank, by category, without weights or a GPU.
 
@@ -87,12 +100,20 @@ def estimate(
         lora: Adapter settings, as for finetune.
         train: Optimization settings, as for finetune (micro_batch_size, max_seq_length, activation_checkpointing
             set the step's size).
-        data: Accepted so a finetune recipe reads as it is (the step runs on max_seq_length tokens per sequence).
+        data: Accepted so a finetune or dpo recipe reads as it is (the step runs on max_seq_length tokens per
+            sequence).
         device: cuda (predict torch.cuda.max_memory_allocated on a GPU) or cpu (allocated tensor bytes on a CPU).
         device_memory: The card's memory, e.g. 24GiB: also find the largest micro-batch size that fits, with and
             without activation checkpointing; with --train.max_seq_length auto, the longest sequence that fits at
             the given micro-batch instead (and the host memory it needs for offloaded activations). Units as
             written: GiB (2^30 bytes), GB (10^9), a bare G reads as GiB; the bytes are echoed.
+        method: sft (`litqlora finetune`'s step) or dpo (`litqlora dpo`'s: micro_batch_size pairs, two sequences each,
+            in one forward and backward, and the reference's no-grad forward with --dpo.reference adapters_off).
+            Default: dpo when the recipe has a `dpo:` section or a --dpo.* flag is given (a config_hub/dpo/ preset),
+            else sft.
+        dpo: The preference objective, as for `litqlora dpo` (--dpo.help lists its options): --dpo.loss and
+            --dpo.reference decide whether a reference forward runs in the step. Given (a recipe's `dpo:` section or
+            a --dpo.* flag), the method is dpo unless --method sft says otherwise.
     """
     from lit_qlora.checkpoint.files import atomic_write_text
     from lit_qlora.model.config import Quantize
@@ -106,6 +127,12 @@ def estimate(
             raise ValueError(f"{flag} takes a whole number, got {value!r}.")
         if value < least:
             raise ValueError(f"{flag} must be at least {least}, got {value}.")
+    method = method or ("dpo" if dpo is not None else "sft")
+    if method == "dpo":
+        dpo = dpo or DPOArgs()
+        dpo.require_valid()
+        if strategy == "tp":
+            raise ValueError("--method dpo: `litqlora dpo` runs with --strategy auto, ddp or fsdp, not tp.")
     config, source = resolve_config(checkpoint_dir)
     quantize = Quantize(quantize)
     world_size = devices * num_nodes
@@ -122,9 +149,9 @@ def estimate(
                          "memory too, e.g. --device_memory 24GiB.")
     precision, precision_reason = estimate_precision(precision, device)
     print(f"Estimating {config.name} ({source}): {'QLoRA (NF4 base)' if quantize is Quantize.NF4 else 'LoRA'}, "
-          f"micro-batch {train.micro_batch_size} x {train.max_seq_length} tokens, activation checkpointing "
-          f"{train.activation_checkpointing}, {world_size} rank(s), {device}, precision {precision} "
-          f"({precision_reason})")
+          f"{method}, micro-batch {batch_size(train.micro_batch_size, method)} x {train.max_seq_length} tokens, "
+          f"activation checkpointing {train.activation_checkpointing}, {world_size} rank(s), {device}, precision "
+          f"{precision} ({precision_reason})")
 
     @functools.cache  # the batch and length searches may ask again for a size and setting already traced
     def predict(micro_batch_size: int, checkpointing: Any = train.activation_checkpointing,
@@ -132,11 +159,14 @@ def estimate(
         """(peak device bytes, by category, host bytes of offloaded activations, what the peak is made of beyond the
         categories) at this batch, checkpointing, sequence length and offload setting (defaults: the recipe's)."""
         offload = (train.offload_activations if offload is None else offload) if checkpointing else False
+        preference = PreferenceStep(dpo) if method == "dpo" else None
         trace = trace_step(config, quantize, precision, lora, replace(
             train, activation_checkpointing=checkpointing, offload_activations=offload,
-            max_seq_length=length or train.max_seq_length), device, micro_batch_size, budget)
+            max_seq_length=length or train.max_seq_length), device, micro_batch_size, budget, preference)
         parts = parallel_bytes(trace.peak_by_category, config, strategy, world_size, tensor_parallel)
         peak = {"peak_operation": trace.peak_op, "other_temporaries_by_op": other_temporaries(trace, parts)}
+        if preference is not None:
+            peak["dpo"] = preference_report(preference, train, micro_batch_size, trace.peak_op)
         return sum(parts.values()), parts, trace.host_peak, peak
 
     searched: dict[str, Any] = {}
@@ -151,14 +181,15 @@ def estimate(
         searched = longest_context(lambda length: predict(train.micro_batch_size, train.activation_checkpointing,
                                                           length, train.offload_activations)[0], budget, device)
         train = replace(train, max_seq_length=searched["max_seq_length"] or LENGTH_STEP)
-    offload, offload_reason, pinned = offload_decision(config, precision, train, device, device_total=budget)
+    rows = SEQUENCES_PER_PAIR if method == "dpo" else 1
+    offload, offload_reason, pinned = offload_decision(config, precision, train, device, device_total=budget, rows=rows)
     if searched_with_offload:  # (the flag the search set stands for the user's auto)
         offload_reason = "auto: the longest-context search traces with it on, as auto turns it on at such lengths"
     print(f"Offloaded activation checkpoints: {'on' if offload else 'off'} ({offload_reason})")
     peak, by_category, host, breakdown = predict(train.micro_batch_size, train.activation_checkpointing,
                                                  train.max_seq_length, train.offload_activations)
     result: dict[str, Any] = {
-        "model": config.name, "source": source, "quantize": str(quantize), "precision": precision,
+        "model": config.name, "source": source, "method": method, "quantize": str(quantize), "precision": precision,
         "precision_reason": precision_reason, "device": device,
         "world_size": world_size, "strategy": strategy, "tensor_parallel": tensor_parallel,
         "micro_batch_size": train.micro_batch_size, "max_seq_length": train.max_seq_length,
@@ -180,6 +211,54 @@ def estimate(
     return result
 
 
+def batch_size(micro_batch_size: int, method: str) -> str:
+    """A micro-batch as the report names it: sequences for sft, pairs (of two sequences each) for dpo."""
+    if method == "dpo":
+        return f"{micro_batch_size} pairs ({SEQUENCES_PER_PAIR * micro_batch_size} sequences)"
+    return str(micro_batch_size)
+
+
+def preference_report(step: PreferenceStep, train: TrainArgs, pairs: int, peak_operation: str) -> dict[str, Any]:
+    """estimate.json's `dpo` section: the objective, the step's sequences, and what the reference costs."""
+    from lit_qlora.preference.command import describe
+
+    when = reference_pass(step.dpo)
+    if when is None:
+        model = "none: ORPO is reference-free"
+    elif train.init_adapter is not None:
+        model = ("the same base with the starting adapter (--train.init_adapter): +0 bytes of weights (its pass sets "
+                 "the training adapter aside: a copy of the LoRA weights, in the pass's bytes)")
+    else:
+        model = "the same base, adapters off: +0 bytes of weights"
+    return {"objective": describe(step.dpo, train.init_adapter), "loss": step.dpo.loss,
+            "reference": step.dpo.reference if when else None, "sequences_per_micro_batch": SEQUENCES_PER_PAIR * pairs,
+            "answer_tokens": "every position (the worst case, as for sft)", "reference_model": model,
+            "reference_pass": when, "reference_pass_bytes": step.reference_pass_bytes,
+            "reference_pass_peak_operation": step.reference_pass_op or None,
+            "reference_pass_sets_the_peak": peak_operation.endswith("(reference)")}
+
+
+def render_preference(result: dict[str, Any]) -> list[str]:
+    """The report's lines on a dpo step: its sequences and its reference."""
+    dpo = result["dpo"]
+    lines = ["", f"Method dpo: {dpo['objective']}",
+             f"  micro-batch {batch_size(result['micro_batch_size'], 'dpo')} of {result['max_seq_length']} tokens in "
+             f"one forward and backward; answer tokens: {dpo['answer_tokens']}",
+             f"  reference: {dpo['reference_model']}"]
+    if dpo["reference_pass"] is None:
+        return lines
+    cost = f"{dpo['reference_pass_bytes'] / GiB:.3f} GiB"
+    if dpo["reference_pass"] == "every step":
+        where = ("it sets the step's peak" if dpo["reference_pass_sets_the_peak"]
+                 else f"under the step's peak ({result.get('peak_operation') or 'elsewhere'})")
+        lines.append(f"  its pass, a no-grad forward of the {dpo['sequences_per_micro_batch']} sequences in every "
+                     f"step, peaks at {cost} above what is live before it: {where}")
+    else:
+        lines.append(f"  cached: 2 floats per pair (host memory), no forward in the step; the forwards that fill the "
+                     f"table, once before training, peak at {cost} above the weights")
+    return lines
+
+
 def estimate_precision(precision: str, device: str) -> tuple[str, str]:
     """(the precision the estimate models, why): --precision auto on a cuda target assumes an Ampere-or-newer GPU."""
     if precision == "auto" and device == "cuda":
@@ -198,17 +277,21 @@ def render(result: dict[str, Any]) -> str:
     lines += [f"  {part}: {nbytes / GiB:.3f}" for part, nbytes in result.get("other_temporaries_by_op", {}).items()]
     if result.get("peak_operation"):
         lines += ["", f"The peak is reached at: {result['peak_operation']}"]
+    if result.get("dpo"):
+        lines += render_preference(result)
     if result.get("offload_activations"):
         lines += ["", f"Host memory for offloaded activations: {result['offload_host_bytes'] / GiB:.2f} GiB (not in "
                       f"the peak above; {result['offload_pinned_bytes'] / GiB:.2f} GiB of pinned buffers)"]
     if "traced_peaks" in result:
+        batch = batch_size(result["micro_batch_size"], result["method"])
         lines += ["", f"On {result['device_memory_bytes'] / GiB:.0f} GiB: the longest sequence that fits micro-batch "
-                      f"{result['micro_batch_size']} is {result['max_seq_length']} tokens "
+                      f"{batch} is {result['max_seq_length']} tokens "
                       f"({result['bytes_per_token'] / 1024:.0f} KiB more per token; traced at "
                       f"{', '.join(result['traced_peaks'])})"]
     elif "device_memory_bytes" in result:
         sizes = result["max_micro_batch_size_by_checkpointing"]
-        lines += ["", f"On {result['device_memory_bytes'] / GiB:.0f} GiB: largest micro-batch {sizes['on']} with "
+        unit = " pairs" if result["method"] == "dpo" else ""
+        lines += ["", f"On {result['device_memory_bytes'] / GiB:.0f} GiB: largest micro-batch {sizes['on']}{unit} with "
                       f"activation checkpointing, {sizes['off']} without"
                       + (" (checkpointing is needed)" if result["activation_checkpointing_needed"] else "")]
         if sizes["on"] == 0:

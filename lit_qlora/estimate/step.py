@@ -200,11 +200,12 @@ def cuda_code_paths() -> Iterator[None]:
 
 
 def offload_decision(config: Config, precision: Precision, train: TrainArgs, device: str,
-                     micro_batch_size: Optional[int] = None,
-                     device_total: Optional[int] = None) -> tuple[bool, str, int]:
+                     micro_batch_size: Optional[int] = None, device_total: Optional[int] = None,
+                     rows: int = 1) -> tuple[bool, str, int]:
     """(offload or not, why, the pinned bytes it takes) for the recipe as a run on `device` (a card of
     `device_total` bytes, where known: --device_memory) would decide it (lit_qlora.train.offload.offload_choice),
-    but for the host's available memory, which is not known here."""
+    but for the host's available memory, which is not known here. `rows`: sequences per sample (a preference pair's
+    2: the run decides on its micro_batch_size alone, and the pinned buffers hold every row)."""
     from lit_qlora.model.config import PRECISION_DTYPES
     from lit_qlora.model.offload import pinned_size
     from lit_qlora.train.offload import block_input_bytes, offload_choice
@@ -218,14 +219,16 @@ def offload_decision(config: Config, precision: Precision, train: TrainArgs, dev
     if not on:
         return on, why, 0
     # CUDA's pinned pieces: only each block's last one is rounded up to a power of two (lit_qlora.model.offload)
+    one *= rows
     return on, why, blocks * (pinned_size(one) if device == "cuda" else one)
 
 
 def trace_step(config: Config, quantize: Quantize, precision: Precision, lora: LoRAArgs, train: TrainArgs,
                device: str = "cuda", micro_batch_size: Optional[int] = None,
-               device_total: Optional[int] = None) -> AllocationTrace:
+               device_total: Optional[int] = None, preference: Optional[PreferenceStep] = None) -> AllocationTrace:
     """Two optimizer steps of a fine-tune (each: forward, loss, backward per micro-batch, clipping, AdamW) on fake
-    tensors; the trace holds the peak of allocated bytes and its categories."""
+    tensors; the trace holds the peak of allocated bytes and its categories. With `preference`, `litqlora dpo`'s
+    step instead (lit_qlora.estimate.preference): micro_batch_size pairs, two sequences each."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -268,7 +271,7 @@ def trace_step(config: Config, quantize: Quantize, precision: Precision, lora: L
                 return "logits/loss chunks"
             if phase.phase == "optimizer":
                 return "optimizer state" if (tuple(t.shape), t.dtype) in shapes or t.dim() == 0 else "other temporaries"
-            if phase.phase == "forward" or torch.is_grad_enabled():  # (in backward: a checkpointed block's recompute)
+            if phase.phase in ("forward", "reference") or torch.is_grad_enabled():  # (backward: a block's recompute)
                 return "activations"
             return "gradients" if (tuple(t.shape), t.dtype) in shapes else "other temporaries"
 
@@ -297,16 +300,23 @@ def trace_step(config: Config, quantize: Quantize, precision: Precision, lora: L
         stack.enter_context(_patched(loss, "nf4_head_ce_sum", phase.wrap(loss.nf4_head_ce_sum, "logits/loss chunks")))
         stack.enter_context(_patched(loss, "tiled_ce_sum", phase.wrap(loss.tiled_ce_sum, "logits/loss chunks")))
         ids = torch.zeros(batch, train.max_seq_length, dtype=torch.long)
+        if preference is not None:
+            preference.prepare(model, batch, train.max_seq_length, phase, trace, train.init_adapter is not None)
         stack.enter_context(default_dtype(dtype))  # as the precision plugin sets it inside training steps
         if device == "cuda":
             stack.enter_context(cuda_code_paths())
         with trace:
+            if preference is not None:
+                preference.before_training()
             for _ in range(2):
                 for _ in range(min(accumulation, 2)):  # a second micro-batch runs with the gradients present
                     phase.phase = "forward"
-                    loss = lm_loss_sum(model, ids, ids) / ids.numel()
+                    loss = lm_loss_sum(model, ids, ids) / ids.numel() if preference is None else preference.loss()
                     phase.phase = "backward"
-                    loss.backward()
+                    if preference is None:
+                        loss.backward()
+                    else:
+                        preference.backward(loss)
                     del loss
                 phase.phase = "optimizer"
                 if train.max_norm > 0:

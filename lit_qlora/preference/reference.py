@@ -110,7 +110,12 @@ class Reference:
             table = {}
             for split in SPLITS:
                 values = torch.zeros(len(self.sets[split]), 2, dtype=torch.float32)
-                for batch in DataLoader(self.sets[split], batch_size=self.micro_batch_size, collate_fn=self.collate):
+                # Its own generator: iterating a DataLoader draws a seed from the global RNG, which would shift the
+                # dropout masks of every later step (cached would then train otherwise than adapters_off, and a
+                # resume that recomputes the cache otherwise than the uninterrupted run).
+                loader = DataLoader(self.sets[split], batch_size=self.micro_batch_size, collate_fn=self.collate,
+                                    generator=torch.Generator())
+                for batch in loader:
                     batch = trainer.strategy.batch_to_device(batch)
                     logps = reference_logps(module.model, batch, self.start).float().cpu()
                     pairs = len(batch["index"])

@@ -21,7 +21,7 @@ def recipe(checkpoint_dir: Path, quantize: str, precision: str, seed: int, lora:
     from lit_qlora.data.formats import fingerprint
 
     return {"checkpoint_dir": str(checkpoint_dir), "quantize": Quantize(quantize).value, "precision": precision,
-            "seed": seed, "lora": asdict(lora), "train": asdict(train),
+            "seed": seed, "lora": asdict(lora), "train": json.loads(json.dumps(asdict(train), default=str)),
             "data": json.loads(json.dumps(asdict(data), default=str)),
             "data_sha256": fingerprint([data_source(data), *([data.val_path] if data.val_path else [])]),
             "ignore_modules": list(ignore_modules or [])}

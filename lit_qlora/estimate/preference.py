@@ -1,0 +1,162 @@
+"""The step `litqlora estimate --method dpo` traces: `litqlora dpo`'s (lit_qlora.preference.module), on the fake
+tensors of `estimate.step.trace_step`.
+
+A micro-batch of B pairs is one forward and backward of 2B sequences (the chosen rows, then the rejected ones) through
+the real `answer_logps` and `pair_sums`. The reference is the same base with the adapters off (no second copy of the
+weights): with `--dpo.reference adapters_off` its no-grad forward of the same 2B sequences (`reference_logps`) runs
+before the policy's in every step; with `cached` the step looks up 2 floats per pair, and the forwards that fill the
+table run once, before training (traced once before the first step, when only the weights are live); ORPO has no
+reference. After `--train.init_adapter`, the reference is that adapter: its pass sets the training adapter aside (a
+copy of the LoRA weights, counted).
+
+Answer tokens: every position is taken as trained, the worst case, as the SFT estimate takes it (in a real run a
+pair's prompt never reaches the head)."""
+
+from __future__ import annotations
+
+import functools
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional
+
+from lit_qlora.preference.args import DPOArgs
+
+# torch and the preference package's step are imported inside the functions: the CLI imports `estimate` to build
+# `--help` (lit_qlora.cli.commands says why and how).
+
+SEQUENCES_PER_PAIR = 2  # chosen and rejected, side by side in one forward
+
+
+def reference_pass(dpo: DPOArgs) -> Optional[str]:
+    """When the reference's forward runs: 'every step' (adapters_off), 'once before training' (cached), or None
+    (ORPO: no reference)."""
+    if dpo.loss == "orpo":
+        return None
+    return "every step" if dpo.reference == "adapters_off" else "once before training"
+
+
+class PreferenceStep:
+    """`litqlora dpo`'s micro-batch on fake tensors, for `trace_step`: `prepare` (under the fake mode, before the trace
+    counts), `before_training` and `loss` (inside it). Afterwards `reference_pass_bytes` is the most the reference's
+    last pass allocated above what was live when it started (None: no pass; the first one also makes NF4 scratch
+    buffers the later ones reuse), and `reference_pass_op` where it peaked."""
+
+    def __init__(self, dpo: DPOArgs) -> None:
+        self.dpo = dpo
+        self.reference_pass_bytes: Optional[int] = None
+        self.reference_pass_op = ""
+        self._args: tuple = ()
+
+    def prepare(self, model: Any, pairs: int, length: int, phase: Any, trace: Any, init_adapter: bool) -> None:
+        """The batch (2 x `pairs` sequences of `length` tokens, every position an answer token) and, after
+        --train.init_adapter, the starting adapter (host memory in a real run: made here, uncounted)."""
+        import torch
+
+        from lit_qlora.lora.layer import lora_modules
+        from lit_qlora.preference.loss import Objective
+
+        dpo = self.dpo
+        ids = torch.zeros(SEQUENCES_PER_PAIR * pairs, length, dtype=torch.long)
+        start = None
+        if init_adapter:
+            start = {f"{name}.{leaf}": torch.zeros_like(getattr(layer, leaf))
+                     for name, layer in lora_modules(model).items() for leaf in ("lora_A", "lora_B")}
+        objective = Objective(dpo.loss, dpo.beta, dpo.label_smoothing, dpo.orpo_lambda)
+        self._args = (model, {"input_ids": ids, "labels": ids}, start, objective, pairs, phase, trace)
+
+    def before_training(self) -> None:
+        """cached: the forwards that fill the table, before the first step (one micro-batch's stands for them all)."""
+        if reference_pass(self.dpo) == "once before training":
+            self._reference()
+
+    def loss(self) -> Any:
+        """One micro-batch's loss, as PreferenceModule.accumulate_gradients builds it (with this micro-batch's pairs
+        and chosen tokens standing for the global batch's: the scale does not change what is allocated)."""
+        import torch
+
+        from lit_qlora.preference.loss import answer_logps, pair_sums
+
+        model, batch, _, objective, pairs, phase, _ = self._args
+        reference = None
+        if reference_pass(self.dpo) == "every step":
+            reference = self._reference()
+        elif objective.uses_reference:  # cached: the table's rows of this micro-batch
+            reference = torch.zeros(SEQUENCES_PER_PAIR * pairs, dtype=torch.float32)
+        phase.phase = "forward"
+        with every_position_trained():
+            logps, counts = answer_logps(model, batch["input_ids"], batch["labels"])
+            sums = pair_sums(objective, logps, counts, reference)
+        return sums.pair_loss / pairs + sums.nll_sum / sums.chosen_tokens.clamp(min=1)
+
+    def backward(self, loss: Any) -> None:
+        with every_position_trained():  # the boolean selection's backward scatters through the same mask
+            loss.backward()
+
+    def _reference(self) -> Any:
+        from lit_qlora.preference.reference import reference_logps
+
+        model, batch, start, _, _, phase, trace = self._args
+        phase.phase = "reference"
+        with _peak_within(trace) as found, every_position_trained():
+            logps = reference_logps(model, batch, start)
+        self.reference_pass_bytes, self.reference_pass_op = found["bytes"], found["op"]  # the last: a steady step's
+        return logps
+
+
+@contextmanager
+def _peak_within(trace: Any) -> Iterator[dict[str, Any]]:
+    """The most `trace` (an AllocationTrace) holds above what is live on entry while inside ({"bytes", "op"} when it
+    exits); the trace's own peak stays the higher of its peak before and the one inside."""
+    before = trace.peak, trace.peak_by_category, trace.peak_op, trace.peak_other_by_origin
+    trace.sweep()
+    start = trace.peak = trace.current
+    found: dict[str, Any] = {}
+    try:
+        yield found
+    finally:
+        found.update(bytes=trace.peak - start, op=trace.peak_op if trace.peak > start else "")
+        if trace.peak <= before[0]:
+            trace.peak, trace.peak_by_category, trace.peak_op, trace.peak_other_by_origin = before
+
+
+@contextmanager
+def every_position_trained() -> Iterator[None]:
+    """Inside (innermost of the trace's dispatch modes), boolean masks are taken as all true: a mask's selection has
+    a data-dependent size, which fake tensors cannot have. `answer_logps` selects the answer positions with a
+    (2B, T-1) mask and `nonzero`; here every position is selected. Also, `logsumexp` allocates what its kernel does
+    (x - max(x), as large as its input, beside the result), which a fake tensor's does not."""
+    with _every_position_mode()():
+        yield
+
+
+def _all_positions(mask: Any) -> Any:
+    """What `nonzero` returns for an all-true mask: (numel, dims) int64 positions (allocated as it allocates them)."""
+    import torch
+
+    return torch.empty(mask.numel(), mask.dim(), dtype=torch.long, device=mask.device)
+
+
+@functools.lru_cache(maxsize=None)
+def _every_position_mode() -> type:
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    aten = torch.ops.aten
+    indexing = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default}
+
+    def is_mask(index: Any) -> bool:
+        return index is not None and index.dtype == torch.bool
+
+    class EveryPositionTrained(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is aten.nonzero.default and is_mask(args[0]):
+                return _all_positions(args[0])
+            if func is aten.logsumexp.default:
+                # x - max(x) first, live while the result is made, as in the kernel
+                shifted_and_result = torch.empty_like(args[0]), func(*args, **(kwargs or {}))
+                return shifted_and_result[1]
+            if func in indexing and any(is_mask(i) for i in args[1]):  # a k-dim mask: k index tensors, as aten has
+                indices = [part for i in args[1] for part in (_all_positions(i).unbind(1) if is_mask(i) else (i,))]
+                args = (args[0], indices, *args[2:])
+            return func(*args, **(kwargs or {}))
+
+    return EveryPositionTrained
