@@ -145,7 +145,7 @@ def test_preference_tutorial_runs_as_written(smollm2_dir, tmp_path):
     summary = json.loads((tmp_path / "out/tutorial/preference/dpo/summary.json").read_text())
     assert summary["initial_val_loss"] == pytest.approx(math.log(2), abs=1e-4)  # bf16 on AMX CPUs, fp32 elsewhere
     assert summary["initial_eval_rewards/accuracies"] == 0 and summary["initial_eval_rewards/margins"] == 0
-    assert summary["eval_rewards/accuracies"] > 0.7, summary
+    assert summary["eval_rewards/accuracies"] > 0.6, summary  # chance is 0.5; the full preset: benchmarks/preference
     assert summary["val_loss"] < summary["initial_val_loss"]
     assert "A held-out prompt (validation)" in dpo.stdout
     assert evaluate.returncode == 0, evaluate.stderr[-3000:]
