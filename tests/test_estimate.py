@@ -31,8 +31,8 @@ def config_only_dir(tmp_path: Path) -> Path:
     return tmp_path / "model"
 
 
-def measured_peak(config: Config, quantize: str, lora: LoRAArgs, train: TrainArgs) -> int:
-    """The real step, as a fine-tune runs it, measured by torch.profiler's allocation events."""
+def real_model(config: Config, quantize: str, lora: LoRAArgs, train: TrainArgs) -> tuple:
+    """A real model as a fine-tune builds it, in training mode: (model, its trainable parameters, their AdamW)."""
     linear._scratch.__dict__.clear()  # as in a fresh process: earlier tests' larger NF4 scratch buffers are not its
     torch.manual_seed(0)
     model = apply_lora(random_base(config, quantize, torch.bfloat16), lora.r, lora.alpha, lora.dropout,
@@ -40,7 +40,12 @@ def measured_peak(config: Config, quantize: str, lora: LoRAArgs, train: TrainArg
     model.checkpoint_blocks = config.n_layer if train.activation_checkpointing else 0
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.95), fused=True)
+    return model, params, torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.95), fused=True)
+
+
+def measured_peak(config: Config, quantize: str, lora: LoRAArgs, train: TrainArgs) -> int:
+    """The real step, as a fine-tune runs it, measured by torch.profiler's allocation events."""
+    model, params, optimizer = real_model(config, quantize, lora, train)
     ids = torch.randint(0, config.vocab_size, (train.micro_batch_size, train.max_seq_length))
 
     def step() -> None:
@@ -187,6 +192,8 @@ def test_a_recipe_whose_checkpoint_is_not_downloaded_falls_back_to_its_preset_an
     (["--strategy", "tp", "--devices", "2", "--tensor_parallel", "1"], "--tensor_parallel >= 2"),
     (["--devices", "0"], "--devices must be at least 1, got 0"),
     (["--train.max_seq_length", "1"], "--train.max_seq_length must be at least 2, got 1"),
+    (["--method", "dpo", "--strategy", "tp", "--devices", "2", "--tensor_parallel", "2"], "not tp"),
+    (["--dpo.beta", "0"], "--dpo.beta must be > 0"),
 ])
 def test_bad_input_is_one_clear_line_and_exit_1(tmp_path, capsys, argv, message):
     with pytest.raises(SystemExit) as e:
@@ -298,14 +305,15 @@ def test_the_length_search_is_bounded_and_answers_the_longest_length_that_fits(c
         assert predict(best) <= budget << 30 and true_best - LENGTH_STEP <= best <= true_best, (budget, best)
 
 
-def test_auto_length_finds_the_longest_sequence_a_budget_holds(tmp_path, capsys):
-    """--train.max_seq_length auto with --device_memory: the answer fits the budget and the next 256 tokens do not;
-    auto needs a budget, and a fine-tune refuses it."""
+@pytest.mark.parametrize("method,batch", [("sft", "1"), ("dpo", "1 pairs (2 sequences)")])
+def test_auto_length_finds_the_longest_sequence_a_budget_holds(tmp_path, capsys, method, batch):
+    """--train.max_seq_length auto with --device_memory: the answer fits the budget and the next 256 tokens do not
+    (a dpo step's pairs alike); auto needs a budget, and a fine-tune refuses it."""
     from lit_qlora.errors import UserError
     from lit_qlora.train.finetune import finetune
 
     model_dir = config_only_dir(tmp_path)
-    common = dict(checkpoint_dir=str(model_dir), device="cpu", lora=LoRAArgs(r=4, alpha=8, dropout=0.0))
+    common = dict(checkpoint_dir=str(model_dir), device="cpu", lora=LoRAArgs(r=4, alpha=8, dropout=0.0), method=method)
     train = TrainArgs(micro_batch_size=1, global_batch_size=1, max_seq_length=3000, activation_checkpointing=True)
     budget = estimate(**common, out_dir=tmp_path / "fixed", train=train)["peak_bytes"]
     result = estimate(**common, out_dir=tmp_path / "auto", device_memory=f"{budget}B",
@@ -313,7 +321,7 @@ def test_auto_length_finds_the_longest_sequence_a_budget_holds(tmp_path, capsys)
                                       activation_checkpointing=True))
     assert result["max_seq_length"] == 2816 and result["peak_bytes"] <= budget  # 3072 > 3000 tokens do not fit
     assert json.loads((tmp_path / "auto" / "estimate.json").read_text())["max_seq_length"] == 2816
-    assert "the longest sequence that fits micro-batch 1 is 2816 tokens" in capsys.readouterr().out
+    assert f"the longest sequence that fits micro-batch {batch} is 2816 tokens" in capsys.readouterr().out
     assert result["offload_reason"] == "auto: not on CUDA"  # (a CPU target: nothing was forced on for the search)
     with pytest.raises(SystemExit) as e:
         main(["estimate", "--checkpoint_dir", str(model_dir), "--out_dir", str(tmp_path / "o"),

@@ -105,7 +105,7 @@ def preference_hooks(dpo: DPOArgs) -> Any:
     from lit_qlora.train.run import RunHooks
 
     return RunHooks(method="dpo", recipe={"dpo": asdict(dpo)}, data_module=data_module, module=lambda model, dm, config:
-                    build_module(model, dm, config, dpo))
+                    build_module(model, dm, config, dpo), rows_per_sample=2)
 
 
 def data_module(*args: Any) -> Any:

@@ -48,6 +48,7 @@ class RunHooks:
     recipe: dict[str, Any] = field(default_factory=dict)  # its settings: part of the recipe a resume must match
     data_module: Optional[Callable[..., Any]] = None  # as SFTDataModule(data, tokenizer, max_seq_length, micro, seed)
     module: Optional[Callable[..., Any]] = None  # (model, data module, RunConfig) -> a FinetuneModule
+    rows_per_sample: int = 1  # sequences per sample in a forward (a preference pair: 2), for the offload decision
 
     def recorded(self) -> dict[str, Any]:
         return {} if self.method == "sft" else {"method": self.method, **self.recipe}
@@ -241,7 +242,7 @@ def setup(checkpoint_dir: Path, out_dir: Path, quantize: str, precision: str, se
     model.checkpoint_blocks = model.config.n_layer if n_ckpt is True else int(n_ckpt or 0)
     model.activation_offload, offload_reason = offload_for_run(
         train.offload_activations, trainer.strategy.root_device, model.checkpoint_blocks, model.config.n_embd,
-        train.micro_batch_size, train.max_seq_length, config.dtype)
+        train.micro_batch_size * hooks.rows_per_sample, train.max_seq_length, config.dtype)
     # said where it is a choice: on a GPU (a CPU run has nothing to offload to, and says nothing of it)
     if trainer.is_global_zero and trainer.strategy.root_device.type == "cuda":
         print(f"Offloaded activation checkpoints: {'on' if model.activation_offload else 'off'} ({offload_reason})")
