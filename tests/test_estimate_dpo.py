@@ -29,17 +29,22 @@ DPO_PRESET = ROOT / "config_hub/dpo/smollm2-135m/qlora.yaml"
 def measured_preference_step(config: Config, quantize: str, lora: LoRAArgs, train: TrainArgs,
                              dpo: DPOArgs) -> tuple[int, int]:
     """A real PreferenceModule micro-batch step (the reference's forward, then answer_logps and pair_sums, backward,
-    clipping, AdamW) on 2 x micro_batch_size sequences whose every position is an answer token, measured by
+    clipping, AdamW) on micro_batch_size rows of two answers each, every position trained, measured by
     torch.profiler's allocation events: (the step's peak, the reference pass's own peak above what was live)."""
     model, params, optimizer = real_model(config, quantize, lora, train)
     pairs = train.micro_batch_size
-    ids = torch.randint(0, config.vocab_size, (2 * pairs, train.max_seq_length))
-    batch = {"input_ids": ids, "labels": ids}
+    length = train.max_seq_length
+    ids = torch.randint(0, config.vocab_size, (pairs, 2 * length))
+    # PairCollate's layout with no shared prompt: each row two answers, every position trained
+    src = torch.arange(pairs * 2 * length)
+    seq = (torch.arange(2 * length) >= length).long()[None, :] * pairs + torch.arange(pairs)[:, None]
+    batch = {"input_ids": ids, "positions": torch.arange(length).repeat(2).expand(pairs, 2 * length), "src": src,
+             "tgt": ids.reshape(-1), "seq": seq.reshape(-1), "index": torch.arange(pairs)}
     objective = Objective(dpo.loss, dpo.beta)
 
     def step() -> None:
         reference = reference_logps(model, batch, None)
-        logps, counts = answer_logps(model, ids, ids)
+        logps, counts = answer_logps(model, batch)
         sums = pair_sums(objective, logps, counts, reference)
         (sums.pair_loss / pairs + sums.nll_sum / sums.chosen_tokens).backward()
         torch.nn.utils.clip_grad_norm_(params, train.max_norm)

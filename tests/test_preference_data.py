@@ -227,7 +227,7 @@ def test_long_prompts_are_left_out_and_long_answers_truncated(tok: Tokenizer) ->
         tokenize_pairs([long_prompt], style, tok, max_seq_length=40)
 
 
-def test_pair_collate_puts_chosen_rows_first_then_rejected() -> None:
+def test_pair_collate_computes_each_prompt_once_with_its_answers_as_branches() -> None:
     def sample(ids: list[int], n_prompt: int) -> Sample:
         labels = [IGNORE_INDEX] * n_prompt + ids[n_prompt:]
         return Sample(torch.tensor(ids), torch.tensor(labels))
@@ -236,12 +236,33 @@ def test_pair_collate_puts_chosen_rows_first_then_rejected() -> None:
              PairSample(sample([7, 8], 1), sample([7, 9, 9], 1), index=1)]
     assert len(pairs[0]) == 8 and pairs[0].input_ids.tolist() == [1, 2, 3]
     batch = PairCollate(pad_id=0)(pairs)
-    assert sorted(batch) == ["index", "input_ids", "labels"]
-    assert batch["input_ids"].tolist() == [[1, 2, 3, 0, 0], [7, 8, 0, 0, 0], [1, 2, 4, 5, 6], [7, 9, 9, 0, 0]]
-    x = IGNORE_INDEX
-    assert batch["labels"].tolist() == [[x, x, 3, x, x], [x, 8, x, x, x], [x, x, 4, 5, 6], [x, 9, 9, x, x]]
+    assert sorted(batch) == ["index", "input_ids", "positions", "seq", "src", "tgt"]
+    # prompt, chosen answer, rejected answer (at the positions it has after the prompt alone), padding
+    assert batch["input_ids"].tolist() == [[1, 2, 3, 4, 5, 6], [7, 8, 9, 9, 0, 0]]
+    assert batch["positions"].tolist() == [[0, 1, 2, 2, 3, 4], [0, 1, 1, 2, 0, 0]]
+    # each trained token, the flat index of the hidden state predicting it (a rejected answer's first token: the
+    # prompt's last), and its answer (pair i: chosen i, rejected B + i)
+    assert batch["tgt"].tolist() == [3, 4, 5, 6, 8, 9, 9]
+    assert batch["src"].tolist() == [1, 1, 3, 4, 6, 6, 8]
+    assert batch["seq"].tolist() == [0, 2, 2, 2, 1, 3, 3]
     assert batch["index"].tolist() == [4, 1]
     assert all(t.dtype == torch.long for t in batch.values())
+
+
+def test_branch_attention_sees_the_prompt_and_not_the_other_answer() -> None:
+    """The mask of a collated row: the rejected answer attends to the prompt and itself, never to the chosen answer;
+    padding attends to nothing else; a row without branches (packing) is plain per-document causal."""
+    from lit_qlora.model.attention_mask import dense_mask, document_mask_mod
+
+    positions = torch.tensor([[0, 1, 2, 2, 3, 4, 0]])  # prompt 1-2, chosen 3, rejected 4-6, padding
+    mask = dense_mask(document_mask_mod(positions), 1, 7)[0, 0].int().tolist()
+    assert mask[2] == [1, 1, 1, 0, 0, 0, 0]  # the chosen token: prompt and itself
+    assert mask[3] == [1, 1, 0, 1, 0, 0, 0]  # the rejected answer's first token: the prompt, not the chosen token
+    assert mask[5] == [1, 1, 0, 1, 1, 1, 0]
+    assert mask[6] == [0, 0, 0, 0, 0, 0, 1]
+    packed = torch.tensor([[0, 1, 2, 0, 1]])
+    causal_docs = dense_mask(document_mask_mod(packed), 1, 5)[0, 0].int().tolist()
+    assert causal_docs == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [0, 0, 0, 1, 0], [0, 0, 0, 1, 1]]
 
 
 def test_render_pair_masks_every_answer_but_the_last(tok: Tokenizer) -> None:

@@ -27,7 +27,7 @@ import torch
 from lit_qlora.data.errors import DataError
 from lit_qlora.data.formats import read_source, rename_columns
 from lit_qlora.data.prompts import PromptStyle, Segment, raw_segments
-from lit_qlora.data.sft import IGNORE_INDEX, ROLES, Collate, Sample, tokenize_segments
+from lit_qlora.data.sft import IGNORE_INDEX, ROLES, Sample, tokenize_segments
 
 PREFERENCE_FORMATS = ("explicit", "implicit")
 # What `auto` looks for, in order: the first format whose columns a row has.
@@ -258,16 +258,51 @@ def tokenize_pairs(pairs: Sequence[dict], style: PromptStyle, tokenizer: Any, ma
     return samples
 
 
+def shared_prompt_length(pair: PairSample) -> int:
+    """How many leading tokens the pair's two sequences share before either trains: its prompt, computed once."""
+    first = [int((s.labels != IGNORE_INDEX).nonzero()[0]) for s in (pair.chosen, pair.rejected)]
+    a, b = pair.chosen.input_ids, pair.rejected.input_ids
+    n = min(first)
+    differs = (a[:n] != b[:n]).nonzero()
+    return int(differs[0]) if len(differs) else n
+
+
 class PairCollate:
-    """A batch of B pairs as one of 2B sequences: `{"input_ids": [2B, T], "labels": [2B, T], "index": [B]}` (int64);
-    rows 0..B-1 are the chosen sequences, B..2B-1 the rejected ones in the same pair order, right-padded to the
-    longest of all 2B (inputs with `pad_id`, labels with IGNORE_INDEX), so both answers go through one forward."""
+    """A batch of B pairs as B rows, each its prompt once, then the chosen answer, then the rejected one: the answers
+    are branches of the prompt (prefix sharing). The rejected tokens carry the positions they have after the prompt
+    alone, so the attention rule of packed rows (lit_qlora.model.attention_mask: a position that does not increase
+    starts a branch, which sees its document's tokens before that position and itself) lets them see the prompt and
+    not the chosen answer: each answer is computed exactly as in a sequence of its own, and the prompt once.
+
+    `{"input_ids": [B, T], "positions": [B, T], "index": [B], "src": [N], "tgt": [N], "seq": [N]}` (int64), right
+    padded (inputs with `pad_id`, positions 0: each padding token a document of its own). The N trained tokens:
+    `tgt` is the token, `src` the flat index (row * T + column) of the hidden state that predicts it, `seq` the
+    answer it belongs to: pair i's chosen answer is i, its rejected answer B + i."""
 
     def __init__(self, pad_id: int) -> None:
         self.pad_id = pad_id
-        self._collate = Collate(pad_id)
 
     def __call__(self, samples: Sequence[PairSample]) -> dict[str, torch.Tensor]:
-        batch = self._collate([s.chosen for s in samples] + [s.rejected for s in samples])
-        batch["index"] = torch.tensor([s.index for s in samples], dtype=torch.long)
-        return batch
+        rows, src, tgt, seq = [], [], [], []
+        for i, pair in enumerate(samples):
+            chosen, rejected = pair.chosen, pair.rejected
+            shared, n = shared_prompt_length(pair), len(chosen)
+            ids = torch.cat([chosen.input_ids, rejected.input_ids[shared:]])
+            positions = torch.cat([torch.arange(n), torch.arange(shared, len(rejected))])
+            rows.append((ids, positions))
+            # where token j of each sequence sits in the row: the chosen one in place, the rejected one after it
+            where = (torch.arange(n), torch.cat([torch.arange(shared), n + torch.arange(len(rejected) - shared)]))
+            for side, sample in enumerate((chosen, rejected)):
+                trained = (sample.labels[1:] != IGNORE_INDEX).nonzero().squeeze(1) + 1
+                src.append(where[side][trained - 1])  # a column of row i: made flat below, once T is known
+                tgt.append(sample.labels[trained])
+                seq.append(torch.full((len(trained),), side * len(samples) + i))
+        longest = max(len(ids) for ids, _ in rows)
+        input_ids = torch.full((len(rows), longest), self.pad_id, dtype=torch.long)
+        positions = torch.zeros((len(rows), longest), dtype=torch.long)
+        for r, (ids, pos) in enumerate(rows):
+            input_ids[r, : len(ids)], positions[r, : len(pos)] = ids, pos
+        seq_t = torch.cat(seq)
+        src_t = (seq_t % len(samples)) * longest + torch.cat(src)
+        return {"input_ids": input_ids, "positions": positions, "src": src_t, "tgt": torch.cat(tgt), "seq": seq_t,
+                "index": torch.tensor([s.index for s in samples], dtype=torch.long)}

@@ -1,16 +1,18 @@
 """The step `litqlora estimate --method dpo` traces: `litqlora dpo`'s (lit_qlora.preference.module), on the fake
 tensors of `estimate.step.trace_step`.
 
-A micro-batch of B pairs is one forward and backward of 2B sequences (the chosen rows, then the rejected ones) through
-the real `answer_logps` and `pair_sums`. The reference is the same base with the adapters off (no second copy of the
-weights): with `--dpo.reference adapters_off` its no-grad forward of the same 2B sequences (`reference_logps`) runs
+A micro-batch of B pairs is one forward and backward of B rows (each its prompt once, then its chosen and rejected
+answers as branches: lit_qlora.data.preference.PairCollate) through the real `answer_logps` and `pair_sums`. The
+reference is the same base with the adapters off (no second copy of the weights): with `--dpo.reference
+adapters_off` its no-grad forward of the same rows (`reference_logps`) runs
 before the policy's in every step; with `cached` the step looks up 2 floats per pair, and the forwards that fill the
 table run once, before training (traced once before the first step, when only the weights are live); ORPO has no
 reference. After `--train.init_adapter`, the reference is that adapter: its pass sets the training adapter aside (a
 copy of the LoRA weights, counted).
 
-Answer tokens: every position is taken as trained, the worst case, as the SFT estimate takes it (in a real run a
-pair's prompt never reaches the head)."""
+Answer tokens: the worst case, as the SFT estimate takes it: no prompt to share (a row is two answers of
+max_seq_length tokens each, 2 x max_seq_length in all) and every position trained (in a real run a pair's prompt is
+computed once and never reaches the head)."""
 
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from lit_qlora.preference.args import DPOArgs
 # torch and the preference package's step are imported inside the functions: the CLI imports `estimate` to build
 # `--help` (lit_qlora.cli.commands says why and how).
 
-SEQUENCES_PER_PAIR = 2  # chosen and rejected, side by side in one forward
+SEQUENCES_PER_PAIR = 2  # chosen and rejected, branches of one row
 
 
 def reference_pass(dpo: DPOArgs) -> Optional[str]:
@@ -47,7 +49,7 @@ class PreferenceStep:
         self._args: tuple = ()
 
     def prepare(self, model: Any, pairs: int, length: int, phase: Any, trace: Any, init_adapter: bool) -> None:
-        """The batch (2 x `pairs` sequences of `length` tokens, every position an answer token) and, after
+        """The batch (`pairs` rows of two `length`-token answers, every position trained) and, after
         --train.init_adapter, the starting adapter (host memory in a real run: made here, uncounted)."""
         import torch
 
@@ -55,13 +57,20 @@ class PreferenceStep:
         from lit_qlora.preference.loss import Objective
 
         dpo = self.dpo
-        ids = torch.zeros(SEQUENCES_PER_PAIR * pairs, length, dtype=torch.long)
+        row = SEQUENCES_PER_PAIR * length
+        ids = torch.zeros(pairs, row, dtype=torch.long)
+        # no shared prompt: the rejected answer starts at position 0, a document of its own
+        positions = torch.arange(length).repeat(SEQUENCES_PER_PAIR).expand(pairs, row)
+        src = torch.arange(pairs * row)
+        seq = (torch.arange(row) >= length).long()[None, :] * pairs + torch.arange(pairs)[:, None]
+        batch = {"input_ids": ids, "positions": positions, "src": src, "tgt": torch.zeros_like(src),
+                 "seq": seq.reshape(-1), "index": torch.arange(pairs)}
         start = None
         if init_adapter:
             start = {f"{name}.{leaf}": torch.zeros_like(getattr(layer, leaf))
                      for name, layer in lora_modules(model).items() for leaf in ("lora_A", "lora_B")}
         objective = Objective(dpo.loss, dpo.beta, dpo.label_smoothing, dpo.orpo_lambda)
-        self._args = (model, {"input_ids": ids, "labels": ids}, start, objective, pairs, phase, trace)
+        self._args = (model, batch, start, objective, pairs, phase, trace)
 
     def before_training(self) -> None:
         """cached: the forwards that fill the table, before the first step (one micro-batch's stands for them all)."""
@@ -83,7 +92,7 @@ class PreferenceStep:
             reference = torch.zeros(SEQUENCES_PER_PAIR * pairs, dtype=torch.float32)
         phase.phase = "forward"
         with every_position_trained():
-            logps, counts = answer_logps(model, batch["input_ids"], batch["labels"])
+            logps, counts = answer_logps(model, batch)
             sums = pair_sums(objective, logps, counts, reference)
         return sums.pair_loss / pairs + sums.nll_sum / sums.chosen_tokens.clamp(min=1)
 

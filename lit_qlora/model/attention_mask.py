@@ -1,5 +1,6 @@
-"""Which keys each query attends to: causally, within a sliding window (Mistral, Gemma 2/3, Phi-3), and in a packed
-row only within its own document.
+"""Which keys each query attends to: causally, within a sliding window (Mistral, Gemma 2/3, Phi-3), in a packed
+row only within its own document, and in a document with branches (a preference pair's two answers after one
+prompt) only within its branch and the trunk before it.
 
 A packed row carries per-token `positions` (B, T) that restart at 0 where each document starts: they are the
 documents' RoPE positions and, read through `document_ids`, their boundaries (right padding sits at position 0, so
@@ -63,12 +64,28 @@ def document_lengths(positions: torch.Tensor) -> torch.Tensor:
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+def branches(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, T) ids of each token's branch and the position its branch starts at. A branch starts wherever the position
+    does not increase: at every document's start (position 0), and where a row goes back to an earlier position of
+    its document (a preference pair's rejected answer after its chosen one, both after one prompt)."""
+    starts = torch.ones_like(positions, dtype=torch.bool)
+    starts[:, 1:] = positions[:, 1:] <= positions[:, :-1]
+    ids = starts.cumsum(-1)
+    start_pos = torch.zeros(positions.size(0), positions.size(1) + 1, dtype=positions.dtype, device=positions.device)
+    start_pos = start_pos.scatter_reduce(1, ids, torch.where(starts, positions, 0), "amax").gather(1, ids)
+    return ids, start_pos
+
+
 def document_mask_mod(positions: torch.Tensor, window: Optional[int] = None) -> MaskMod:
-    """flex_attention's `mask_mod(b, h, q_idx, kv_idx)` for packed rows: causal, same document, within `window`."""
+    """flex_attention's `mask_mod(b, h, q_idx, kv_idx)` for packed rows: causal, same document, within `window`; and
+    in a document with branches (`branches`), a token sees its own branch and the tokens before the position its
+    branch starts at (its trunk), not another branch. Documents with one branch (packing) are plain causal."""
     docs = document_ids(positions)
+    branch, branch_start = branches(positions)
 
     def mask_mod(b, h, q_idx, kv_idx):
         keep = (kv_idx <= q_idx) & (docs[b, q_idx] == docs[b, kv_idx])
+        keep = keep & ((branch[b, q_idx] == branch[b, kv_idx]) | (positions[b, kv_idx] < branch_start[b, q_idx]))
         if window is not None:
             keep = keep & (positions[b, q_idx] - positions[b, kv_idx] < window)
         return keep

@@ -21,7 +21,6 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from lit_qlora.data.sft import IGNORE_INDEX
 
 # Head logits are made for this many answer tokens at a time and recomputed in backward: a batch's answers never
 # hold vocab-sized logits for more than one chunk.
@@ -63,22 +62,24 @@ def _token_logps(logits_of, hidden: torch.Tensor, targets: torch.Tensor) -> torc
     return logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
-def answer_logps(model, input_ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row: the summed log-probability (fp32) of its trained tokens (labels not IGNORE_INDEX, predicted from the
-    position before), and how many there are. Only answer positions go through the head, a chunk at a time."""
-    hidden = model.forward_hidden(input_ids)
-    targets = labels[:, 1:]
-    keep = targets != IGNORE_INDEX
-    rows = keep.nonzero()[:, 0]
-    hidden, targets = hidden[:, :-1][keep], targets[keep]
+def answer_logps(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per answer of a PairCollate batch (B pairs: chosen answers 0..B-1, rejected B..2B-1): the summed
+    log-probability (fp32) of its trained tokens, and how many there are. One forward of the B rows (each prompt once,
+    its two answers as branches); only the trained tokens' hidden states go through the head, a chunk at a time."""
+    hidden = model.forward_hidden(batch["input_ids"], positions=batch["positions"])
+    hidden = hidden.reshape(-1, hidden.size(-1))[batch["src"]]
+    targets = batch["tgt"]
     chunk = max(1, LOGP_CHUNK_ELEMS // model.config.vocab_size)
-    grad = torch.is_grad_enabled()
+    # Checkpointed only where there is more than one chunk: one chunk's logits are kept for backward (at most
+    # LOGP_CHUNK_ELEMS), rather than made twice.
+    again = torch.is_grad_enabled() and len(targets) > chunk
     pieces = [checkpoint(_token_logps, model.logits, hidden[i : i + chunk], targets[i : i + chunk], use_reentrant=False)
-              if grad else _token_logps(model.logits, hidden[i : i + chunk], targets[i : i + chunk])
+              if again else _token_logps(model.logits, hidden[i : i + chunk], targets[i : i + chunk])
               for i in range(0, len(targets), chunk)]
     token_logps = torch.cat(pieces) if pieces else hidden.new_zeros(0, dtype=torch.float32)
-    sums = torch.zeros(input_ids.size(0), device=input_ids.device, dtype=torch.float32).index_add(0, rows, token_logps)
-    return sums, keep.sum(1).float()
+    answers = 2 * batch["index"].numel()
+    zeros = torch.zeros(answers, device=hidden.device, dtype=torch.float32)
+    return zeros.index_add(0, batch["seq"], token_logps), zeros.index_add(0, batch["seq"], torch.ones_like(token_logps))
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """`PreferenceModule`: `FinetuneModule`'s optimizer step, checkpoints and validation with a preference loss.
 
-A micro-batch of B pairs is one forward of 2B rows (chosen then rejected). The step's loss is the mean over the
+A micro-batch of B pairs is one forward of B rows (each prompt once, its chosen and rejected answers as branches). The step's loss is the mean over the
 global batch's pairs (ORPO adds the chosen answers' NLL, token-weighted over the global batch), so an accumulated or
 distributed step equals one large batch, as for `finetune`."""
 
@@ -11,7 +11,6 @@ from typing import Any, Optional
 
 import torch
 
-from lit_qlora.data.sft import IGNORE_INDEX
 from lit_qlora.parallel.distributed import no_gradient_sync
 from lit_qlora.preference.loss import Objective, PairSums, answer_logps, pair_sums
 from lit_qlora.preference.reference import Reference
@@ -22,9 +21,8 @@ EVAL_PREFIX = "eval_"
 
 
 def chosen_tokens(batch: dict[str, Any]) -> int:
-    """Trained tokens of a batch's chosen answers (its first half of rows)."""
-    pairs = len(batch["index"])
-    return int((batch["labels"][:pairs, 1:] != IGNORE_INDEX).sum())
+    """Trained tokens of a batch's chosen answers (answers 0..B-1)."""
+    return int((batch["seq"] < len(batch["index"])).sum())
 
 
 class PreferenceModule(FinetuneModule):
@@ -40,8 +38,9 @@ class PreferenceModule(FinetuneModule):
         self._val_sums: list[PairSums] = []
 
     def micro_sums(self, batch: dict[str, Any], split: str) -> PairSums:
+        """The loss terms and metric sums of a micro-batch (PairCollate's layout), its reference first."""
         ref = self.reference.logps(self, batch, split) if self.objective.uses_reference else None
-        logps, counts = answer_logps(self.model, batch["input_ids"], batch["labels"])
+        logps, counts = answer_logps(self.model, batch)
         return pair_sums(self.objective, logps, counts, ref)
 
     def accumulate_gradients(self, micro_batches: list[dict[str, Any]]) -> torch.Tensor:

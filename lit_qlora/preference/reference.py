@@ -57,7 +57,7 @@ def reference_logps(model: nn.Module, batch: dict[str, torch.Tensor],
                     start: Optional[dict[str, torch.Tensor]]) -> torch.Tensor:
     """The reference's summed answer log-probabilities of a batch's 2B rows."""
     with reference_policy(model, start):
-        return answer_logps(model, batch["input_ids"], batch["labels"])[0]
+        return answer_logps(model, batch)[0]
 
 
 class Reference:
