@@ -80,10 +80,13 @@ def main() -> None:
     args = parser.parse_args()
     import torch
 
-    record = {"cpu": cpu_name(), "flags": cpu_flags(), "torch": torch.__version__,
-              "runs": [run(isa, args.precision) for isa in args.isa]}
     results = HERE / "results"
     results.mkdir(exist_ok=True)
+    previous = results / "dpo_demo.json"
+    kept = json.loads(previous.read_text())["runs"] if previous.is_file() else []  # other ISA settings' runs stay
+    runs = [run(isa, args.precision) for isa in args.isa]
+    record = {"cpu": cpu_name(), "flags": cpu_flags(), "torch": torch.__version__,
+              "runs": [r for r in kept if r["isa"] not in args.isa] + runs}
     (results / "dpo_demo.json").write_text(json.dumps(record, indent=2) + "\n")
     (results / "dpo_demo.md").write_text(markdown(record))
     print(markdown(record))
