@@ -124,8 +124,8 @@ UNUSED_BY_FINETUNE = {"transformers", "matplotlib", "scipy"}
 # What answering --help or an argument error must not import: seconds of start-up (torch, torchao) or more.
 STARTUP_HEAVY = ("torch", "torchao", "numpy", "lightning", "lm_eval", "transformers", "matplotlib", "scipy",
                  "huggingface_hub", "safetensors", "tokenizers", "gguf")
-COMMANDS = ("finetune", "estimate", "download", "convert_gguf", "generate", "chat", "serve", "merge", "export_peft",
-            "export_gguf", "evaluate", "compare")
+COMMANDS = ("finetune", "dpo", "estimate", "download", "convert_gguf", "generate", "chat", "serve", "merge",
+            "export_peft", "export_gguf", "evaluate", "compare")
 
 
 def modules_loaded_by(*argv: str, before: str = "", watch: tuple[str, ...] = (*HEAVY, "torch")) -> set[str]:
