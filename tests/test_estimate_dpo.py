@@ -38,7 +38,9 @@ def measured_preference_step(config: Config, quantize: str, lora: LoRAArgs, trai
     # PairCollate's layout with no shared prompt: each row two answers, every position trained
     src = torch.arange(pairs * 2 * length)
     seq = (torch.arange(2 * length) >= length).long()[None, :] * pairs + torch.arange(pairs)[:, None]
-    batch = {"input_ids": ids, "positions": torch.arange(length).repeat(2).expand(pairs, 2 * length), "src": src,
+    # without positions, as the estimate traces it (a CPU run's dense branch mask, B x 4L^2 bytes, is left out of
+    # both: lit_qlora.estimate.preference says why)
+    batch = {"input_ids": ids, "src": src,
              "tgt": ids.reshape(-1), "seq": seq.reshape(-1), "index": torch.arange(pairs)}
     objective = Objective(dpo.loss, dpo.beta)
 

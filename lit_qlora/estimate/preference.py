@@ -59,11 +59,13 @@ class PreferenceStep:
         dpo = self.dpo
         row = SEQUENCES_PER_PAIR * length
         ids = torch.zeros(pairs, row, dtype=torch.long)
-        # no shared prompt: the rejected answer starts at position 0, a document of its own
-        positions = torch.arange(length).repeat(SEQUENCES_PER_PAIR).expand(pairs, row)
+        # No shared prompt, and no positions: the row is traced as one causal sequence of 2 x length tokens, the
+        # same activations as two documents of `length`. (Positions would build the dense (2L)^2 mask of CPU runs:
+        # B x 4L^2 bytes, 36 MB at L = 3000, which would also make the peak quadratic in L for the length search;
+        # on CUDA the mask is a flex_attention BlockMask, O(L).)
         src = torch.arange(pairs * row)
         seq = (torch.arange(row) >= length).long()[None, :] * pairs + torch.arange(pairs)[:, None]
-        batch = {"input_ids": ids, "positions": positions, "src": src, "tgt": torch.zeros_like(src),
+        batch = {"input_ids": ids, "positions": None, "src": src, "tgt": torch.zeros_like(src),
                  "seq": seq.reshape(-1), "index": torch.arange(pairs)}
         start = None
         if init_adapter:

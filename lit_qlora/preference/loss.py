@@ -66,7 +66,7 @@ def answer_logps(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, t
     """Per answer of a PairCollate batch (B pairs: chosen answers 0..B-1, rejected B..2B-1): the summed
     log-probability (fp32) of its trained tokens, and how many there are. One forward of the B rows (each prompt once,
     its two answers as branches); only the trained tokens' hidden states go through the head, a chunk at a time."""
-    hidden = model.forward_hidden(batch["input_ids"], positions=batch["positions"])
+    hidden = model.forward_hidden(batch["input_ids"], positions=batch.get("positions"))
     hidden = hidden.reshape(-1, hidden.size(-1))[batch["src"]]
     targets = batch["tgt"]
     chunk = max(1, LOGP_CHUNK_ELEMS // model.config.vocab_size)
