@@ -311,8 +311,9 @@ def test_global_batch_must_divide():
 def test_every_preset_parses(preset, capsys):
     from lit_qlora.cli import main
 
+    command = preset.split("/")[1]  # config_hub/finetune/... and config_hub/dpo/...: the command that reads it
     with pytest.raises(SystemExit) as e:
-        main(["finetune", "--config", str(ROOT / preset), "--print_config"])
+        main([command, "--config", str(ROOT / preset), "--print_config"])
     assert e.value.code == 0
     printed = capsys.readouterr().out
     assert "lora:" in printed and "train:" in printed
