@@ -1,8 +1,8 @@
 """`PreferenceModule`: `FinetuneModule`'s optimizer step, checkpoints and validation with a preference loss.
 
-A micro-batch of B pairs is one forward of B rows (each prompt once, its chosen and rejected answers as branches). The step's loss is the mean over the
-global batch's pairs (ORPO adds the chosen answers' NLL, token-weighted over the global batch), so an accumulated or
-distributed step equals one large batch, as for `finetune`."""
+A micro-batch of B pairs is one forward of B rows (each prompt once, its chosen and rejected answers as branches).
+The step's loss is the mean over the global batch's pairs (ORPO adds the chosen answers' NLL, token-weighted over the
+global batch), so an accumulated or distributed step equals one large batch, as for `finetune`."""
 
 from __future__ import annotations
 
@@ -34,7 +34,6 @@ class PreferenceModule(FinetuneModule):
                  objective: Objective, reference: Optional[Reference]) -> None:
         super().__init__(model, train, total_steps, start_step, compile=compile)
         self.objective, self.reference = objective, reference
-        self.val_metrics: dict[str, float] = {}
         self._val_sums: list[PairSums] = []
 
     def micro_sums(self, batch: dict[str, Any], split: str) -> PairSums:
