@@ -277,3 +277,48 @@ def test_shapes_flex_attention_runs_keep_their_block_masks_and_are_tried_once(mo
     assert tries[0][2:7] == (*batch["input_ids"].shape, config.n_head, config.n_query_groups, config.head_dim)
     assert attention._flex_verdicts == {tries[0]: True}
     assert len(flex_masks) == 2 * config.n_layer and not any(isinstance(m, torch.Tensor) for m in flex_masks)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("mask_kind", ["causal", "packed", "window"])
+def test_short_half_precision_training_rows_attend_in_float32(dtype, mask_kind, monkeypatch):
+    """bf16/fp16 training rows of up to UPCAST_MAX_TOKENS tokens on CPU take SDPA's flash kernel in float32 (its bf16
+    backward is slower there): outputs and gradients as close to float64 attention as SDPA's own kernel comes, or
+    closer; the path is not taken for longer rows, without gradients or in float32."""
+    B, H, KV, L, D = 2, 4, 2, 37, 16
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, n, L, D, generator=g).to(dtype).requires_grad_() for n in (H, KV, KV))
+    grad = torch.randn(B, H, L, D, generator=g).to(dtype)
+    positions = torch.cat([torch.arange(20), torch.arange(10, 27)]).expand(B, L).clone()  # a prompt, two branches
+    positions[1] = torch.cat([torch.arange(30), torch.zeros(7, dtype=torch.long)])  # a document, then padding
+    mask = {"causal": None, "packed": attention_mask(torch.arange(L), L, None, False, positions),
+            "window": attention_mask(torch.arange(L), L, 8, False)}[mask_kind]
+    calls = []
+    monkeypatch.setattr(attention._Float32Attention, "apply",
+                        lambda *a, f=attention._Float32Attention.apply: calls.append(1) or f(*a))
+
+    def run(q, k, v, fn):
+        for t in (q, k, v):
+            t.grad = None
+        out = fn(q, k, v)
+        out.backward(grad.to(q.dtype))
+        return [out.detach().double()] + [t.grad.double() for t in (q, k, v)]
+
+    exact = run(*(t.detach().double().requires_grad_() for t in (q, k, v)),
+                lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                                               scale=0.25, enable_gqa=True))
+    ours = run(q, k, v, lambda q, k, v: attend(q, k, v, mask, 0.25))
+    assert len(calls) == 1
+    sdpa = run(q, k, v, lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                                                       scale=0.25, enable_gqa=True))
+    for got, ref, want in zip(ours, sdpa, exact):
+        scale = want.abs().max()
+        assert (got - want).abs().max() <= 1.25 * (ref - want).abs().max() + 1e-3 * scale
+        assert (got - want).abs().max() <= (2e-2 if dtype == torch.bfloat16 else 3e-3) * scale
+
+    with torch.no_grad():
+        attend(q, k, v, mask, 0.25)
+    attend(q.float(), k.float(), v.float(), mask, 0.25)
+    monkeypatch.setattr(attention, "UPCAST_MAX_TOKENS", L - 1)
+    attend(q, k, v, mask, 0.25)
+    assert len(calls) == 1

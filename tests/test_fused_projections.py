@@ -138,6 +138,55 @@ def test_fallbacks(monkeypatch):
     assert not ParallelLoRALinear.fusable
 
 
+def test_loaded_dense_groups_are_read_in_place_with_the_same_results(monkeypatch):
+    """The loader makes q/k/v and gate/up (weights and biases) row slices of one tensor: the fused matmul then reads
+    them without a copy, and outputs and gradients are bitwise those of concatenating them in every call."""
+    model = lora_model("none", 0.3, bias=True)
+    attn, mlp = model.model.layers[1].self_attn, model.model.layers[1].mlp
+    for group in ((attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)):
+        stack = fp.stacked_view([m.weight for m in group])
+        assert stack is not None and stack.data_ptr() == group[0].weight.data_ptr()
+        assert torch.equal(stack, torch.cat([m.weight for m in group]))
+    stack = fp.stacked_view([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias])
+    assert stack is not None and stack.data_ptr() == attn.q_proj.bias.data_ptr()
+    copies = []
+    cat = torch.cat
+
+    def counted(tensors, *args, **kwargs):  # a concatenation of weights (n, 128) or biases (n,)
+        if all(t.dim() == 1 or (t.dim() == 2 and t.shape[1] == 128) for t in tensors):
+            copies.append(len(tensors))
+        return cat(tensors, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "cat", counted)
+    shared = step(model, True, monkeypatch)
+    assert copies == []
+    for block in model.model.layers:  # the same weights, each in its own tensor: concatenated per call
+        for m in (block.self_attn.q_proj, block.self_attn.k_proj, block.self_attn.v_proj, block.mlp.gate_proj,
+                  block.mlp.up_proj):
+            m.weight = torch.nn.Parameter(m.weight.detach().clone(), requires_grad=False)
+            m.bias = None if m.bias is None else torch.nn.Parameter(m.bias.detach().clone(), requires_grad=False)
+    assert fp.stacked_view([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]) is None
+    copies.clear()
+    separate = step(model, True, monkeypatch)
+    assert copies.count(3) >= 2 * 2 and copies.count(2) >= 2 * 2  # per block: q/k/v (+ biases), gate/up
+    assert torch.equal(shared[0], separate[0]) and shared[1].keys() == separate[1].keys()
+    assert all(torch.equal(shared[1][n], separate[1][n]) for n in shared[1])
+    model.share_projection_storage()  # again: each group back in one tensor, the values unchanged
+    assert fp.stacked_view([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]) is not None
+    assert torch.equal(step(model, True, monkeypatch)[0], shared[0])
+
+
+def test_share_storage_leaves_nf4_and_trainable_weights_alone():
+    model = lora_model("nf4", 0.0)
+    attn = model.model.layers[0].self_attn
+    assert not fp.share_storage((attn.q_proj, attn.k_proj, attn.v_proj))
+    assert all(is_nf4(m.weight) for m in (attn.q_proj, attn.k_proj, attn.v_proj))
+    dense = lora_model("none", 0.0).model.layers[0].mlp
+    dense.gate_proj.weight.requires_grad_(True)
+    dense.gate_proj.weight = torch.nn.Parameter(dense.gate_proj.weight.detach().clone())
+    assert not fp.share_storage((dense.gate_proj, dense.up_proj))
+
+
 def test_the_nf4_stack_is_the_dequantized_weights_in_the_scratch_buffer():
     model = lora_model("nf4", 0.0)
     attn = model.model.layers[0].self_attn

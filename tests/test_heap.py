@@ -43,13 +43,34 @@ def test_trims_only_when_resident_free_heap_grew_past_the_budget_over_the_workin
     assert not trim()
     proc.in_use += 500 * MIB  # live tensors raise RSS and in-use alike: nothing to hand back
     assert not trim()
-    proc.free_resident = 75 * MIB + 33 * MIB
+    proc.free_resident = 75 * MIB + 64 * MIB  # RSS grew by 34 MiB since that look, all of it free heap
     assert trim() and proc.releases == 2 and proc.free_resident == 0
     proc.free_resident = 40 * MIB  # a new floor
     assert not trim()
     proc.free_resident = 40 * MIB + 20 * MIB
     assert not trim()
     assert (trim.checks, trim.releases) == (7, 2)
+
+
+def test_the_heap_is_measured_only_once_rss_has_grown_by_the_budget():
+    proc = FakeProcess()
+    trim = proc.trimmer(32 * MIB)
+    trim(), trim()  # a release, then the floor: two measurements
+    assert trim.measurements == 2
+    proc.in_use -= 100 * MIB  # a backward frees activations: resident free heap grows, RSS does not
+    proc.free_resident += 100 * MIB
+    assert not any(trim() for _ in range(5))  # freed pages are reused before RSS grows: no trim lowers the peak
+    assert trim.measurements == 2
+    proc.free_resident += 20 * MIB  # RSS grows, but less than the budget: still not measured
+    assert not trim() and trim.measurements == 2
+    proc.free_resident += 13 * MIB  # now past it: measured, and 133 MiB of free heap over the floor is handed back
+    assert trim() and trim.measurements == 3 and proc.free_resident == 0
+    proc.in_use += 33 * MIB  # the first check after that release sets the floor; then live growth past the budget
+    assert not trim()
+    proc.in_use += 33 * MIB
+    assert not trim() and trim.measurements == 5  # measured, nothing free: no trim, and the next look 32 MiB later
+    proc.in_use += 16 * MIB
+    assert not trim() and trim.measurements == 5
 
 
 def test_the_floor_follows_rss_outside_the_heap():

@@ -76,6 +76,7 @@ def load_model(
     model = model.eval()
     if device is not None and torch.device(device).type != "cpu":
         model = model.to(device)
+    model.share_projection_storage(trainable=True)  # (no optimizer holds the weights yet)
     return model
 
 
@@ -160,4 +161,5 @@ def random_base(config: Config, quantize: Quantize | str, dtype: torch.dtype, ig
         if config.tie_embeddings and not is_ignored("lm_head", ignore_modules):
             _own_nf4_head(model, world_size)
         quantize_linears(model, ignore_modules, world_size)
+    model.share_projection_storage(trainable=True)  # (no optimizer holds the weights yet)
     return model.eval()

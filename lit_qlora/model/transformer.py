@@ -21,7 +21,7 @@ from lit_qlora.lora.dropout import reusing_down_products
 from lit_qlora.model.attention import FlexShape, attend, flex_runs, softcap, use_flex_attention
 from lit_qlora.model.attention_mask import as_dense, attention_mask, document_lengths
 from lit_qlora.model.config import Config
-from lit_qlora.model.fused_projections import fused_projections
+from lit_qlora.model.fused_projections import fused_projections, share_storage
 from lit_qlora.model.offload import block_input_saved
 from lit_qlora.model.rope import rope_attention_factor, rope_inv_freq
 from lit_qlora.model.tiled_mlp import mlp_tile_tokens, tiled_mlp
@@ -294,6 +294,15 @@ class Transformer(nn.Module):
             else:
                 x = block(x, cos, sin, mask, input_pos)
         return self.model.norm(x)
+
+    def share_projection_storage(self, trainable: bool = False) -> None:
+        """Each block's q/k/v and gate/up base weights as row slices of one tensor, which their fused matmul reads
+        in place (fused_projections.share_storage: dense weights; trainable ones too with `trainable`, before any
+        optimizer holds them). A move to another device copies each weight on its own: call it again there."""
+        for block in self.model.layers:
+            attn, mlp = block.self_attn, block.mlp
+            share_storage((attn.q_proj, attn.k_proj, attn.v_proj), trainable)
+            share_storage((mlp.gate_proj, mlp.up_proj), trainable)
 
     def flex_or_dense(self, mask, rows: int, dtype: torch.dtype):
         """A BlockMask where flex_attention runs this forward's shape, else its dense mask (attention.flex_runs)."""

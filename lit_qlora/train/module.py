@@ -68,6 +68,8 @@ class FinetuneModule(L.LightningModule):
 
     def on_train_start(self) -> None:
         self._last_step_end = None
+        if not self.compile_enabled:  # (compiled blocks do not fuse projections)
+            self.model.share_projection_storage()  # again on the device Lightning moved the model to
         self._compile_mark = compile_seconds() if self.compile_enabled else 0.0
 
     # Lightning moves the module to its device for every fit and validate, and to the CPU when each ends. A move
