@@ -224,3 +224,21 @@ def test_loading_a_state_dict_requantizes_in_place():
     weight = model.get_parameter(key)
     assert is_nf4(weight)
     assert torch.equal(dequantize_nf4(weight), dequantize_nf4(quantize_nf4(new[key])))
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_adapters_disabled_computes_the_base_alone(training):
+    """Under adapters_disabled (the DPO reference) a LoRA layer returns its base output as it is: its adapter is not
+    run at all (a NaN adapter does not reach the output, which out + 0 * adapter would)."""
+    from lit_qlora.lora.layer import adapters_disabled
+
+    torch.manual_seed(0)
+    base = torch.nn.Linear(16, 8)
+    layer = LoRALinear(base, r=4, alpha=8, dropout=0.1, dtype=torch.float32).train(training)
+    with torch.no_grad():
+        layer.lora_B.fill_(float("nan"))
+    x = torch.randn(3, 16)
+    with adapters_disabled(layer):
+        out = layer(x)
+    assert torch.equal(out, F.linear(x, base.weight, base.bias))
+    assert torch.isnan(layer(x)).all()  # outside: the adapter again

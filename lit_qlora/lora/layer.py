@@ -68,6 +68,8 @@ class LoRALinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = frozen_linear(x, self.weight, self.bias)
+        if self.scale == 0:  # adapters_disabled (a DPO reference pass): out + 0 is out, without the adapter's matmuls
+            return out
         a, b = self.lora_A.to(x.dtype), self.lora_B.to(x.dtype)
         if self.training and isinstance(self.lora_dropout, nn.Dropout):
             if lora_dropout.hash_dropout_applies(x):
