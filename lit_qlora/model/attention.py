@@ -125,7 +125,8 @@ def _upcast_applies(q: torch.Tensor, k: torch.Tensor) -> bool:
 class _Float32Attention(torch.autograd.Function):
     """SDPA's CPU flash kernel on float32 copies of q, k and v (grouped-query layouts as they are); out and the
     gradients in the inputs' dtype. Saves q, k, v, the output it returns and the float32 log-sum-exp, as the kernel's
-    own autograd does. `mask`: a boolean (B, 1, T, T) mask (True: attend) or None (causal)."""
+    own autograd does. `mask`: a boolean mask (True: attend) that broadcasts to (B, heads, T, T), as `attention_mask`
+    makes them, or None (causal)."""
 
     @staticmethod
     def forward(ctx, q, k, v, mask, scale: float):

@@ -8,8 +8,9 @@ into its slice of the one output (`addmm_`, alpha = its scale) instead of a scal
 The group's base weights are stacked for each matmul: NF4 weights are dequantized into one dense block (the CPU
 scratch buffer, as `NF4Linear` does; backward dequantizes again, only the NF4 codes are saved); dense weights are
 read in place where `share_storage` made them row slices of one tensor (the loader does, for every block), else
-concatenated in every call (a SmolLM2 LoRA `dpo` step on two short rows spent 7% of its time in those copies). Each adapter keeps its own A, B, scale and dropout mask (the hash mask of `lora_dropout`, its seed
-drawn per adapter in module order, as the unfused path draws them). Without dropout the adapters' A projections
+concatenated in every call (a SmolLM2 LoRA `dpo` step on two short rows spent 7% of its time in those copies).
+Each adapter keeps its own A, B, scale and dropout mask (the hash mask of `lora_dropout`, its seed drawn per adapter
+in module order, as the unfused path draws them). Without dropout the adapters' A projections
 are one matmul of x against the stacked A's.
 
 Where the fusion does not apply, each module runs its own forward (`fusion_plan` says when: tensor-parallel
