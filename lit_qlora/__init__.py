@@ -7,13 +7,13 @@ import importlib
 import os
 from typing import Any, Callable
 
-# OpenMP workers spin ~10 us for the next op before they sleep, not libgomp's ~3 ms. Beside another busy process,
-# long-spinning workers take the cores that descheduled ones need to reach the next barrier: the demo beside one
-# 2-thread job kept 0.27x its quiet tokens/s at libgomp's 300000 spins and 0.63x at 1000, and ran 14% faster quiet
-# than sleeping at once (OMP_WAIT_POLICY=PASSIVE; benchmarks/README, issue 16). libgomp reads this once, when torch
-# loads it, hence here, before anything imports torch; a user's own GOMP_SPINCOUNT or OMP_WAIT_POLICY wins.
-if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
-    os.environ["GOMP_SPINCOUNT"] = "1000"
+# OpenMP workers spin ~0.3 ms for the next op before they sleep (libgomp's own ~3 ms; a short spin paid a wake-up
+# per op), and lit_qlora.threads.ThreadGovernor hands cores back to any other busy process. libgomp reads the spin
+# once, when torch loads it, hence here, before anything imports torch; a user's own GOMP_SPINCOUNT or
+# OMP_WAIT_POLICY wins.
+from lit_qlora.threads import set_openmp_spin
+
+set_openmp_spin()
 
 # Under an ISA cap (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA: lit_qlora.hardware.AVX2_ENV), torch.compile gets an
 # inductor cache of its own: inductor's cache keys do not tell the capped process from the uncapped one, and a

@@ -27,7 +27,7 @@ SOURCES = ((REPO / "lit_qlora", "lit_qlora"), (REPO / "eval", "lit_qlora.eval"))
 # __init__: process settings that must precede torch, and `public_names`). A new top-level module or package gets a
 # place here (and in docs/architecture.md) before its first import passes.
 LAYERS = (
-    ("lit_qlora.errors", "lit_qlora.hardware", "lit_qlora.quiet"),  # import nothing of ours
+    ("lit_qlora.errors", "lit_qlora.hardware", "lit_qlora.quiet", "lit_qlora.threads"),  # import nothing of ours
     ("lit_qlora", "lit_qlora.guards"),
     ("lit_qlora.memory", "lit_qlora.nf4"),
     ("lit_qlora.lora",),

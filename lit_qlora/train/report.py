@@ -24,6 +24,7 @@ def print_report(summary: dict[str, Any], out_dir: Path) -> None:
         *([("offloaded activations (host)", f"{summary['offload_host_bytes'] / gib:.2f} GiB "
                                             f"({summary['offload_pinned_bytes'] / gib:.2f} GiB pinned)")]
           if summary.get("offload_activations") else []),
+        *threads_rows(summary),
         ("NF4 linears", f"{summary['quantized_linears']} / {summary['total_linears']}"),
         ("trainable params", f"{summary['trainable_params']:,} of {summary['total_params']:,}"),
         ("wall time", wall_time(summary)),
@@ -51,6 +52,14 @@ def compile_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
         return []
     first = summary.get("first_step_seconds")
     return [("compile time", f"{summary['compile_seconds']:.1f} s" + (f" (first step {first:.1f} s)" if first else ""))]
+
+
+def threads_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
+    """CPU: the thread count, where other busy processes made it change (lit_qlora.threads)."""
+    if not summary.get("cpu_thread_changes"):
+        return []
+    return [("CPU threads", f"{summary['cpu_threads']}, down to {summary['cpu_threads_fewest']} beside other busy "
+                            f"processes ({summary['cpu_thread_changes']} changes)")]
 
 
 def wall_time(summary: dict[str, Any]) -> str:

@@ -29,6 +29,7 @@ from lit_qlora.model.config import ADAPTER_DTYPES, DTYPE_NAMES, MIXED_PRECISIONS
 from lit_qlora.nf4 import count_linears
 from lit_qlora.parallel.distributed import build_strategy, keep_frozen_out_of_ddp, nf4_shards_for
 from lit_qlora.parallel.tensor_parallel import TensorParallelShard
+from lit_qlora.threads import threads_summary
 from lit_qlora.train.args import DataArgs, ExportArgs, LoRAArgs, TrainArgs, total_steps_for
 from lit_qlora.train.compile import compile_seconds
 from lit_qlora.train.disk import output_sizes, require_disk_space
@@ -372,6 +373,7 @@ def run_summary(run: Run) -> dict[str, Any]:
         "process_wall_seconds": time.perf_counter() - run.started,  # this process alone (its load, steps, exports)
         **peak_memory_stats(run.trainer.strategy.root_device),
         **offload_summary(getattr(module.model, "activation_offload", None)),  # host memory beside the device's
+        **threads_summary(),  # CPU: how many threads the steps ran on, beside other processes
         "quantized_linears": quantized,
         "total_linears": total,
         "trainable_params": sum(p.numel() for p in module.model.parameters() if p.requires_grad),

@@ -1,0 +1,151 @@
+"""lit_qlora.threads: the thread count follows the cores other processes leave free; OMP_NUM_THREADS fixes it."""
+
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from lit_qlora.model import Config
+from lit_qlora.threads import (CpuTimes, ThreadGovernor, cpu_times, govern_threads, others_cores, set_openmp_spin,
+                               target_threads, threads_summary)
+from lit_qlora.train.report import threads_rows
+
+
+@pytest.fixture
+def restore_threads():
+    old = torch.get_num_threads()
+    yield
+    torch.set_num_threads(old)
+
+
+def test_target_threads_is_the_free_cores_rounded_between_one_and_wanted():
+    assert target_threads(2, 2, 0.0) == 2
+    assert target_threads(2, 2, 0.4) == 2  # background noise under half a core takes nothing away
+    assert target_threads(2, 2, 0.6) == 1
+    assert target_threads(2, 2, 2.0) == 1  # never below one
+    assert target_threads(8, 16, 4.0) == 8  # never above what the process started with
+    assert target_threads(8, 16, 12.2) == 4
+    assert target_threads(4, 4, 3.9) == 1
+
+
+def test_others_cores_subtracts_this_process_from_all_busy_ticks():
+    before, after = CpuTimes(10.0, 1000, 300), CpuTimes(12.0, 1000 + 350, 300 + 150)
+    assert others_cores(before, after, 100) == pytest.approx(1.0)  # (350 - 150) ticks / 100 Hz / 2 s
+    assert others_cores(before, CpuTimes(12.0, 1100, 450), 100) == 0.0  # rounding: never negative
+    assert others_cores(before, before, 100) == 0.0
+
+
+def test_cpu_times_reads_only_the_given_cpus_and_this_process():
+    cpus = frozenset(__import__("os").sched_getaffinity(0))
+    first = cpu_times(cpus)
+    t = time.process_time()
+    while time.process_time() - t < 0.3:  # burn 0.3 s of this process's CPU
+        pass
+    second = cpu_times(cpus)
+    own = second.own_ticks - first.own_ticks
+    assert 20 <= own <= 60  # ~30 ticks at 100 Hz
+    assert second.busy_ticks - first.busy_ticks >= own - 2  # the busy CPUs include ours
+    assert cpu_times(frozenset({10**6})).busy_ticks == 0  # a CPU we may not run on counts for nothing
+
+
+class FakeProc:
+    """/proc readings a test scripts: each `advance` adds `seconds`, others' cores and our own cores."""
+
+    def __init__(self):
+        self.now = CpuTimes(0.0, 0, 0)
+
+    def advance(self, seconds, others, own):
+        n = self.now
+        self.now = CpuTimes(n.seconds + seconds, n.busy_ticks + round(100 * seconds * (others + own)),
+                            n.own_ticks + round(100 * seconds * own))
+
+    def read(self, cpus):
+        return self.now
+
+
+def test_governor_drops_to_the_free_cores_and_comes_back(restore_threads):
+    proc = FakeProc()
+    gov = ThreadGovernor(wanted=2, cpus=frozenset({0, 1}), read=proc.read, ticks_per_second=100, environ={},
+                         clock=lambda: proc.now.seconds)
+    assert gov.enabled and gov() == 2 and torch.get_num_threads() == 2
+    proc.advance(0.5, others=2.0, own=1.0)
+    assert gov() == 2  # the window is not over: nothing read, nothing changed
+    proc.advance(0.6, others=2.0, own=1.0)
+    assert gov() == 1 and torch.get_num_threads() == 1 and gov.others == pytest.approx(2.0)
+    proc.advance(1.0, others=1.2, own=0.8)  # still competing
+    assert gov() == 1
+    proc.advance(1.0, others=0.1, own=1.0)  # the other job ended
+    assert gov() == 2 and torch.get_num_threads() == 2
+    assert gov.changes == 2
+
+
+def test_governor_leaves_a_fixed_count_alone(restore_threads):
+    proc = FakeProc()
+    torch.set_num_threads(2)
+    for environ in ({"OMP_NUM_THREADS": "2"},):
+        gov = ThreadGovernor(wanted=2, cpus=frozenset({0, 1}), read=proc.read, ticks_per_second=100,
+                             environ=environ, clock=lambda: proc.now.seconds)
+        proc.advance(2.0, others=2.0, own=0.5)
+        assert not gov.enabled and gov() == 2 and torch.get_num_threads() == 2
+    one = ThreadGovernor(wanted=1, read=proc.read, environ={})
+    assert not one.enabled  # nothing to give back
+    no_proc = ThreadGovernor(wanted=2, read=lambda cpus: None, environ={})
+    assert not no_proc.enabled and no_proc() == 2
+
+
+def test_set_openmp_spin_respects_the_users_choice():
+    env = {}
+    set_openmp_spin(env)
+    assert env == {"GOMP_SPINCOUNT": "30000"}
+    for mine in ({"GOMP_SPINCOUNT": "5"}, {"OMP_WAIT_POLICY": "passive"}):
+        env = dict(mine)
+        set_openmp_spin(env)
+        assert env == mine
+
+
+def test_a_real_competitor_takes_threads_away_and_gives_them_back(restore_threads):
+    """Busy processes on every CPU this process may use: the governor runs torch on one thread, and on the count
+    it started with once they are gone (this needs the machine otherwise quiet, as CI's is)."""
+    gov = ThreadGovernor(wanted=2, interval=0.5, environ={})
+    competitors = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in gov.cpus]
+    try:
+        time.sleep(1.5)
+        assert gov() == 1 and torch.get_num_threads() == 1
+        assert gov.others > len(gov.cpus) - 0.5
+    finally:
+        for p in competitors:
+            p.kill()
+            p.wait()
+    time.sleep(1.0)
+    assert gov() == 2 and torch.get_num_threads() == 2
+
+
+def test_loaded_models_blocks_consult_the_process_governor(monkeypatch, restore_threads):
+    """govern_threads (which load_model calls) hooks every block: each CPU forward, with or without grad, asks the
+    governor, which sets the count."""
+    import lit_qlora.threads as threads
+    from lit_qlora.model import Transformer
+
+    proc = FakeProc()
+    gov = ThreadGovernor(wanted=2, cpus=frozenset({0, 1}), read=proc.read, ticks_per_second=100, environ={},
+                         clock=lambda: proc.now.seconds)
+    monkeypatch.setattr(threads, "_governor", gov)
+    config = Config(vocab_size=64, n_layer=3, n_embd=32, n_head=4, n_query_groups=2, intermediate_size=64)
+    model = Transformer(config)
+    handles = govern_threads(model)
+    assert len(handles) == 3
+    proc.advance(1.5, others=2.0, own=1.0)
+    model(torch.randint(0, 64, (1, 8)))
+    assert torch.get_num_threads() == 1 and gov.changes == 1
+    proc.advance(1.5, others=0.0, own=2.0)
+    with torch.no_grad():
+        model(torch.randint(0, 64, (1, 8)))
+    assert torch.get_num_threads() == 2 and gov.changes == 2
+    summary = threads_summary()  # what summary.json and the final table report
+    assert summary == {"cpu_threads": 2, "cpu_threads_fewest": 1, "cpu_thread_changes": 2}
+    assert threads_rows(summary) == [("CPU threads", "2, down to 1 beside other busy processes (2 changes)")]
+    assert threads_rows({**summary, "cpu_thread_changes": 0}) == []  # a quiet run's table says nothing
+    monkeypatch.setattr(threads, "_governor", None)
+    assert threads_summary() == {}  # no CPU forward ran (a GPU run)
