@@ -70,7 +70,10 @@ class TimedLibc:
 def child(argv: list[str]) -> None:
     import lightning as L
 
-    import lit_qlora.train.finetune as ft
+    try:  # where setup lives (finetune imports it from there when it runs)
+        import lit_qlora.train.run as ft
+    except ImportError:  # trees before issue 38
+        import lit_qlora.train.finetune as ft
     import lit_qlora.memory.accounting as memory
     from lit_qlora.cli import main
 
