@@ -32,7 +32,10 @@ def status_kib(field: str) -> int:
 
 def child(argv: list[str]) -> None:
     """Runs `litqlora ARGV` in this process, recording VmRSS when the base model starts loading."""
-    import lit_qlora.train.finetune as ft
+    try:  # the module that calls load_model for a run (since issue 38)
+        import lit_qlora.train.run as ft
+    except ImportError:
+        import lit_qlora.train.finetune as ft
     from lit_qlora.cli import main
 
     seen: dict = {}
