@@ -10,9 +10,9 @@ barrier: the demo beside one 2-thread job kept 0.25x its quiet speed at 30000 sp
 So the spin is long (SPIN_COUNT, set by `lit_qlora/__init__.py` before torch loads libgomp) and `ThreadGovernor`
 gives cores back: every second or so (checked after each transformer block's forward, training or not) it reads how
 much CPU the other processes used on this process's CPUs since its last look (/proc/stat minus what this process
-and its descendants used) and, if this process was busy itself in that time, runs torch on the cores they left free, between one and the count it
-started with. One thread spins nowhere: beside that 2-thread job the demo ran at 108.7 tok/s, 0.518x its quiet 210.0
-(issue 16's floor: 0.4x; benchmarks/ab/results/contention.json).
+and its descendants used) and, if this process was busy itself in that time, runs torch on the cores they left
+free, between one and the count it started with. One thread spins nowhere: beside that 2-thread job the demo ran at
+108.7 tok/s, 0.518x its quiet 210.0 (issue 16's floor: 0.4x; benchmarks/ab/results/contention.json).
 
 The count torch runs with changes the order of some float sums, so a run that shared its cores is not bitwise equal
 to a quiet one. Set OMP_NUM_THREADS (or GOMP_SPINCOUNT / OMP_WAIT_POLICY for the spin) to fix the choice yourself:
@@ -202,14 +202,14 @@ class ThreadGovernor:
             return torch.get_num_threads()
         if self.enabled and self._clock() - self._last.seconds >= self.interval:
             now = self._read(self.cpus)
-            if now is not None and own_cores(self._last, now, self._ticks) >= BUSY_OWN_CORES:
-                self.others = others_cores(self._last, now, self._ticks)
-                self._propose(target_threads(self.wanted, len(self.cpus), self.others))
-            self._last = now if now is not None else self._last
+            if now is not None:
+                if own_cores(self._last, now, self._ticks) >= BUSY_OWN_CORES:
+                    self.others = others_cores(self._last, now, self._ticks)
+                    self._propose(target_threads(self.wanted, len(self.cpus), self.others))
+                self._last = now
         if torch.get_num_threads() != self.target:
             torch.set_num_threads(self.target)
         return self.target
-
 
     def _propose(self, target: int) -> None:
         # A change takes two windows in a row that agree: one alone may be a burst (a process starting or exiting,

@@ -164,5 +164,4 @@ def random_base(config: Config, quantize: Quantize | str, dtype: torch.dtype, ig
             _own_nf4_head(model, world_size)
         quantize_linears(model, ignore_modules, world_size)
     model.share_projection_storage(trainable=True)  # (no optimizer holds the weights yet)
-    govern_threads(model)  # every command's model comes from here: each shares the CPU with other processes
     return model.eval()
