@@ -3,7 +3,7 @@ PYTHON ?= python
 PIP = $(PYTHON) -m pip
 SMOLLM2_DIR ?= checkpoints/SmolLM2-135M-Instruct
 
-.PHONY: install install-test demo test test-fake-cuda test-llama-cpp
+.PHONY: install install-test demo test lint test-fake-cuda test-llama-cpp
 
 # torch goes in first and pinned: an unpinned torch pulls several GB of CUDA packages on a CPU machine.
 install:
@@ -26,6 +26,10 @@ demo: install
 
 test: install-test
 	$(PYTHON) -m pytest -q tests
+
+# ruff with the rules in pyproject.toml ([tool.ruff]): bugs such as undefined or unused names, not style.
+lint: install-test
+	$(PYTHON) -m ruff check .
 
 # The CUDA code path on fake cuda tensors (tests/test_fake_cuda.py): it needs the CUDA build of torch (~4.7 GB, from
 # PyPI, not the local CPU wheel), so it has its own environment, .venv-cuda, and no GPU.

@@ -22,12 +22,12 @@ import subprocess
 import sys
 from dataclasses import fields
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Optional
 
 import yaml
 from jsonargparse import ArgumentError, ArgumentParser
 
-from lit_qlora.errors import UserError
+from lit_qlora.errors import InvalidInput, MissingFile, UserError
 from lit_qlora.eval import SAMPLE_DATA_FILE
 from lit_qlora.eval.truthfulqa import check_truthfulqa_file
 from lit_qlora.hardware import PrecisionChoice
@@ -51,11 +51,11 @@ class StageFailed(UserError):
 
 
 def finetune_parser() -> ArgumentParser:
-    from lit_qlora.train.finetune import finetune
+    from lit_qlora.train.spec import RunSpec
 
     parser = ArgumentParser(exit_on_error=False)
     parser.add_argument("--config", action="config")
-    parser.add_function_arguments(finetune, fail_untyped=False)
+    RunSpec.add_arguments(parser)
     return parser
 
 
@@ -73,11 +73,11 @@ def resolve_recipe(recipe: Optional[Path], train: Optional[dict[str, Any]], chec
     known = {f.name for f in fields(TrainArgs)}
     unknown = sorted(set(train or {}) - known)
     if unknown:
-        raise ValueError(f"--train.{unknown[0]} is not a training setting. Known: {', '.join(sorted(known))}.")
+        raise InvalidInput(f"--train.{unknown[0]} is not a training setting. Known: {', '.join(sorted(known))}.")
     if recipe is not None:
         if not Path(recipe).is_file():
-            raise FileNotFoundError(f"--config {recipe} does not exist (a fine-tune recipe YAML, e.g. "
-                                    "config_hub/finetune/smollm2-135m/lora.yaml).")
+            raise MissingFile(f"--config {recipe} does not exist (a fine-tune recipe YAML, e.g. "
+                              "config_hub/finetune/smollm2-135m/lora.yaml).")
         args = ["--config", str(recipe)]
     else:
         args = [arg for key, values in BUILTIN_RECIPE.items() for arg in flag_args(key, values)]
@@ -89,7 +89,7 @@ def resolve_recipe(recipe: Optional[Path], train: Optional[dict[str, Any]], chec
         cfg = parser.parse_args(args)
     except (ArgumentError, SystemExit) as e:
         source = f"--config {recipe}" if recipe else "the built-in recipe"
-        raise ValueError(f"{source} with the --train overrides is not a valid fine-tune recipe: {e}") from None
+        raise InvalidInput(f"{source} with the --train overrides is not a valid fine-tune recipe: {e}") from None
     for key in ("config", "out_dir", "quantize", "resume", "overwrite", "debug"):  # set per run by compare
         cfg.pop(key, None)
     return parser.dump(cfg)
@@ -138,8 +138,8 @@ def check_settings(out_dir: Path, settings: dict[str, Any]) -> None:
     if path.is_file():
         before = json.loads(path.read_text())
         if not same_recipe(before.get("recipe", ""), settings["recipe"]) and any((out_dir / run).exists() for run in RUNS):
-            raise ValueError(f"{out_dir} holds a comparison fine-tuned with another recipe (see {out_dir}/recipe.yaml)."
-                             " Use a new --out_dir, or delete that directory to start over.")
+            raise InvalidInput(f"{out_dir} holds a comparison fine-tuned with another recipe (see "
+                               f"{out_dir}/recipe.yaml). Use a new --out_dir, or delete that directory to start over.")
         if before.get("eval") != settings["eval"]:
             for name in ("base", *RUNS):
                 (out_dir / "eval" / name / "results.json").unlink(missing_ok=True)
@@ -182,9 +182,9 @@ def compare(
     data_file = Path(data_file) if data_file is not None else SAMPLE_DATA_FILE
     check_truthfulqa_file(data_file)
     if limit is not None and limit <= 0:
-        raise ValueError(f"--limit must be positive, got {limit}")
+        raise InvalidInput(f"--limit must be positive, got {limit}")
     if eval_batch_size < 1:  # checked here, not hours later in the evaluation stages
-        raise ValueError(f"--eval_batch_size must be at least 1, got {eval_batch_size}")
+        raise InvalidInput(f"--eval_batch_size must be at least 1, got {eval_batch_size}")
     recipe_yaml = resolve_recipe(recipe, train, checkpoint_dir)
     base_dir = Path(yaml.safe_load(recipe_yaml)["checkpoint_dir"])
     from lit_qlora.deploy.gguf_import import ensure_default_checkpoint  # the settings are checked: now the stack may load

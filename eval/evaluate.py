@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional, Sequence
 
 from lit_qlora.checkpoint.download import DownloadError
+from lit_qlora.errors import InvalidInput, MissingFile
 from lit_qlora.eval.truthfulqa import LOCAL_TASKS, check_truthfulqa_file, prepare_local_tasks
 from lit_qlora.hardware import PrecisionChoice, resolved
 
@@ -26,12 +27,12 @@ def split_tasks(tasks: str | Sequence[str]) -> list[str]:
     names = tasks.split(",") if isinstance(tasks, str) else [t for item in tasks for t in str(item).split(",")]
     names = [t.strip() for t in names if t.strip()]
     if not names:
-        raise ValueError("--tasks is empty: give one or more lm-eval task names, comma-separated.")
+        raise InvalidInput("--tasks is empty: give one or more lm-eval task names, comma-separated.")
     return names
 
 
 def check_task_names(names: Sequence[str], available: Sequence[str]) -> None:
-    """Raise ValueError for names lm-eval does not know, with close matches (YAML paths and globs pass)."""
+    """Raise InvalidInput for names lm-eval does not know, with close matches (YAML paths and globs pass)."""
     known = set(available)
     unknown = [n for n in names if n not in known and "*" not in n and not os.path.exists(n)]
     if not unknown:
@@ -40,8 +41,8 @@ def check_task_names(names: Sequence[str], available: Sequence[str]) -> None:
     for name in unknown:
         close = difflib.get_close_matches(name, available, n=5, cutoff=0.6)
         parts.append(f"{name!r}" + (f" (did you mean {', '.join(close)}?)" if close else " (no close match)"))
-    raise ValueError(f"Unknown lm-eval task(s): {'; '.join(parts)}. `lm-eval ls tasks` lists the "
-                     f"{len(available)} known names.")
+    raise InvalidInput(f"Unknown lm-eval task(s): {'; '.join(parts)}. `lm-eval ls tasks` lists the "
+                       f"{len(available)} known names.")
 
 
 def task_manager(names: Sequence[str], include_path: Optional[Path]):
@@ -126,17 +127,18 @@ def evaluate(
     from lit_qlora.checkpoint.adapter import read_adapter_config
     from lit_qlora.memory.accounting import module_bytes, peak_rss_bytes
     from lit_qlora.checkpoint.tokenizer import Tokenizer
+    from lit_qlora.threads import govern_threads
 
     started = time.perf_counter()
     names = split_tasks(tasks)
     checkpoint_dir = Path(checkpoint_dir)
     if not (checkpoint_dir / "config.json").is_file():
-        raise FileNotFoundError(f"--checkpoint_dir {checkpoint_dir} has no config.json: it must be a Hugging Face "
-                                "model directory (see `litqlora download` / `litqlora convert_gguf`).")
+        raise MissingFile(f"--checkpoint_dir {checkpoint_dir} has no config.json: it must be a Hugging Face "
+                          "model directory (see `litqlora download` / `litqlora convert_gguf`).")
     if data_file is not None:
         check_truthfulqa_file(Path(data_file))
     if limit is not None and limit <= 0:
-        raise ValueError(f"--limit must be positive, got {limit}")
+        raise InvalidInput(f"--limit must be positive, got {limit}")
     if limit is not None and limit >= 1:
         limit = int(limit)
     run_device = torch.device(device) if device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -145,8 +147,8 @@ def evaluate(
         include = prepare_local_tasks(Path(data_file), Path(tmp)) if data_file is not None else None
         manager = task_manager(names, include)  # unknown names fail here, with close matches
         if data_file is not None and not any(n in LOCAL_TASKS for n in names):
-            raise ValueError(f"--data_file feeds the tasks {', '.join(LOCAL_TASKS)}; --tasks {','.join(names)} "
-                             "uses none of them.")
+            raise InvalidInput(f"--data_file feeds the tasks {', '.join(LOCAL_TASKS)}; --tasks {','.join(names)} "
+                               "uses none of them.")
 
         tokenizer = Tokenizer(checkpoint_dir)
         acfg = read_adapter_config(adapter_dir) if adapter_dir is not None else None
@@ -157,6 +159,7 @@ def evaluate(
         quantize = resolve_quantize(quantize, acfg)
         precision = resolved(precision, run_device.type)  # results.json records what ran
         model = load_model(checkpoint_dir, quantize, precision, adapter_dir, device=run_device)
+        govern_threads(model)  # an evaluation shares the CPU with other processes (lit_qlora.threads)
         loaded = time.perf_counter()
         if run_device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(run_device)

@@ -28,6 +28,7 @@ import torch
 from lm_eval.api.model import LM
 from tqdm import tqdm
 
+from lit_qlora.errors import InvalidInput
 from lit_qlora.model.sampling import generate
 from lit_qlora.model.transformer import Transformer
 from lit_qlora.checkpoint.tokenizer import Tokenizer
@@ -76,7 +77,7 @@ class LitQLoRALM(LM):
                  max_length: Optional[int] = None, max_gen_toks: int = 256, share_context: bool = True) -> None:
         super().__init__()
         if batch_size < 1:
-            raise ValueError(f"--batch_size must be at least 1, got {batch_size}")
+            raise InvalidInput(f"--batch_size must be at least 1, got {batch_size}")
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.batch_size = batch_size
@@ -86,8 +87,8 @@ class LitQLoRALM(LM):
         self._device = next(model.parameters()).device
         prefix = tokenizer.bos_id if tokenizer.bos_id is not None else tokenizer.eos_id
         if prefix is None:
-            raise ValueError(f"The tokenizer in {tokenizer.checkpoint_dir} has neither a BOS nor an EOS token; "
-                             "lm-eval needs one to condition texts that have no context.")
+            raise InvalidInput(f"The tokenizer in {tokenizer.checkpoint_dir} has neither a BOS nor an EOS token; "
+                               "lm-eval needs one to condition texts that have no context.")
         self.prefix_token_id: int = prefix
         self.pad_id = tokenizer.eos_id if tokenizer.eos_id is not None else 0
 
@@ -128,8 +129,8 @@ class LitQLoRALM(LM):
             if not context:
                 raise ValueError("a loglikelihood request needs at least one context token")
             if len(continuation) > self.max_length:
-                raise ValueError(f"a continuation of {len(continuation)} tokens does not fit in max_length "
-                                 f"{self.max_length}")
+                raise InvalidInput(f"a continuation of {len(continuation)} tokens does not fit in max_length "
+                                   f"{self.max_length} (the model's context): choose another task or model")
             tokens = (list(context) + list(continuation))[-(self.max_length + 1):]
             if self.share_context and len(context) + len(continuation) <= self.max_length + 1:
                 groups.setdefault(tuple(context), []).append(i)
@@ -250,7 +251,8 @@ class LitQLoRALM(LM):
             temperature = float(kwargs.pop("temperature", 0.0) or 0.0) if kwargs.pop("do_sample", False) else 0.0
             budget = self.max_length - max_new
             if budget < 1:
-                raise ValueError(f"max_gen_toks={max_new} leaves no room for a prompt in max_length {self.max_length}")
+                raise InvalidInput(f"max_gen_toks={max_new} leaves no room for a prompt in max_length "
+                                   f"{self.max_length} (the model's context): choose another task or model")
             prompt = self.tokenizer.encode(context)[-budget:]
             tokens: list[int] = []
             text = ""

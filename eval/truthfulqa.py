@@ -11,6 +11,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from lit_qlora.errors import InvalidInput, MissingFile
 from lit_qlora.eval import TASKS_DIR
 
 LOCAL_TASKS = ("truthfulqa_mc1", "truthfulqa_mc2")
@@ -18,8 +19,8 @@ LOCAL_TASKS = ("truthfulqa_mc1", "truthfulqa_mc2")
 DATA_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 
 
-def _row_error(path: Path, where: str, problem: str) -> ValueError:
-    return ValueError(
+def _row_error(path: Path, where: str, problem: str) -> InvalidInput:
+    return InvalidInput(
         f"{path}: {where}: {problem}. --data_file must hold TruthfulQA multiple-choice rows (JSON list, JSON "
         "Lines or Parquet), each with \"question\" (a string) and \"mc1_targets\" and \"mc2_targets\", each "
         "{\"choices\": [strings], \"labels\": [0 or 1 per choice]}; mc1 has exactly one correct answer, listed "
@@ -36,14 +37,14 @@ def _read_rows(path: Path) -> list[tuple[str, Any]]:
         try:
             rows = pq.read_table(path).to_pylist()
         except Exception as e:  # pyarrow raises several types for a damaged file
-            raise ValueError(f"{path} is not a readable Parquet file ({e}).") from None
+            raise InvalidInput(f"{path} is not a readable Parquet file ({e}).") from None
         return [(f"row {i + 1}", row) for i, row in enumerate(rows)]
     text = path.read_text(encoding="utf-8")
     if suffix == ".json" and text.lstrip().startswith("["):
         try:
             rows = json.loads(text)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{path} is not valid JSON ({e}).") from None
+            raise InvalidInput(f"{path} is not valid JSON ({e}).") from None
         return [(f"row {i + 1}", row) for i, row in enumerate(rows)]
     out = []
     for n, line in enumerate(text.splitlines(), 1):
@@ -76,16 +77,16 @@ def _check_targets(path: Path, where: str, row: dict, key: str) -> None:
 
 
 def check_truthfulqa_file(data_file: Path) -> int:
-    """Validate a TruthfulQA multiple-choice file; returns its row count, or raises ValueError naming the file
+    """Validate a TruthfulQA multiple-choice file; returns its row count, or raises InvalidInput naming the file
     and the first bad row."""
     path = Path(data_file)
     if not path.is_file():
-        raise FileNotFoundError(f"--data_file {path} does not exist.")
+        raise MissingFile(f"--data_file {path} does not exist.")
     if path.suffix.lower() not in DATA_FORMATS:
-        raise ValueError(f"--data_file {path}: unknown format {path.suffix!r}; use .json, .jsonl or .parquet.")
+        raise InvalidInput(f"--data_file {path}: unknown format {path.suffix!r}; use .json, .jsonl or .parquet.")
     rows = _read_rows(path)
     if not rows:
-        raise ValueError(f"--data_file {path} holds no rows.")
+        raise InvalidInput(f"--data_file {path} holds no rows.")
     for where, row in rows:
         if not isinstance(row, dict):
             raise _row_error(path, where, f"a row must be an object (got {type(row).__name__})")

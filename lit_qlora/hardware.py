@@ -14,11 +14,16 @@ from __future__ import annotations
 import os
 from typing import Literal
 
-PrecisionChoice = Literal["auto", "bf16-true", "bf16-mixed", "16-mixed", "16-true", "32-true", "bf16", "16", "32"]
-"""What `--precision` accepts: auto, one of Lightning's names, or one of Lightning's short aliases (PRECISION_ALIASES)."""
+PRECISIONS = ("bf16-true", "bf16-mixed", "16-mixed", "16-true", "32-true")
+"""The precisions a run computes in (Lightning's names): the registry that `--precision`'s choices, its help, the
+dtype table (lit_qlora.model.config, one row each) and `choose_precision` read. A new one is a name here and a row
+there."""
 
 PRECISION_ALIASES = {"bf16": "bf16-mixed", "16": "16-mixed", "32": "32-true"}
 """Lightning's short names and what they mean there (and here)."""
+
+PrecisionChoice = Literal[("auto", *PRECISIONS, *PRECISION_ALIASES)]  # type: ignore[valid-type]
+"""What `--precision` accepts: auto, one of Lightning's names, or one of Lightning's short aliases (PRECISION_ALIASES)."""
 
 PRECISION_NEAREST = {"64": "32-true", "64-true": "32-true", "double": "32-true", "fp32": "32-true",
                      "float32": "32-true", "fp16": "16-mixed", "float16": "16-mixed", "half": "16-mixed",

@@ -247,7 +247,11 @@ def threads_summary() -> dict[str, Any]:
 def govern_threads(model: Any) -> list:
     """Have the process's governor look after each forward of `model.blocks` that ran on the CPU (checkpointed
     blocks run theirs again in backward); returns the hook handles. Outside any compiled graph
-    (torch.compiler.disable): a compiled block calls its hooks, and dynamo cannot trace reads of /proc."""
+    (torch.compiler.disable): a compiled block calls its hooks, and dynamo cannot trace reads of /proc.
+
+    Each command calls it on the model it loaded (`litqlora finetune`/`dpo` in train.run's setup, evaluate, generate,
+    chat, serve): scheduling is the command's choice, not the loader's, so a model built for anything else (estimate's
+    fake-tensor `random_base`, an export) reads no /proc and sets no thread count."""
     import torch
 
     @torch.compiler.disable

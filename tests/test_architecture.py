@@ -1,8 +1,10 @@
 """The layers of lit_qlora, kept as docs/architecture.md draws them: the imports of lit_qlora/ and eval/ (installed as
-lit_qlora.eval), read from the source (every `import`, at a module's top or inside a function), form no circle and
-never run back up a layer but for the few listed in UPWARD, each with why; no module is over 450 lines; each package
-is shipped by pyproject.toml and its public names resolve; and every import of ours, here, in the tests, benchmarks,
-scripts and tutorials, names something that exists (a moved name breaks a function-level import only when it runs)."""
+lit_qlora.eval), read from the source (every `import`, at a module's top or inside a function; a name from a
+package's lazy face as an import of the module that defines it; importlib.import_module and __import__ of a literal
+name), form no circle and never run back up a layer but for the few listed in UPWARD, each with why; no module is
+over 450 lines; each package is shipped by pyproject.toml and its public names resolve; and every import of ours,
+here, in the tests, benchmarks, scripts and tutorials, names something that exists (a moved name breaks a
+function-level import only when it runs)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import importlib
 import importlib.util
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -28,7 +31,7 @@ SOURCES = ((REPO / "lit_qlora", "lit_qlora"), (REPO / "eval", "lit_qlora.eval"))
 # place here (and in docs/architecture.md) before its first import passes.
 LAYERS = (
     ("lit_qlora.errors", "lit_qlora.hardware", "lit_qlora.quiet", "lit_qlora.threads"),  # import nothing of ours
-    ("lit_qlora", "lit_qlora.guards"),
+    ("lit_qlora",),
     ("lit_qlora.memory", "lit_qlora.nf4"),
     ("lit_qlora.lora",),
     ("lit_qlora.model", "lit_qlora.parallel"),
@@ -59,10 +62,77 @@ def module_files(sources=SOURCES) -> dict[str, Path]:
     return found
 
 
-def imports_of(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+def public_names_of(path: Path, package: str) -> dict[str, str]:
+    """Public name -> the module that defines it, as a package's __init__ hands them to `lit_qlora.public_names`
+    (`public_names(__name__, sft="Sample pack")`: `pack` is PACKAGE.sft's). Such a name is imported on first use,
+    so `from PACKAGE import pack` really imports PACKAGE.sft; the package alone would hide that import's circles."""
+    found = {}
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if not (isinstance(node, ast.Call) and call_name(node) == "public_names"):
+            continue
+        for keyword in node.keywords:
+            # A name this test cannot read is an import it cannot see: fail here rather than pass a circle.
+            if keyword.arg is None or (names := literal(keyword.value)) is None:
+                raise ValueError(f"{path}:{node.lineno}: give public_names each module's names as one literal "
+                                 "string (tests/test_architecture.py reads them from the source)")
+            found |= {public: f"{package}.{keyword.arg}" for public in names.split()}
+    return found
+
+
+def call_name(node: ast.Call) -> str | None:
+    """`f` of `f(...)` or of `x.f(...)`."""
+    return getattr(node.func, "attr", getattr(node.func, "id", None))
+
+
+def literal(node: ast.AST | None, kind: type = str) -> Any:
+    return node.value if isinstance(node, ast.Constant) and isinstance(node.value, kind) else None
+
+
+def argument(node: ast.Call, position: int, keyword: str) -> ast.AST | None:
+    if len(node.args) > position:
+        return node.args[position]
+    return next((k.value for k in node.keywords if k.arg == keyword), None)
+
+
+def absolute(name: str, level: int, package: str) -> str:
+    """An import's module with `level` leading dots made absolute from `package`, as Python resolves it."""
+    if not level:
+        return name
+    up = package.split(".")[: len(package.split(".")) - level + 1]
+    return ".".join(up + ([name] if name else []))
+
+
+def dynamic_import(node: ast.Call, name: str, package: str) -> tuple[str, list[str]] | None:
+    """What a call imports, as (module, names from it), when it is importlib.import_module or __import__ with a
+    literal module name, else None (our one name built at run time is public_names' own: public_names_of reads
+    those)."""
+    if call_name(node) == "import_module" and (target := literal(argument(node, 0, "name"))):
+        level = len(target) - len(target.lstrip("."))
+        if not level:
+            return target, []
+        # relative to its second argument: __package__ or __name__ as in this module, or a literal
+        anchor = argument(node, 1, "package")
+        base = {"__package__": package, "__name__": name}.get(getattr(anchor, "id", None), literal(anchor))
+        return (absolute(target[level:], level, base), []) if base else None
+    if call_name(node) == "__import__" and (target := literal(argument(node, 0, "name"))):
+        # __import__(name, globals, locals, fromlist, level): relative to the caller's package (the globals any call
+        # of ours would pass); each name of a fromlist is imported as `from name import ...` imports it (the import
+        # machinery asks the package for it, so a lazy name's module loads too)
+        level = literal(argument(node, 4, "level"), int) or 0
+        fromlist = [literal(e) for e in getattr(argument(node, 3, "fromlist"), "elts", ())]
+        return absolute(target, level, package), [n for n in fromlist if n]
+    return None
+
+
+def imports_of(name: str, path: Path, modules: dict[str, Path],
+               lazy: dict[str, dict[str, str]] | None = None) -> set[str]:
     """The modules of ours that `name` imports anywhere in its file: `from P import x` counts as P.x where that is a
-    module, else as P; relative imports resolved; importlib.import_module with a literal name too."""
+    module, as the module that defines x where x is one of P's lazy public names (`lazy`: package -> public_names_of,
+    read from `modules` when not given), else as P; relative imports resolved; importlib.import_module and
+    __import__ with a literal name too (dynamic_import)."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    if lazy is None:
+        lazy = lazy_faces(modules)
     found: set[str] = set()
 
     def ours(target: str) -> None:
@@ -71,26 +141,50 @@ def imports_of(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
         if target and target != name:
             found.add(target)
 
+    def from_import(base: str, names: list[str]) -> None:
+        # Importing P.x runs P's __init__ first; like every parent package's, that import goes uncounted (a package's
+        # own modules would all make a circle with an __init__ that imports them).
+        face = lazy.get(base, {})
+        for imported in names:
+            if imported == "*" and face:  # `import *` takes __all__: every lazy name's module
+                ours(base)
+                for module in face.values():
+                    ours(module)
+                continue
+            # A lazy name that is also a module's name: which of the two Python hands back depends on whether that
+            # module is already loaded, so both count.
+            if f"{base}.{imported}" in modules:
+                ours(f"{base}.{imported}")
+            if imported in face:
+                ours(face[imported])
+            if f"{base}.{imported}" not in modules and imported not in face:
+                ours(base)
+
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 ours(alias.name)
         elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                up = package.split(".")[: len(package.split(".")) - node.level + 1]
-                base = ".".join(up + ([node.module] if node.module else []))
-            for alias in node.names:
-                ours(f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base)
-        elif (isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module"
-              and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
-            ours(node.args[0].value)
+            from_import(absolute(node.module or "", node.level, package), [alias.name for alias in node.names])
+        elif isinstance(node, ast.Call) and (dynamic := dynamic_import(node, name, package)):
+            target, names = dynamic
+            if names:
+                from_import(target, names)
+            else:
+                ours(target)
     return found
+
+
+def lazy_faces(modules: dict[str, Path]) -> dict[str, dict[str, str]]:
+    """Each package -> its lazy public names (public_names_of), for the packages that have any."""
+    faces = {name: public_names_of(path, name) for name, path in modules.items() if path.name == "__init__.py"}
+    return {name: face for name, face in faces.items() if face}
 
 
 def import_graph(sources=SOURCES) -> dict[str, set[str]]:
     modules = module_files(sources)
-    return {name: imports_of(name, path, modules) for name, path in modules.items()}
+    lazy = lazy_faces(modules)
+    return {name: imports_of(name, path, modules, lazy) for name, path in modules.items()}
 
 
 def circles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -196,6 +290,41 @@ def test_the_checks_catch_a_circle_and_an_import_back_up(tmp_path):
     assert wrong_way(graph, layers, {("pkg.low.b", "pkg.high.c"): "a reason"}) == []
 
 
+def test_the_checks_see_through_a_lazy_face_and_import_calls(tmp_path):
+    """`from PACKAGE import name` imports the module that public_names says defines it, so a circle through the
+    package's lazy face counts; so do importlib.import_module and __import__ of a literal name, relative ones too."""
+    root = tmp_path / "pkg"
+    (root / "low").mkdir(parents=True)
+    (root / "high").mkdir()
+    (root / "__init__.py").write_text("")
+    (root / "high" / "__init__.py").write_text("")
+    (root / "low" / "__init__.py").write_text("from lit_qlora import public_names\n\n"
+                                             "__getattr__, __all__ = public_names(__name__, a='f', b='g G')\n")
+    (root / "low" / "a.py").write_text("from pkg.low import g\n\ndef f():\n    pass\n")
+    (root / "low" / "b.py").write_text("def g():\n    from . import f\n")
+    (root / "low" / "d.py").write_text("import importlib\n\ndef late():\n    importlib.import_module('pkg.high.c')\n"
+                                       "    return __import__('pkg.high.e')\n")
+    (root / "low" / "r.py").write_text("from importlib import import_module\n\n"
+                                       "import_module('..high.c', __package__)\n")
+    (root / "high" / "c.py").write_text("X = 1\n")
+    (root / "high" / "e.py").write_text("G = __import__('pkg.low', globals(), None, ['G']).G\n")
+    (root / "high" / "g.py").write_text("from pkg.low import *\n")
+    graph = import_graph(((root, "pkg"),))
+    assert graph["pkg.low.a"] == {"pkg.low.b"} and graph["pkg.low.b"] == {"pkg.low.a"}  # not the package pkg.low
+    assert circles(graph) == [["pkg.low.a", "pkg.low.b"]]
+    assert graph["pkg.high.e"] == {"pkg.low.b"}  # a fromlist, through the lazy face
+    assert graph["pkg.high.g"] == {"pkg.low", "pkg.low.a", "pkg.low.b"}  # `import *`: all of __all__
+    layers = (("pkg",), ("pkg.low",), ("pkg.high",))
+    assert wrong_way(graph, layers, {}) == [
+        f"pkg.low.{a} -> pkg.high.{b} (back up: pkg.low is in layer 1, pkg.high in layer 2)"
+        for a, b in (("d", "c"), ("d", "e"), ("r", "c"))]
+    # names the checker cannot read would be imports it cannot see: it refuses them
+    (root / "low" / "__init__.py").write_text("from lit_qlora import public_names\n\n"
+                                             "__getattr__, __all__ = public_names(__name__, **NAMES)\n")
+    with pytest.raises(ValueError, match="one literal string"):
+        import_graph(((root, "pkg"),))
+
+
 def test_no_module_over_450_lines():
     long = {str(path.relative_to(REPO)): n for path in module_files().values()
             if (n := len(path.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
@@ -261,3 +390,10 @@ def is_module(name: str) -> bool:
         return importlib.util.find_spec(name) is not None
     except ModuleNotFoundError:  # its parent is a module, not a package
         return False
+
+
+def test_the_package_root_holds_at_most_16_entries():
+    """Each concern has a home: lit_qlora/ lists packages and a few base modules, not a growing pile of files."""
+    entries = sorted(p.name for p in (REPO / "lit_qlora").iterdir()
+                     if p.name not in ("__init__.py", "__pycache__") and not p.name.endswith(".egg-info"))
+    assert len(entries) <= 16, entries

@@ -1,7 +1,7 @@
-"""The attention dispatch (lit_qlora.model.attention): flex_attention over a BlockMask, as CUDA runs it for sliding windows,
-packed documents and Gemma 2's soft cap, gives what the dense path gives (outputs and gradients, fp32), per mask kind
-and through whole packed models; plain causal SDPA stays where it is exact; the CUDA estimate counts flex_attention's
-O(L) memory, not an L x L mask.
+"""The attention dispatch (lit_qlora.model.attention, lit_qlora.model.flex): flex_attention over a BlockMask, as CUDA
+runs it for sliding windows, packed documents and Gemma 2's soft cap, gives what the dense path gives (outputs and
+gradients, fp32), per mask kind and through whole packed models; plain causal SDPA stays where it is exact; the CUDA
+estimate counts flex_attention's O(L) memory, not an L x L mask.
 
 On CPU flex_attention runs without inductor (`LIT_QLORA_FLEX_ATTENTION=1`; AOTAutograd over its dense math): the
 reference semantics of the compiled kernels, not their memory or speed, which only a GPU shows."""
@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lit_qlora.model import attention
+from lit_qlora.model import attention, flex
 from lit_qlora.model.attention import FLEX_ENV, attend, use_flex_attention
 from lit_qlora.model.attention_mask import attention_mask
 from lit_qlora.model.config import Config, Quantize
@@ -80,7 +80,7 @@ def test_plain_causal_attention_stays_sdpa_is_causal_with_flex_on(monkeypatch):
     sdpa, calls = F.scaled_dot_product_attention, []
     monkeypatch.setattr(F, "scaled_dot_product_attention",
                         lambda *a, **kw: calls.append((kw["attn_mask"], kw["is_causal"])) or sdpa(*a, **kw))
-    monkeypatch.setattr(attention, "flex_attend", lambda *a, **kw: pytest.fail("flex_attention on plain causal"))
+    monkeypatch.setattr(flex, "flex_attend", lambda *a, **kw: pytest.fail("flex_attention on plain causal"))
     with torch.no_grad():
         model(torch.randint(0, config.vocab_size, (2, 40)))
     assert calls and all(mask is None and causal for mask, causal in calls)
@@ -128,13 +128,13 @@ def test_a_packed_batch_through_flex_attention_equals_the_dense_path(case, check
     apply_lora(model, r=4, alpha=8)
     model.checkpoint_blocks = config.n_layer if checkpointing else 0
     g = torch.Generator().manual_seed(1)
-    for name, p in model.named_parameters():
+    for _name, p in model.named_parameters():
         if p.requires_grad:  # LoRA B starts at 0: make every adapter count
             p.data = torch.randn(p.shape, generator=g) * 0.1
     batch = Collate(pad_id=0)(pack(documents(config.vocab_size), max_seq_length=30))
     flex_calls = []
-    real_flex = attention.flex_attend
-    monkeypatch.setattr(attention, "flex_attend", lambda *a: flex_calls.append(a[3]) or real_flex(*a))
+    real_flex = flex.flex_attend
+    monkeypatch.setattr(flex, "flex_attend", lambda *a: flex_calls.append(a[3]) or real_flex(*a))
     results = []
     for setting in ("0", "1"):
         monkeypatch.setenv(FLEX_ENV, setting)
@@ -216,11 +216,11 @@ def test_a_shape_flex_attention_cannot_lower_falls_back_once_to_the_dense_path(c
     apply_lora(model, r=4, alpha=8)
     model.checkpoint_blocks = config.n_layer
     g = torch.Generator().manual_seed(1)
-    for name, p in model.named_parameters():
+    for _name, p in model.named_parameters():
         if p.requires_grad:
             p.data = torch.randn(p.shape, generator=g) * 0.1
     batch = Collate(pad_id=0)(pack(documents(config.vocab_size), max_seq_length=30))
-    monkeypatch.setattr(attention, "_flex_verdicts", {})
+    monkeypatch.setattr(flex, "_flex_verdicts", {})
 
     def run():
         model.zero_grad(set_to_none=True)
@@ -232,8 +232,8 @@ def test_a_shape_flex_attention_cannot_lower_falls_back_once_to_the_dense_path(c
     dense_logits, dense_grads = run()
     monkeypatch.setenv(FLEX_ENV, "1")
     failing = _failing_flex(where)
-    monkeypatch.setattr(attention, "_compiled_flex_attention", failing)
-    monkeypatch.setattr(attention, "flex_attend", lambda *a: pytest.fail("flex_attention after it failed"))
+    monkeypatch.setattr(flex, "_compiled_flex_attention", failing)
+    monkeypatch.setattr(flex, "flex_attend", lambda *a: pytest.fail("flex_attention after it failed"))
     capsys.readouterr()
     for _ in range(2):  # the second forward reuses the verdict: no new try, nothing said again
         logits, grads = run()
@@ -247,10 +247,10 @@ def test_a_shape_flex_attention_cannot_lower_falls_back_once_to_the_dense_path(c
     assert "_LoweringError" in said[0] and "target: flex_attention" in said[0] and "dense mask" in said[0]
     assert f"{batch['input_ids'].size(1)} tokens x {batch['input_ids'].size(0)} rows" in said[0]
     # validation (no grad) is another shape, tried once more, forward only: where only the backward failed, it runs
-    monkeypatch.setattr(attention, "flex_attend", attention._flex_attention)
+    monkeypatch.setattr(flex, "flex_attend", flex._flex_attention)
     with torch.no_grad():
         logits = model(batch["input_ids"], positions=batch["positions"])
-    verdicts = {shape.grad: ran for shape, ran in attention._flex_verdicts.items()}
+    verdicts = {shape.grad: ran for shape, ran in flex._flex_verdicts.items()}
     assert verdicts == {True: False, False: where == "backward"}
     if where == "forward":
         assert (logits - dense_logits).abs().max() <= 1e-5 and failing("inductor").calls == 2
@@ -262,12 +262,12 @@ def test_shapes_flex_attention_runs_keep_their_block_masks_and_are_tried_once(mo
     """Where flex_attention runs, the forward keeps the BlockMask (flex_attention, O(L) memory) and the shape is tried
     once, on zeros: no random numbers drawn, so a run's dropout and data order are what they were."""
     _, model, config = reference_and_ours(*CASES["mistral-sliding-window"])
-    monkeypatch.setattr(attention, "_flex_verdicts", {})
+    monkeypatch.setattr(flex, "_flex_verdicts", {})
     monkeypatch.setenv(FLEX_ENV, "1")
-    tries, real_try = [], attention._try_flex
-    monkeypatch.setattr(attention, "_try_flex", lambda mask, shape: tries.append(shape) or real_try(mask, shape))
-    flex_masks, real_flex = [], attention.flex_attend
-    monkeypatch.setattr(attention, "flex_attend", lambda *a: flex_masks.append(a[3]) or real_flex(*a))
+    tries, real_try = [], flex._try_flex
+    monkeypatch.setattr(flex, "_try_flex", lambda mask, shape: tries.append(shape) or real_try(mask, shape))
+    flex_masks, real_flex = [], flex.flex_attend
+    monkeypatch.setattr(flex, "flex_attend", lambda *a: flex_masks.append(a[3]) or real_flex(*a))
     batch = Collate(pad_id=0)(pack(documents(config.vocab_size), max_seq_length=30))
     rng = torch.get_rng_state()
     for _ in range(2):
@@ -275,7 +275,7 @@ def test_shapes_flex_attention_runs_keep_their_block_masks_and_are_tried_once(mo
     assert torch.equal(torch.get_rng_state(), rng)
     assert len(tries) == 1 and tries[0].grad and tries[0].mask_kind == "document_mask_mod"
     assert tries[0][2:7] == (*batch["input_ids"].shape, config.n_head, config.n_query_groups, config.head_dim)
-    assert attention._flex_verdicts == {tries[0]: True}
+    assert flex._flex_verdicts == {tries[0]: True}
     assert len(flex_masks) == 2 * config.n_layer and not any(isinstance(m, torch.Tensor) for m in flex_masks)
 
 

@@ -120,7 +120,7 @@ def test_report_names_the_warm_up(capsys, tmp_path):
 
 @pytest.mark.slow
 @needs_gloo
-def test_two_compiled_ddp_processes_equal_one_eager_process(tiny_llama_dir, one_process, tmp_path):
+def test_two_compiled_ddp_processes_equal_one_eager_process(tiny_llama_dir, one_process, tmp_path):  # noqa: F811
     """DDP wraps the compiled blocks and trains what one eager process trains (the one_process reference: the same
     global batch, NF4 layout and fp32)."""
     ref_dir, data = one_process
@@ -155,7 +155,7 @@ def test_new_batch_shapes_stop_recompiling_after_the_first_change():
 
 @pytest.mark.slow
 @needs_gloo
-def test_two_compiled_fsdp_processes_equal_one_eager_process(tiny_llama_dir, one_process, tmp_path):
+def test_two_compiled_fsdp_processes_equal_one_eager_process(tiny_llama_dir, one_process, tmp_path):  # noqa: F811
     """FSDP2 over compiled blocks trains what one eager process trains. Compiled runs skip Lightning's no-op device
     moves; without the reshard those moves did (the root unit keeps the parameters a validation gathered), every
     step after the first diverged."""
@@ -171,7 +171,7 @@ def test_compile_on_a_cpu_that_emulates_the_precision_is_refused_with_the_why_an
     """The trap of an AVX2 CPU: bf16 emulated, and compiling that took minutes per step. Refused before anything runs;
     fp32 (what auto picks there) compiles."""
     from lit_qlora.errors import UserError
-    from lit_qlora.train.finetune import compile_choice
+    from lit_qlora.train.spec import compile_choice
 
     monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"avx2": True})  # an AVX2-only CPU
     for cap in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):  # the suite may run under the cap
@@ -190,7 +190,7 @@ def test_compile_on_a_cpu_that_emulates_the_precision_is_refused_with_the_why_an
 
 
 def test_compile_true_is_taken_on_a_gpu(monkeypatch):
-    from lit_qlora.train.finetune import compile_choice
+    from lit_qlora.train.spec import compile_choice
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"avx2": True})

@@ -265,10 +265,10 @@ def test_an_unexplained_rejection_shows_jsonargparse_message(capsys):
 
 
 def test_options_and_types_as_a_user_reads_them():
-    from pathlib import Path
     from typing import Literal, Optional, Union
 
-    from lit_qlora.cli import Options, commands, describe
+    from lit_qlora.cli import commands
+    from lit_qlora.cli.usage import Options, describe
 
     assert describe(Union[bool, int]) == "bool or int"
     assert describe(Union[bool, Literal["auto"], Path]) == "bool, 'auto' or Path"
@@ -281,3 +281,80 @@ def test_options_and_types_as_a_user_reads_them():
     assert not finetune.knows("train.lr.x") and finetune.knows("print_config")
     assert compare.knows("train.max_stepz")  # compare's --train is a dict: compare checks its keys itself
     assert Options.of(table["generate"]).required == ("prompt",)
+
+
+def failing_command(error):
+    def fail() -> None:
+        """Fail with the error the test chose."""
+        raise error
+    return fail
+
+
+@pytest.mark.parametrize("kind", ["UserError", "InvalidInput", "MissingFile", "NonFinite", "CheckpointError"])
+def test_a_user_error_from_a_command_is_one_paragraph_and_exit_1(kind, monkeypatch, capsys):
+    import lit_qlora.cli as cli
+    import lit_qlora.errors as errors
+    from lit_qlora.checkpoint.files import CheckpointError
+    from lit_qlora.errors import NonFinite
+
+    error_type = {"NonFinite": NonFinite, "CheckpointError": CheckpointError}.get(kind) or getattr(errors, kind)
+    assert issubclass(error_type, errors.UserError)
+    monkeypatch.setattr(cli, "commands", lambda: {"fail": failing_command(error_type("x.json is wrong; fix it"))})
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fail"])
+    assert exit_info.value.code == 1
+    assert capsys.readouterr().err == "litqlora: error: x.json is wrong; fix it\n"
+
+
+@pytest.mark.parametrize("error", [ValueError("an invariant broke"), FileNotFoundError("an internal file"),
+                                   FloatingPointError("nan inside"), KeyError("no such key")],
+                         ids=lambda e: type(e).__name__)
+def test_a_bare_builtin_error_from_a_command_is_a_bug_with_its_traceback(error, monkeypatch, capsys):
+    """Only a UserError is the user's: a ValueError (or FileNotFoundError, ...) that no check of ours turned into
+    one is a bug. It is re-raised (the interpreter prints its traceback) after one line asking for a report."""
+    import lit_qlora.cli as cli
+
+    monkeypatch.setattr(cli, "commands", lambda: {"fail": failing_command(error)})
+    with pytest.raises(type(error)) as raised:
+        main(["fail"])
+    assert raised.value is error
+    err = capsys.readouterr().err
+    assert "litqlora: error:" not in err
+    assert err.count("\n") == 1 and "a bug in lit-qlora" in err and "report" in err and "litqlora fail" in err, err
+
+
+# Raises of bare built-in errors left in lit_qlora/ and eval/, at most this many per file. Each is a check of an
+# internal invariant (a caller's bug, not the user's input) or caught at once by our own code; a check of the
+# user's flags, files, rows or machine raises a UserError (lit_qlora.errors).
+BUILTIN_RAISES = {
+    "eval/lm.py": 2,  # rolling_windows' max_length argument; an lm-eval request without context
+    "eval/tasks/utils.py": 1,  # as many log-likelihoods as labels
+    "lit_qlora/checkpoint/files.py": 3,  # two caught at once (-> CheckpointError); TensorSpec's arguments
+    "lit_qlora/checkpoint/loading.py": 1,  # load_model's arguments
+    "lit_qlora/model/attention_mask.py": 1,
+    "lit_qlora/model/transformer.py": 3,  # forward's arguments
+    "lit_qlora/nf4/codec.py": 2,  # the out= tensor
+    "lit_qlora/nf4/layout.py": 9,  # arguments of the layout helpers (a user's shapes and shards raise InvalidInput)
+    "lit_qlora/nf4/native.py": 1,  # PermissionError, caught at once: a per-user temp directory instead
+    "lit_qlora/nf4/triton.py": 1,
+    "lit_qlora/parallel/tensor_parallel.py": 1,  # parallelize before load_model(shard=...)
+    "lit_qlora/train/precision.py": 1,  # NF4Precision's argument (the CLI resolves --precision first)
+    "lit_qlora/train/sampler.py": 1,  # the rank
+}
+
+
+def test_user_input_checks_raise_user_errors_not_bare_builtins():
+    import re
+
+    root = Path(__file__).resolve().parents[1]
+    pattern = re.compile(r"\braise (ValueError|FileNotFoundError|NotADirectoryError|PermissionError|"
+                         r"FloatingPointError)\b")
+    found = {}
+    for folder in ("lit_qlora", "eval"):
+        for path in sorted((root / folder).rglob("*.py")):
+            count = len(pattern.findall(path.read_text(encoding="utf-8")))
+            if count:
+                found[path.relative_to(root).as_posix()] = count
+    over = {path: n for path, n in found.items() if n > BUILTIN_RAISES.get(path, 0)}
+    assert not over, (f"raise a UserError subclass (lit_qlora.errors) for checks of user input; list internal "
+                      f"invariants in BUILTIN_RAISES: {over}")

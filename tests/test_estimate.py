@@ -247,8 +247,8 @@ def test_tracing_two_loss_chunks_per_loss_predicts_what_tracing_all_of_them_does
         monkeypatch.setattr(loss, name, 512 * 16)  # 16 tokens a chunk: 8 chunks per 2 x 64 batch
     config = Config.from_hf_config(TINY)
     train = TrainArgs(micro_batch_size=2, global_batch_size=4, max_seq_length=64, activation_checkpointing=True)
-    real, heads = loss._head_ce_sum, []
-    monkeypatch.setattr(loss, "_head_ce_sum", lambda *args: heads.append(1) or real(*args))
+    real, heads = loss.head_ce_sum, []
+    monkeypatch.setattr(loss, "head_ce_sum", lambda *args: heads.append(1) or real(*args))
     traces, head_calls = [], []
     for chunks in (estimate_module.TRACED_LOSS_CHUNKS, 10**6):
         monkeypatch.setattr(estimate_module, "TRACED_LOSS_CHUNKS", chunks)
@@ -329,3 +329,29 @@ def test_auto_length_finds_the_longest_sequence_a_budget_holds(tmp_path, capsys,
     assert e.value.code == 1 and "give the card's memory too" in capsys.readouterr().err
     with pytest.raises(UserError, match="needs a number of tokens.*max_seq_length auto --device_memory"):
         finetune(checkpoint_dir=model_dir, out_dir=tmp_path / "ft", train=TrainArgs(max_seq_length="auto"))
+
+
+def test_every_name_the_estimate_patches_still_exists_in_its_module():
+    """The estimate replaces or sets aside names of other layers while it traces (PATCH_POINTS): a rename there must
+    fail here, not leave the estimate patching a name nobody reads. And it reaches no name the table does not list."""
+    import importlib
+
+    from lit_qlora.estimate.step import PATCH_POINTS, _patched
+    from lit_qlora.train import loss
+
+    missing = []
+    for module_name, names in PATCH_POINTS.items():
+        module = importlib.import_module(module_name)
+        for name in names:
+            owner = module
+            for part in name.split("."):  # Class.attribute
+                if not hasattr(owner, part):
+                    missing.append(f"{module_name}.{name}")
+                    break
+                owner = getattr(owner, part)
+    assert missing == []
+    with pytest.raises(RuntimeError, match="PATCH_POINTS"):
+        with _patched(loss, "lm_loss_sum", None):
+            pass
+    assert callable(loss.lm_loss_sum)
+

@@ -224,6 +224,7 @@ def test_the_progress_bar_is_ours_with_or_without_rich(tiny_llama_dir, tmp_path,
 
     from lit_qlora.train.run import fit, setup
     from lit_qlora.train.progress import StepProgressBar
+    from lit_qlora.train.spec import RunSpec
 
     class Terminal(io.StringIO):
         def isatty(self):
@@ -236,11 +237,11 @@ def test_the_progress_bar_is_ours_with_or_without_rich(tiny_llama_dir, tmp_path,
         assert type(lightnings) is (RichProgressBar if rich else TQDMProgressBar)
         terminal = Terminal()
         monkeypatch.setattr(sys, "stderr", terminal)
-        run_ = setup(checkpoint_dir=tiny_llama_dir, out_dir=tmp_path / f"rich-{rich}", quantize="nf4",
+        run_ = setup(RunSpec(checkpoint_dir=tiny_llama_dir, out_dir=tmp_path / f"rich-{rich}", quantize="nf4",
                      precision="bf16-true", seed=1337, accelerator="cpu", devices=1, num_nodes=1, strategy="auto",
                      tensor_parallel=1, nf4_shards=None, resume=False, lora=LoRAArgs(r=4, alpha=8, dropout=0.0),
                      train=TrainArgs(micro_batch_size=2, global_batch_size=4, max_seq_length=64, max_steps=2),
-                     data=data, ignore_modules=None)
+                     data=data, ignore_modules=None))
         assert type(run_.trainer.progress_bar_callback) is StepProgressBar
         assert [c for c in run_.trainer.callbacks if isinstance(c, ProgressBar)] == [run_.trainer.progress_bar_callback]
     summary = fit(run_)

@@ -193,7 +193,7 @@ def test_the_nf4_stack_is_the_dequantized_weights_in_the_scratch_buffer():
     weights = [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]
     stack = linear.dense_stack(weights, torch.bfloat16)
     assert torch.equal(stack, torch.cat([w.get_original_weight() for w in weights]))
-    assert stack.data_ptr() == linear._dense_rows(weights[0], torch.bfloat16, 0, 128).data_ptr()  # one buffer
+    assert stack.data_ptr() == linear.dense_rows(weights[0], torch.bfloat16, 0, 128).data_ptr()  # one buffer
 
 
 def test_inference_and_adapters_disabled_use_the_fused_path(monkeypatch):

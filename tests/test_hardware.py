@@ -130,3 +130,17 @@ def test_a_capped_process_gets_an_inductor_cache_of_its_own(tmp_path):
     capped = cache_dir(**AVX2_ENV)
     assert capped.endswith("_aten-avx2_onednn-AVX2") and "torchinductor_" in capped
     assert cache_dir(**AVX2_ENV, TORCHINDUCTOR_CACHE_DIR=str(tmp_path)) == str(tmp_path)
+
+
+def test_the_precision_registry_is_what_the_cli_the_table_and_auto_read():
+    import typing
+
+    from lit_qlora.model.config import _PRECISION_TABLE, Precision
+
+    assert [row[0] for row in _PRECISION_TABLE] == list(hardware.PRECISIONS)  # one dtype row per precision
+    assert typing.get_args(Precision) == hardware.PRECISIONS
+    assert typing.get_args(hardware.PrecisionChoice) == ("auto", *hardware.PRECISIONS, *hardware.PRECISION_ALIASES)
+    assert set(hardware.PRECISION_ALIASES.values()) <= set(hardware.PRECISIONS)
+    assert set(hardware.PRECISION_NEAREST.values()) <= set(hardware.PRECISIONS)
+    for name in hardware.PRECISIONS:  # an explicit precision resolves to itself, wherever the run lands
+        assert choose_precision(name, "cpu")[0] == name

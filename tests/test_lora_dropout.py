@@ -12,7 +12,7 @@ from torch.utils.checkpoint import checkpoint
 from lit_qlora.lora import dropout as lora_dropout
 from lit_qlora.lora.layer import LoRALinear
 from lit_qlora.lora.dropout import _dropped_eager, dropped, dropped_lora, keep_mask_eager, keep_threshold
-from lit_qlora.nf4 import native
+from lit_qlora.lora import native
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -110,13 +110,40 @@ def test_the_kernels_are_trusted_when_first_used_under_a_bf16_default_dtype():
     import sys
 
     code = ("import torch\ntorch.set_default_dtype(torch.bfloat16)\n"
-            "from lit_qlora.lora import dropout as lora_dropout\nfrom lit_qlora.nf4 import native\n"
+            "from lit_qlora.lora import dropout as lora_dropout\nfrom lit_qlora.lora import native\n"
             "lora_dropout.dropped(torch.randn(4, 100, dtype=torch.bfloat16), 1, 0.1)\n"
             "print(native.native_error(), lora_dropout._kernel_checked)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     if "no C compiler" in out:
         pytest.skip(out)
     assert out.strip() == "None {torch.bfloat16: True}"
+
+
+def test_the_kernels_ship_with_lora_and_build_with_nf4s_helpers(tmp_path, monkeypatch):
+    """lora/kernels.c is package data of lit_qlora.lora (pyproject.toml), built by NF4's build_library with NF4's
+    simd.h beside it; the cached library's name changes with either text."""
+    from pathlib import Path
+
+    from lit_qlora.nf4 import native as nf4_native
+
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        tomllib = pytest.importorskip("tomli")
+
+    data = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    assert "kernels.c" in data["tool"]["setuptools"]["package-data"]["lit_qlora.lora"]
+    assert "simd.h" in data["tool"]["setuptools"]["package-data"]["lit_qlora.nf4"]
+    source = native.kernel_source()
+    assert "void lora_drop_down(" in source and '#include "simd.h"' in source
+    assert "lora_" not in nf4_native.kernel_source()  # NF4's kernels are NF4's alone
+    if native.native_lib() is None:
+        pytest.skip(f"no LoRA kernels here: {native.native_error()}")
+    monkeypatch.setenv("LIT_QLORA_KERNEL_CACHE", str(tmp_path))
+    sources = {"kernels.c": source, "simd.h": nf4_native.simd_header()}
+    nf4_native.build_library("lora", sources, {})
+    nf4_native.build_library("lora", {**sources, "simd.h": sources["simd.h"] + "\n/* edited */\n"}, {})
+    assert len(list(tmp_path.glob("lora_*.so"))) == 2
 
 
 def test_in_place_masking_equals_the_copy():

@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from lit_qlora.train.run import fit, setup
+from lit_qlora.train.spec import RunSpec
 from lit_qlora.train.args import DataArgs, LoRAArgs, TrainArgs
 
 MIXED_TRAIN = dict(micro_batch_size=2, global_batch_size=4, max_seq_length=64, lr=1e-2, warmup_steps=1)
@@ -22,10 +23,10 @@ def data_args(tmp_path, n=24):
 
 
 def build(tiny_llama_dir, out_dir, data, precision="16-mixed", quantize="nf4", resume=False, **train_kw):
-    return setup(checkpoint_dir=tiny_llama_dir, out_dir=out_dir, quantize=quantize, precision=precision, seed=7,
+    return setup(RunSpec(checkpoint_dir=tiny_llama_dir, out_dir=out_dir, quantize=quantize, precision=precision, seed=7,
                  accelerator="cpu", devices=1, num_nodes=1, strategy="auto", tensor_parallel=1, nf4_shards=None,
                  resume=resume, lora=LoRAArgs(r=4, alpha=8, dropout=0.0), train=TrainArgs(**{**MIXED_TRAIN, **train_kw}),
-                 data=data, ignore_modules=None)
+                 data=data, ignore_modules=None))
 
 
 @pytest.mark.parametrize("precision, compute, scale", [("16-mixed", torch.float16, 65536.0),

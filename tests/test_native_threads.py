@@ -14,6 +14,7 @@ import torch
 
 from lit_qlora.lora import dropout as lora_dropout
 from lit_qlora.lora.dropout import keep_threshold
+from lit_qlora.lora import native as lora_native
 from lit_qlora.nf4 import native
 from lit_qlora.nf4.reference import level_table
 
@@ -36,11 +37,13 @@ def same_on_1_2_and_3_threads(fn) -> None:
             assert torch.equal(got, want), f"{n} threads changed a result"
 
 
-def test_the_kernels_call_the_openmp_runtime_torch_calls():
-    """The library links libgomp.so.1 and must bind the copy torch loaded: a second runtime is a second thread pool.
-    (Other wheels may bundle their own renamed libgomp, e.g. sentencepiece's; neither torch nor we call that one.)"""
-    lib = native.native_lib()
-    if not hasattr(lib, "omp_get_thread_num"):
+@pytest.mark.parametrize("kernels", [native, lora_native], ids=["nf4", "lora"])
+def test_the_kernels_call_the_openmp_runtime_torch_calls(kernels):
+    """Each library (NF4's, LoRA's) links libgomp.so.1 and must bind the copy torch loaded: a second runtime is a
+    second thread pool. (Other wheels may bundle their own renamed libgomp, e.g. sentencepiece's; neither torch nor we
+    call that one.)"""
+    lib = kernels.native_lib()
+    if lib is None or not hasattr(lib, "omp_get_thread_num"):
         pytest.skip("kernels built without OpenMP here (they run on one thread)")
     ours = ctypes.cast(lib.omp_get_thread_num, ctypes.c_void_p).value
     torchs = ctypes.cast(ctypes.CDLL(torch._C.__file__).omp_get_thread_num, ctypes.c_void_p).value
@@ -50,7 +53,7 @@ def test_the_kernels_call_the_openmp_runtime_torch_calls():
 def test_quantize_and_dequantize_give_the_same_bits_on_any_thread_count():
     blocks = 31_001  # 3.97 MB of bf16: three threads' worth, split unevenly
     w = torch.randn(blocks * 64, generator=torch.Generator().manual_seed(0)).bfloat16()
-    assert on_threads(3, lambda: native._threads(blocks, w.numel() * 2)) == 3
+    assert on_threads(3, lambda: native.kernel_threads(blocks, w.numel() * 2)) == 3
 
     def quantize():
         q, s = torch.empty(w.numel() // 2, dtype=torch.uint8), torch.empty(blocks, dtype=torch.bfloat16)
@@ -79,11 +82,11 @@ def test_dropout_kernels_give_the_same_bits_on_any_thread_count():
     base = torch.randn(rows, cols, generator=g).bfloat16()
     seeds, p = [3, 99, 2**31 + 5], 0.05
     assert lora_dropout._fused_kernel(x, a)
-    assert on_threads(3, lambda: native._threads(-(-cols // 16), x.numel() * 2 * 3)) == 3
+    assert on_threads(3, lambda: native.kernel_threads(-(-cols // 16), x.numel() * 2 * 3)) == 3
 
     def elementwise():
         out = torch.empty_like(x)
-        native.dropout_elements(x, out, 12345, keep_threshold(p), 1 / (1 - p))
+        lora_native.dropout_elements(x, out, 12345, keep_threshold(p), 1 / (1 - p))
         return [out]
 
     def fused():

@@ -68,8 +68,8 @@ def test_gpu_slices_are_wider_and_give_the_same_loss_and_gradients(monkeypatch):
     hidden = torch.randn(n, dim, generator=gen)
     targets = torch.randint(0, vocab, (n,), generator=gen)
     monkeypatch.setattr(nf4_head_loss, "DENSE_CHUNK_ELEMS", 16 * dim)  # the CPU's bound: 16 rows a slice
-    real, calls = nf4_head_loss._dense_rows, []
-    monkeypatch.setattr(nf4_head_loss, "_dense_rows", lambda *args: calls.append(args[2:4]) or real(*args))
+    real, calls = nf4_head_loss.dense_rows, []
+    monkeypatch.setattr(nf4_head_loss, "dense_rows", lambda *args: calls.append(args[2:4]) or real(*args))
     results = []
     for gpu in (False, True):
         monkeypatch.setattr(linear, "whole_weight", lambda weight, gpu=gpu: gpu)

@@ -603,3 +603,19 @@ def test_bad_options_are_refused_with_their_message(args, message, tiny_llama_di
     err = capsys.readouterr().err
     assert err.startswith(message) and "Traceback" not in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "out").exists()  # refused before anything was written
+
+
+def test_the_loss_registry_is_what_the_cli_the_objective_and_the_estimate_read():
+    import typing
+
+    from lit_qlora.estimate.preference import reference_pass
+    from lit_qlora.preference.args import DPO_LOSSES, DPOArgs
+    from lit_qlora.preference.loss import Objective
+
+    assert typing.get_args(typing.get_type_hints(DPOArgs)["loss"]) == tuple(DPO_LOSSES)
+    for name, kind in DPO_LOSSES.items():
+        args = DPOArgs(loss=name)
+        objective = Objective.from_args(args)
+        assert (objective.loss, objective.beta, objective.orpo_lambda) == (name, args.beta, args.orpo_lambda)
+        assert objective.uses_reference is kind.uses_reference and objective.mean_logps is kind.mean_logps
+        assert (reference_pass(args) is None) is (not kind.uses_reference)

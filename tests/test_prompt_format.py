@@ -13,7 +13,8 @@ import pytest
 
 from lit_qlora.checkpoint.tokenizer import Tokenizer, _compile
 from lit_qlora.data.inference import prompt_ids, trained_tokenizer, use_prompt_style
-from lit_qlora.data.prompts import STYLE_TEMPLATES, get_prompt_style, resolve_prompt_style
+from lit_qlora.data.prompts import PROMPT_STYLES, get_prompt_style, resolve_prompt_style
+from lit_qlora.data.templates import STYLE_TEMPLATES, STYLES
 from lit_qlora.data.sft import IGNORE_INDEX, tokenize_rows
 from lit_qlora.train.args import DataArgs, ExportArgs, LoRAArgs, TrainArgs
 from lit_qlora.train.finetune import finetune
@@ -130,3 +131,13 @@ def test_a_fine_tune_is_served_and_exported_in_the_format_it_trained_in(style, t
     reader = gguf.GGUFReader(out / "final" / "model-f32.gguf")
     field = reader.fields["tokenizer.chat_template"]
     assert bytes(field.parts[field.data[0]]).decode() == want
+
+
+def test_the_style_registry_names_each_rendering_class_and_the_cli_choices():
+    import typing
+
+    from lit_qlora.train.args import DataArgs
+
+    assert list(PROMPT_STYLES) == list(STYLES)  # a style is an entry in templates.STYLES and its class in prompts
+    assert typing.get_args(typing.get_type_hints(DataArgs)["prompt_style"]) == ("auto", *STYLES)
+    assert set(STYLE_TEMPLATES) == {name for name, template in STYLES.items() if template}

@@ -162,7 +162,7 @@ def test_a_real_competitor_takes_threads_away_and_gives_them_back(restore_thread
 def outsider(code: str) -> int:
     """Start `python -c code` as another process tree's (its shell exits at once, so it is no child of ours); its
     pid."""
-    started = subprocess.run(["sh", "-c", f'"$0" -c "$1" >/dev/null 2>&1 & echo $!', sys.executable, code],
+    started = subprocess.run(["sh", "-c", '"$0" -c "$1" >/dev/null 2>&1 & echo $!', sys.executable, code],
                              capture_output=True, text=True, check=True)
     return int(started.stdout)
 
@@ -182,8 +182,8 @@ def test_work_this_process_started_is_its_own_not_a_competitors(restore_threads)
 
 
 def test_loaded_models_blocks_consult_the_process_governor(monkeypatch, restore_threads):
-    """govern_threads (which load_model calls) hooks every block: each CPU forward, with or without grad, asks the
-    governor, which sets the count."""
+    """govern_threads (which each command calls on the model it loaded) hooks every block: each CPU forward, with or
+    without grad, asks the governor, which sets the count."""
     import lit_qlora.threads as threads
     from lit_qlora.model import Transformer
 
@@ -210,3 +210,104 @@ def test_loaded_models_blocks_consult_the_process_governor(monkeypatch, restore_
     assert threads_rows({**summary, "cpu_thread_changes": 0}) == []  # a quiet run's table says nothing
     monkeypatch.setattr(threads, "_governor", None)
     assert threads_summary() == {}  # no CPU forward ran (a GPU run)
+
+
+def governor_calls(model, monkeypatch) -> int:
+    """How often one CPU forward of `model` consults the process's governor (a counting stand-in for it)."""
+    import lit_qlora.threads as threads
+
+    calls = []
+    monkeypatch.setattr(threads, "_governor", lambda: calls.append(1) or torch.get_num_threads())
+    with torch.no_grad():
+        model(torch.zeros(1, 4, dtype=torch.long))
+    monkeypatch.setattr(threads, "_governor", None)
+    return len(calls)
+
+
+def load_for_train(tiny_llama_dir, tmp_path, monkeypatch):
+    """`litqlora finetune` (and `dpo`, which runs the same setup) up to its model: train.run's setup."""
+    import json
+
+    import lit_qlora.train.run as run
+    from lit_qlora.train.args import DataArgs, LoRAArgs, TrainArgs
+    from lit_qlora.train.spec import RunSpec
+
+    rows = [{"instruction": f"Add {i} and {i + 3}.", "output": f"{i} + {i + 3} = {2 * i + 3}."} for i in range(8)]
+    (tmp_path / "rows.json").write_text(json.dumps(rows))
+    train = TrainArgs(micro_batch_size=2, global_batch_size=2, max_seq_length=32, max_steps=1)
+    return run.setup(RunSpec(checkpoint_dir=tiny_llama_dir, out_dir=tmp_path / "run", precision="32-true",
+                             accelerator="cpu", devices=1, lora=LoRAArgs(r=2, alpha=4, dropout=0.0), train=train,
+                             data=DataArgs(json_path=tmp_path / "rows.json", val_split=0.25)))
+
+
+def load_for_evaluate(tiny_llama_dir, tmp_path, monkeypatch):
+    import lm_eval
+
+    from lit_qlora.eval import SAMPLE_DATA_FILE
+    from lit_qlora.eval.evaluate import evaluate
+
+    class Loaded(Exception):
+        pass
+
+    def stop(*args, **kwargs):  # the model is loaded: no need to evaluate anything
+        raise Loaded
+
+    monkeypatch.setattr(lm_eval, "simple_evaluate", stop)
+    with pytest.raises(Loaded):
+        evaluate(checkpoint_dir=tiny_llama_dir, tasks="truthfulqa_mc2", data_file=SAMPLE_DATA_FILE, limit=1,
+                 precision="32-true", out_dir=tmp_path / "eval", device="cpu")
+
+
+def load_for_generate(tiny_llama_dir, tmp_path, monkeypatch):
+    from lit_qlora.deploy.generate import generate_command
+
+    generate_command("Hello", checkpoint_dir=tiny_llama_dir, precision="32-true", max_new_tokens=1)
+
+
+def load_for_chat(tiny_llama_dir, tmp_path, monkeypatch):
+    import io
+
+    from lit_qlora.deploy.chat import chat_command
+
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))  # no turn: the session ends at once
+    chat_command(checkpoint_dir=tiny_llama_dir, precision="32-true", max_new_tokens=1)
+
+
+def load_for_serve(tiny_llama_dir, tmp_path, monkeypatch):
+    pytest.importorskip("litserve")
+    from lit_qlora.deploy.litserve_api import ChatAPI
+
+    ChatAPI(tiny_llama_dir, None, None, "32-true", 4).setup("cpu")  # what a server's worker runs
+
+
+@pytest.mark.parametrize("load", [load_for_train, load_for_evaluate, load_for_generate, load_for_chat, load_for_serve],
+                         ids=lambda f: f.__name__.removeprefix("load_for_"))
+def test_each_command_governs_the_model_it_loads(load, tiny_llama_dir, tmp_path, monkeypatch, restore_threads):
+    """Scheduling is the command's: train, evaluate, generate, chat and serve each hook the governor into the blocks
+    of the model they loaded (load_model itself hooks nothing)."""
+    import lit_qlora.checkpoint.loading as loading
+    import lit_qlora.train.run as run
+
+    loaded, real_load = [], loading.load_model
+
+    def recording_load(*args, **kwargs):
+        model = real_load(*args, **kwargs)
+        assert governor_calls(model, monkeypatch) == 0  # the loader alone attaches nothing
+        loaded.append(model)
+        return model
+
+    monkeypatch.setattr(loading, "load_model", recording_load)
+    monkeypatch.setattr(run, "load_model", recording_load)  # (train.run imports it at its top)
+    load(tiny_llama_dir, tmp_path, monkeypatch)
+    assert len(loaded) == 1
+    assert governor_calls(loaded[0], monkeypatch) == loaded[0].config.n_layer
+
+
+def test_estimates_fake_model_reads_no_proc(monkeypatch):
+    """`random_base`, the model `litqlora estimate` traces on fake tensors, gets no governor: its forwards must not
+    read /proc or set the thread count (commit d2f4b4f)."""
+    from lit_qlora.checkpoint.loading import random_base
+
+    config = Config(vocab_size=64, n_layer=2, n_embd=32, n_head=4, n_query_groups=2, intermediate_size=64)
+    for quantize in ("none", "nf4"):
+        assert governor_calls(random_base(config, quantize, torch.float32), monkeypatch) == 0

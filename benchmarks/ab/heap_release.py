@@ -7,8 +7,8 @@ Each configuration runs the real `litqlora finetune` in its own child process (l
   smol-lora, smol-qlora: SmolLM2-135M-Instruct, micro-batch 4 x 512 packed (the shipped dataset), checkpointing
                          on, LoRA dropout 0.05;
   1b-qlora:              the random TinyLlama-1.1B-shaped checkpoint of train_memory.py, 1 x 512, checkpointing on.
-The child times every glibc call of the release (malloc_trim, mallinfo2, mallopt: `lit_qlora.memory._libc` is
-wrapped, so any tree that releases through it is measured the same way) and reads getrusage at each optimizer
+The child times every glibc call of the release (malloc_trim, mallinfo2, mallopt: `lit_qlora.memory.accounting._libc`
+is wrapped, so any tree that releases through it is measured the same way) and reads getrusage at each optimizer
 step's end. Per step (after the first): wall seconds, seconds inside those calls, minor page faults, user and
 system CPU seconds. Reported: the release's share of the step (time in the calls / step wall time: both move
 with load, their ratio much less), faults and system time per step (what the re-faulting of trimmed pages costs),

@@ -127,7 +127,7 @@ def main() -> None:
                     runs[name].append(run_once(*models[name], task, include, args.batch_size, args.limit))
                     print(dtype, task, name, runs[name][-1], flush=True)
 
-            def med(name: str, key: str) -> float:
+            def med(name: str, key: str, runs: dict[str, list[dict]] = runs) -> float:
                 return statistics.median(run[key] for run in runs[name])
 
             accs = {name: {run["acc"] for run in runs[name]} for name in runs}

@@ -37,7 +37,6 @@ import tomllib
 from datetime import datetime, timezone
 from pathlib import Path
 
-from packaging.markers import Marker
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 

@@ -704,9 +704,9 @@ def derived(kit: Kit) -> list[str]:
 
     out = []
     for mode in ("eager", "compiled"):
-        q, l = rate(f"suite_qlora_{mode}_false"), rate(f"suite_lora_{mode}_false")
-        if q and l:
-            out.append(f"QLoRA / LoRA, {mode}: {q / l:.3f} (goal >= 0.92)")
+        q, lo = rate(f"suite_qlora_{mode}_false"), rate(f"suite_lora_{mode}_false")
+        if q and lo:
+            out.append(f"QLoRA / LoRA, {mode}: {q / lo:.3f} (goal >= 0.92)")
     for quant in ("qlora", "lora"):
         off, auto = rows.get(f"suite_{quant}_eager_false", {}), rows.get(f"suite_{quant}_eager_auto", {})
         if rate(f"suite_{quant}_eager_false") and rate(f"suite_{quant}_eager_auto"):

@@ -57,8 +57,8 @@ def main() -> None:
         t = quantize_nf4(torch.randn(shape, device="cuda", dtype=torch.bfloat16) * 0.02)
         want = t.get_original_weight()
         out = torch.empty(shape, dtype=torch.bfloat16, device="cuda")
-        paths = {"torchao": t.get_original_weight, "pytorch_sliced": lambda: sliced_pytorch(t, out),
-                 "triton": lambda: kernel.dequantize(t, out=out)}
+        paths = {"torchao": t.get_original_weight, "pytorch_sliced": lambda t=t, out=out: sliced_pytorch(t, out),
+                 "triton": lambda t=t, out=out: kernel.dequantize(t, out=out)}
         moved = t.numel() * (0.5 + 2) + t.quantized_scalers.numel()
         row = {"weight": name, "shape": list(shape), "device": torch.cuda.get_device_name()}
         for path, fn in paths.items():

@@ -22,6 +22,7 @@ import collections
 import json
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from unittest import mock
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -85,10 +86,10 @@ class KernelCount(TorchDispatchMode):
 @contextmanager
 def counted_paths(count: KernelCount):
     with ExitStack() as stack:
-        for module, name in ((linear, "_dense_rows"), (linear, "dense_stack"), (nf4_head_loss, "_dense_rows")):
-            stack.enter_context(estimate._patched(module, name, count.one_launch(getattr(module, name))))
+        for module, name in ((linear, "dense_rows"), (linear, "dense_stack"), (nf4_head_loss, "dense_rows")):
+            stack.enter_context(mock.patch.object(module, name, count.one_launch(getattr(module, name))))
         for name in ("nf4_head_ce_sum", "chunked_cross_entropy_sum", "tiled_ce_sum"):
-            stack.enter_context(estimate._patched(loss_module, name,
+            stack.enter_context(mock.patch.object(loss_module, name,
                                                   count.in_phase(getattr(loss_module, name), "loss")))
         yield
 

@@ -25,9 +25,9 @@ Long-sequence rows (issue 29) add two fields, MODEL:QUANTIZE:BATCH:CHECKPOINTING
   `--train.offload_activations true` (and so does `trace_step` on CPU, through `estimate.offload_decision`), so both
   sides install the component directly: the prediction with `offload_decision` answering on, the measured step with
   `model.activation_offload = ActivationOffload()`. On CPU the component makes plain copies, one standing for the
-  pinned host copy of each checkpointed block's input (`_to_host`), one for the copy fetched back to the device
+  pinned host copy of each checkpointed block's input (`to_host`), one for the copy fetched back to the device
   for the block's backward (`_to_device`). The estimate counts the host copies apart (`trace.host_peak`) and never
-  in its device peak. The measured device peak is defined alike: the step's `_to_host` runs inside a
+  in its device peak. The measured device peak is defined alike: the step's `to_host` runs inside a
   torch.profiler scope, every allocation event under that scope is a host copy, and so is the free event of the
   same address that follows; the measured peak is what is resident before the step plus the highest running sum
   of all the other allocation and free events (that is, the peak of all allocations minus the host copies held at
@@ -178,13 +178,13 @@ def child(group: str) -> None:
         started = time.perf_counter()
         if "offload" in parse_row(row)[-1]:
             model.activation_offload = offload = ActivationOffload()
-            to_host = offload._to_host
+            to_host = offload.to_host
 
             def tagged_to_host(t, to_host=to_host):
                 with torch.profiler.record_function(HOST_SCOPE):
                     return to_host(t)
 
-            offload._to_host = tagged_to_host
+            offload.to_host = tagged_to_host
             measured, measured_host = profiled_device_peak(step, resident_tensors(model, optimizer))
             assert offload.offloaded == config.n_layer, offload.offloaded  # every block's input
             result.update(predicted_host_bytes=trace.host_peak, measured_host_bytes=measured_host,

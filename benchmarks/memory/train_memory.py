@@ -41,6 +41,7 @@ def child(args: argparse.Namespace) -> None:
     from lit_qlora.checkpoint.loading import load_model
     from lit_qlora.lora.layer import apply_lora
     from lit_qlora.memory.accounting import peak_rss_bytes
+    from lit_qlora.threads import govern_threads
     from lit_qlora.train.precision import NF4Precision
     from lit_qlora.train.args import TrainArgs
     from lit_qlora.train.callbacks import HeapRelease
@@ -54,6 +55,7 @@ def child(args: argparse.Namespace) -> None:
         args.steps, args.batch, args.seq = batches.shape
     L.seed_everything(0, verbose=False)
     model = load_model(args.checkpoint_dir, "nf4" if args.child == "nf4" else "none", "bf16-true").train()
+    govern_threads(model)  # as `litqlora finetune` runs it
     if args.child == "full":
         model.requires_grad_(True)
     else:

@@ -56,7 +56,7 @@ def run(isa: str, precision: str) -> dict:
 
 
 def markdown(record: dict) -> str:
-    lines = [f"# DPO demo preset (config_hub/dpo/smollm2-135m/qlora.yaml)\n",
+    lines = ["# DPO demo preset (config_hub/dpo/smollm2-135m/qlora.yaml)\n",
              f"CPU: {record['cpu']} ({', '.join(record['flags'])}); torch {record['torch']}.\n",
              "`python benchmarks/preference/dpo_demo.py` (each run from an empty directory, through `litqlora dpo`; "
              "held out: the 43 validation pairs).\n",

@@ -16,6 +16,7 @@ import torch
 from lit_qlora.model.config import PRESETS
 from lit_qlora.checkpoint.loading import load_model, random_base
 from lit_qlora.lora.layer import apply_lora
+from lit_qlora.threads import govern_threads
 from lit_qlora.train.args import TrainArgs
 from lit_qlora.train.callbacks import release_heap_around_blocks
 from lit_qlora.train.heap import HeapTrimmer
@@ -28,6 +29,7 @@ def build_step(checkpoint_dir: str, quantize: str, batch: int, seq: int, checkpo
         model = random_base(PRESETS[checkpoint_dir], quantize, torch.bfloat16)
     else:
         model = load_model(checkpoint_dir, quantize, "bf16-true")
+        govern_threads(model)  # as `litqlora finetune` runs it
     apply_lora(model, r=8, alpha=16, dropout=dropout, targets="all", dtype=torch.bfloat16)
     model.checkpoint_blocks = model.config.n_layer if checkpointing else 0
     train = TrainArgs(max_steps=2, micro_batch_size=batch, global_batch_size=batch, max_seq_length=seq,

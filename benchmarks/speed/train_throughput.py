@@ -31,9 +31,11 @@ def child(args: argparse.Namespace) -> None:
     from lit_qlora.lora.layer import apply_lora
     from lit_qlora.train.loss import chunked_cross_entropy_sum
     from lit_qlora.memory.accounting import peak_rss_bytes
+    from lit_qlora.threads import govern_threads
 
     torch.manual_seed(0)
     model = load_model(args.checkpoint_dir, args.quantize, "bf16-true")
+    govern_threads(model)  # as `litqlora finetune` runs it
     apply_lora(model, r=8, alpha=16, dropout=0.0, targets="all", dtype=torch.bfloat16)
     model.checkpoint_blocks = model.config.n_layer if args.activation_checkpointing else 0
     model.train()

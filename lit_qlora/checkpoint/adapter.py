@@ -10,8 +10,10 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from lit_qlora.checkpoint.files import TensorSpec, atomic_write_text, iter_safetensors, write_safetensors
-from lit_qlora.guards import require_finite
+from lit_qlora.checkpoint.files import (CheckpointError, TensorSpec, atomic_write_text, iter_safetensors,
+                                        write_safetensors)
+from lit_qlora.errors import MissingFile
+from lit_qlora.checkpoint.files import require_finite
 from lit_qlora.lora.layer import lora_modules, lora_state_dict
 from lit_qlora.parallel.distributed import full, is_sharded, reshard, shard_like
 
@@ -58,20 +60,20 @@ def read_adapter_config(adapter_dir: Path) -> dict:
     what = (f"--adapter_dir must be a fine-tune's out_dir or its final/ directory (which holds {ADAPTER_WEIGHTS} "
             f"and {ADAPTER_CONFIG})")
     if not adapter_dir.is_dir():
-        raise FileNotFoundError(f"Adapter directory {adapter_dir} does not exist: {what}.")
+        raise MissingFile(f"Adapter directory {adapter_dir} does not exist: {what}.")
     if not path.is_file():
         has_checkpoints = (adapter_dir / "checkpoints").is_dir()
         hint = (" This out_dir has training checkpoints but no final/: the run has not finished; continue it with "
                 "the same `litqlora finetune` command with --resume auto."
                 if has_checkpoints else "")
-        raise FileNotFoundError(f"{path} does not exist: {what}.{hint}")
+        raise MissingFile(f"{path} does not exist: {what}.{hint}")
     try:
         config = json.loads(path.read_text())
         missing = [k for k in ("r", "alpha", "targets") if k not in config]
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} is not valid JSON ({e}). Re-run the fine-tune or restore the file.") from None
+        raise CheckpointError(f"{path} is not valid JSON ({e}). Re-run the fine-tune or restore the file.") from None
     if missing:
-        raise ValueError(f"{path} lacks the key(s) {missing}; it was not written by `litqlora finetune`.")
+        raise CheckpointError(f"{path} lacks the key(s) {missing}; it was not written by `litqlora finetune`.")
     return config
 
 
@@ -89,15 +91,16 @@ def load_adapter(model: nn.Module, adapter_dir: Path) -> None:
     adapter_dir = find_adapter_dir(adapter_dir)
     path = adapter_dir / ADAPTER_WEIGHTS
     if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist: --adapter_dir must hold {ADAPTER_WEIGHTS}.")
+        raise MissingFile(f"{path} does not exist: --adapter_dir must hold {ADAPTER_WEIGHTS}.")
     own = {k: v for k, v in lora_state_dict(model).items()}
     params = {n: m for n, m in lora_modules(model).items()}
     fix = f"Pass the --checkpoint_dir the adapter was trained on{_trained_on(adapter_dir)}."
     seen = set()
     for name, tensor in iter_safetensors(path):
         if name not in own:
-            raise ValueError(f"{path}: adapter tensor {name!r} has no LoRA layer in this model: the adapter was "
-                             f"trained with other targets than {ADAPTER_CONFIG} lists, or on another base model. {fix}")
+            raise CheckpointError(f"{path}: adapter tensor {name!r} has no LoRA layer in this model: the adapter "
+                                  f"was trained with other targets than {ADAPTER_CONFIG} lists, or on another base "
+                                  f"model. {fix}")
         if tensor.shape != own[name].shape:
             rank_axis = 0 if name.endswith("lora_A") else 1
             if tensor.shape[rank_axis] != own[name].shape[rank_axis]:
@@ -106,8 +109,8 @@ def load_adapter(model: nn.Module, adapter_dir: Path) -> None:
                        f"rank the adapter was trained with; an edited {ADAPTER_CONFIG} must be restored.")
             else:
                 why = "the adapter was trained on a base model of another size. " + fix
-            raise ValueError(f"{path}: {name!r} has shape {tuple(tensor.shape)} but the model expects "
-                             f"{tuple(own[name].shape)}: {why}")
+            raise CheckpointError(f"{path}: {name!r} has shape {tuple(tensor.shape)} but the model expects "
+                                  f"{tuple(own[name].shape)}: {why}")
         module_name, _, leaf = name.rpartition(".")
         param = getattr(params[module_name], leaf)
         with torch.no_grad():
@@ -115,5 +118,5 @@ def load_adapter(model: nn.Module, adapter_dir: Path) -> None:
         seen.add(name)
     if set(own) - seen:
         missing = sorted(set(own) - seen)
-        raise ValueError(f"{path} lacks {len(missing)} LoRA tensor(s) the model has, e.g. {missing[0]!r}: "
-                         f"it was trained with fewer targets than {ADAPTER_CONFIG} lists.")
+        raise CheckpointError(f"{path} lacks {len(missing)} LoRA tensor(s) the model has, e.g. {missing[0]!r}: "
+                              f"it was trained with fewer targets than {ADAPTER_CONFIG} lists.")

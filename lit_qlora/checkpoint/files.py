@@ -9,11 +9,11 @@ import os
 import shutil
 import struct
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Mapping, Optional
 
 import torch
 
-from lit_qlora.errors import UserError
+from lit_qlora.errors import NonFinite, UserError
 from lit_qlora.memory.accounting import release_free_memory
 
 
@@ -190,3 +190,18 @@ def write_safetensors(path: Path, specs: list[TensorSpec], metadata: Optional[di
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def nonfinite_names(tensors: Mapping[str, torch.Tensor]) -> list[str]:
+    return [name for name, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+
+
+def require_finite(tensors: Mapping[str, torch.Tensor], what: str) -> None:
+    """Raise NonFinite (a FloatingPointError) instead of writing NaN/inf weights."""
+    bad = nonfinite_names(tensors)
+    if bad:
+        raise NonFinite(
+            f"{len(bad)} adapter tensor(s) are not finite (e.g. {bad[0]}), so {what} was not written; the newest "
+            "checkpoint on disk is still good. Lower --train.lr or use --precision bf16-true, 16-mixed or 32-true, "
+            "then resume with --resume auto."
+        )

@@ -22,7 +22,6 @@ from lit_qlora.checkpoint.adapter import load_adapter, read_adapter_config
 from lit_qlora.model.transformer import Transformer
 from lit_qlora.nf4 import base_linears, is_ignored, is_nf4, quantize_linears, quantize_weight
 from lit_qlora.parallel.tensor_parallel import TensorParallelShard, check_divisible, tp_layout_weight, tp_style
-from lit_qlora.threads import govern_threads
 
 
 def resolve_quantize(quantize: Quantize | str | None, adapter_config: Optional[dict] = None) -> Quantize:
@@ -78,7 +77,6 @@ def load_model(
     if device is not None and torch.device(device).type != "cpu":
         model = model.to(device)
     model.share_projection_storage(trainable=True)  # (no optimizer holds the weights yet)
-    govern_threads(model)  # every command's model comes from here: each shares the CPU with other processes
     return model
 
 

@@ -8,6 +8,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
+from lit_qlora.errors import InvalidInput, MissingFile
 from lit_qlora.model.config import require_checkpoint_dir
 
 # Chat templates end a turn with one of these; generation should stop there even when the checkpoint's
@@ -38,7 +39,7 @@ class Tokenizer:
         path = self.checkpoint_dir / "tokenizer.json"
         require_checkpoint_dir(self.checkpoint_dir)
         if not path.is_file():
-            raise FileNotFoundError(
+            raise MissingFile(
                 f"{self.checkpoint_dir} has no tokenizer.json; lit-qlora reads tokenizers in the Hugging Face "
                 "tokenizers format (download the checkpoint's tokenizer files, or convert a GGUF with "
                 "`litqlora convert_gguf`)."
@@ -129,7 +130,7 @@ class Tokenizer:
         """Render `messages` ([{"role": "user", "content": ...}, ...]) as transformers'
         `apply_chat_template(..., tokenize=False)` does."""
         if not self.chat_template:
-            raise ValueError(f"The tokenizer in {self.checkpoint_dir} has no chat template.")
+            raise InvalidInput(f"The tokenizer in {self.checkpoint_dir} has no chat template.")
         variables = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or "", **kwargs}
         return _compile(self.chat_template).render(
             messages=messages, add_generation_prompt=add_generation_prompt, **variables

@@ -13,7 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from lit_qlora.data.prompts import STYLE_TEMPLATES, PromptStyle, get_prompt_style
+from lit_qlora.data.prompts import PromptStyle, get_prompt_style
+from lit_qlora.data.templates import STYLE_TEMPLATES
 from lit_qlora.data.sft import tokenize_segments
 from lit_qlora.checkpoint.tokenizer import Tokenizer
 

@@ -19,6 +19,7 @@ from typing import Any, Optional, Union
 
 from lit_qlora.data.errors import DataError
 from lit_qlora.checkpoint.tokenizer import END_OF_TURN_TOKENS, _compile
+from lit_qlora.data.templates import ALPACA_HEADER, ALPACA_HEADER_WITH_INPUT, STYLES
 
 Row = dict[str, Any]
 
@@ -103,10 +104,7 @@ class Alpaca(PromptStyle):
     """The Stanford Alpaca prompt; a system message replaces its opening line, each user turn is an instruction."""
 
     name = "alpaca"
-    HEADER = ("Below is an instruction that describes a task. "
-              "Write a response that appropriately completes the request.\n\n")
-    HEADER_WITH_INPUT = ("Below is an instruction that describes a task, paired with an input that provides further "
-                         "context. Write a response that appropriately completes the request.\n\n")
+    HEADER, HEADER_WITH_INPUT = ALPACA_HEADER, ALPACA_HEADER_WITH_INPUT
 
     def __init__(self, tokenizer: Any) -> None:
         super().__init__(tokenizer)
@@ -263,6 +261,8 @@ class ChatTemplate(PromptStyle):
 
 
 PROMPT_STYLES: dict[str, type[PromptStyle]] = {s.name: s for s in (Alpaca, ChatML, Llama3, ChatTemplate)}
+"""Each style of lit_qlora.data.templates.STYLES (the registry `--data.prompt_style` and the exports read), by the
+class that renders rows in it."""
 
 
 def resolve_prompt_style(name: str, tokenizer: Any) -> tuple[str, str]:
@@ -278,29 +278,5 @@ def resolve_prompt_style(name: str, tokenizer: Any) -> tuple[str, str]:
 def get_prompt_style(name: str, tokenizer: Any) -> PromptStyle:
     name = resolve_prompt_style(name, tokenizer)[0]
     if name not in PROMPT_STYLES:
-        raise DataError(f"Unknown prompt style {name!r}; choose one of auto, {', '.join(PROMPT_STYLES)}.")
+        raise DataError(f"Unknown prompt style {name!r}; choose one of auto, {', '.join(STYLES)}.")
     return PROMPT_STYLES[name](tokenizer)
-
-
-# Each style as a chat template (Jinja, as transformers and llama.cpp read them): what a merged or GGUF export of a
-# fine-tune trained in that style carries, so other runtimes format prompts as training did. `chat_template` needs
-# none: the checkpoint's own is exported. Each renders what the style's `render_messages` renders (tested).
-STYLE_TEMPLATES = {
-    "alpaca": (
-        "{%- set system = messages | selectattr('role', 'equalto', 'system') | map(attribute='content') | list -%}"
-        "{{- system | join('\n\n') + '\n\n' if system else '" + Alpaca.HEADER.replace("\n", "\\n") + "' -}}"
-        "{%- for m in messages -%}"
-        "{%- if m['role'] == 'user' -%}{{- '### Instruction:\n' + m['content'] + '\n\n' -}}"
-        "{%- elif m['role'] == 'assistant' -%}{{- '### Response:\n' + m['content'] + eos_token + '\n\n' -}}"
-        "{%- endif -%}{%- endfor -%}"
-        "{%- if add_generation_prompt -%}{{- '### Response:\n' -}}{%- endif -%}"),
-    "chatml": (
-        "{%- for m in messages -%}{{- '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' -}}"
-        "{%- endfor -%}{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}"),
-    "llama3": (
-        "{{- bos_token -}}{%- for m in messages -%}"
-        "{{- '<|start_header_id|>' + m['role'] + '<|end_header_id|>\n\n' + m['content'] | trim + '<|eot_id|>' -}}"
-        "{%- endfor -%}"
-        "{%- if add_generation_prompt -%}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' -}}{%- endif -%}"),
-}
-

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Iterator, Literal, Optional
 
+from lit_qlora.errors import InvalidInput
 from lit_qlora.hardware import PrecisionChoice
 
 # torch and the model are imported inside the functions: the CLI imports this module to build --help.
@@ -31,9 +32,9 @@ class ChatSession:
         import torch
 
         if not tokenizer.has_chat_template:
-            raise ValueError(f"{tokenizer.checkpoint_dir} has no chat template (tokenizer_config.json "
-                             "chat_template): chat needs one to know how turns are written. Use `litqlora generate` "
-                             "for single prompts with this model.")
+            raise InvalidInput(f"{tokenizer.checkpoint_dir} has no chat template (tokenizer_config.json "
+                               "chat_template): chat needs one to know how turns are written. Use `litqlora generate` "
+                               "for single prompts with this model.")
         self.model, self.tokenizer, self.system = model, tokenizer, system
         self.device = next(model.parameters()).device
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
@@ -71,8 +72,8 @@ class ChatSession:
         messages = self.messages + [{"role": "user", "content": text}]
         prompt = tok.encode_chat(messages)
         if len(prompt) + max_new_tokens > self.max_len:
-            raise ValueError(f"the conversation is {len(prompt)} tokens, and with {max_new_tokens} more it passes the "
-                             f"model's context of {self.max_len}: /reset starts a new one.")
+            raise InvalidInput(f"the conversation is {len(prompt)} tokens, and with {max_new_tokens} more it passes "
+                               f"the model's context of {self.max_len}: /reset starts a new one.")
         keep = 0
         while keep < min(len(self.fed), len(prompt) - 1) and self.fed[keep] == prompt[keep]:
             keep += 1
@@ -129,11 +130,14 @@ def chat_command(
     """
     from lit_qlora.checkpoint.loading import load_model
     from lit_qlora.data.inference import trained_tokenizer
-    from lit_qlora.deploy.gguf_import import DEFAULT_CHECKPOINT, ensure_default_checkpoint
+    from lit_qlora.checkpoint.download import DEFAULT_CHECKPOINT
+    from lit_qlora.deploy.gguf_import import ensure_default_checkpoint
+    from lit_qlora.threads import govern_threads
 
     checkpoint_dir = Path(checkpoint_dir or DEFAULT_CHECKPOINT)
     ensure_default_checkpoint(checkpoint_dir)
     model = load_model(checkpoint_dir, quantize, precision, adapter_dir)
+    govern_threads(model)  # a chat shares the CPU with other processes (lit_qlora.threads)
     # the conversation in the prompt format the adapter trained with (lit_qlora.data.inference)
     session = ChatSession(model, trained_tokenizer(checkpoint_dir, adapter_dir), system, seed)
     interactive = sys.stdin.isatty()

@@ -10,7 +10,7 @@ from typing import Literal, Optional
 # imports `merge` and `export_peft` to build `--help` (lit_qlora.cli.commands says why and how).
 
 
-def hf_tensor_specs(model: nn.Module, dtype: torch.dtype, merge: bool = True) -> list[TensorSpec]:
+def hf_tensor_specs(model: nn.Module, dtype: torch.dtype, merge: bool = True) -> list[TensorSpec]:  # noqa: F821
     """Specs of the model's Hugging Face state dict; each tensor is produced (dequantized, merged, cast) only
     when written, a block of rows at a time (`LoRALinear.merged_chunks`, `MERGE_CHUNK_ELEMS` values), so no whole
     high-precision weight exists: a merged head or MLP weight costs a few 16 MB blocks, not 3x its fp32 size.
@@ -38,7 +38,7 @@ def hf_tensor_specs(model: nn.Module, dtype: torch.dtype, merge: bool = True) ->
     return specs
 
 
-def export_config(model: nn.Module, merged: bool):
+def export_config(model: nn.Module, merged: bool):  # noqa: F821
     """The model config to write: a merged adapter on a tied head unties it (the head now differs). (A QLoRA model's
     tied head is already a weight of its own, dequant(NF4(W)), which the merged model keeps: it is what trained.)"""
     from lit_qlora.lora.layer import LoRALinear
@@ -117,7 +117,7 @@ def export_peft(checkpoint_dir: Path, adapter_dir: Path, out_dir: Path, with_deq
     return Path(out_dir)
 
 
-def write_peft_adapter(model: nn.Module, acfg: dict, out_dir: Path, base_name: str) -> Path:
+def write_peft_adapter(model: nn.Module, acfg: dict, out_dir: Path, base_name: str) -> Path:  # noqa: F821
     """adapter_model.safetensors (PEFT key names) + adapter_config.json for the LoRA layers of `model`."""
     from lit_qlora.checkpoint.files import TensorSpec, atomic_write_text, write_safetensors
     from lit_qlora.model.hf_layout import fuse_lora

@@ -7,13 +7,12 @@ import sys
 from pathlib import Path
 from typing import Literal, Optional
 
+from lit_qlora.checkpoint.download import DEFAULT_CHECKPOINT
+from lit_qlora.errors import InvalidInput
 from lit_qlora.hardware import PrecisionChoice
 
 # The model stack (torch) is imported inside the functions, and annotations name its types as text: the CLI
 # imports `generate_command` to build `--help` (lit_qlora.cli.commands says why and how).
-
-
-DEFAULT_CHECKPOINT = Path("checkpoints/SmolLM2-135M-Instruct")
 
 
 def generate_command(
@@ -49,14 +48,17 @@ def generate_command(
             the adapter, each on a labelled line: what the fine-tune changed.
     """
     if compare_base and adapter_dir is None:
-        raise ValueError("--compare_base true compares the base with a fine-tune: give the fine-tune's --adapter_dir.")
+        raise InvalidInput("--compare_base true compares the base with a fine-tune: give the fine-tune's "
+                           "--adapter_dir.")
     from lit_qlora.checkpoint.loading import load_model
     from lit_qlora.lora.layer import adapters_disabled
     from lit_qlora.nf4 import is_nf4
     from lit_qlora.data.inference import trained_tokenizer
+    from lit_qlora.threads import govern_threads
 
     tokenizer = trained_tokenizer(checkpoint_dir, adapter_dir)
     model = load_model(checkpoint_dir, quantize, precision, adapter_dir)
+    govern_threads(model)  # generation shares the CPU with other processes (lit_qlora.threads)
     ids = tokenizer.encode_prompt(prompt) if chat_template else tokenizer.encode(prompt)
 
     def reply(label: str = "") -> str:
@@ -71,8 +73,8 @@ def generate_command(
     return reply(f"fine-tuned (with the adapter from {adapter_dir}):\n  ")
 
 
-def stream_reply(model: Transformer, tokenizer: Tokenizer, ids: list[int], max_new_tokens: int, temperature: float,
-                 top_k: Optional[int], seed: int) -> str:
+def stream_reply(model: Transformer, tokenizer: Tokenizer, ids: list[int], max_new_tokens: int,  # noqa: F821
+                 temperature: float, top_k: Optional[int], seed: int) -> str:
     """Print the reply to stdout as it is generated; returns it."""
     from lit_qlora.model.sampling import decoded_pieces, generate
 

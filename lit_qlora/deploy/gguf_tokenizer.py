@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from lit_qlora.deploy.gguf_families import GGUFExportError
+from lit_qlora.errors import InvalidInput
 
 # -- from GGUF metadata (import) --------------------------------------------------------------------------------
 # Split regexes of the published tokenizer.json files, keyed by llama.cpp's `tokenizer.ggml.pre`.
@@ -33,7 +34,7 @@ def tokenizer_from_gguf(meta: dict[str, Any], path: Path | str = "<gguf>"):
 
     kind = meta.get("tokenizer.ggml.model")
     if kind not in ("gpt2", "llama"):
-        raise ValueError(
+        raise InvalidInput(
             f"{path}: GGUF tokenizer model {kind!r} is not supported (byte-level BPE, 'gpt2', and SentencePiece BPE, "
             "'llama', are); convert the tokenizer from the original Hugging Face repository instead."
         )
@@ -106,7 +107,8 @@ def _byte_level_bpe(meta: dict[str, Any], tokens: list[str], path: Path | str):
         ])
     else:
         if pre not in _GPT2_PRE:
-            warnings.warn(f"{path}: unknown GGUF pre-tokenizer {pre!r}; using GPT-2's split, tokens may differ.")
+            warnings.warn(f"{path}: unknown GGUF pre-tokenizer {pre!r}; using GPT-2's split, tokens may differ.",
+                          stacklevel=2)
         tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tokenizer.decoder = decoders.ByteLevel()
     return tokenizer

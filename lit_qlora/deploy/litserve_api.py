@@ -25,6 +25,8 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.base import BaseHTTPMiddleware
 
+from lit_qlora.errors import InvalidInput
+
 
 # ---- OpenAI error objects ----------------------------------------------------------------------------------------
 
@@ -142,12 +144,14 @@ class ChatAPI(ls.LitAPI):
     def setup(self, device: str) -> None:
         from lit_qlora.checkpoint.loading import load_model
         from lit_qlora.data.inference import trained_tokenizer
+        from lit_qlora.threads import govern_threads
 
         self.model = load_model(self.checkpoint_dir, self.quantize, self.precision, self.adapter_dir)
+        govern_threads(self.model)  # the server shares the CPU with other processes (lit_qlora.threads)
         # the prompt format the adapter trained with (lit_qlora.data.inference): the ids training saw
         self.tokenizer = trained_tokenizer(self.checkpoint_dir, self.adapter_dir)
         if not self.tokenizer.has_chat_template and self.tokenizer.prompt_format is None:
-            raise ValueError(f"{self.checkpoint_dir} has no chat template: serve answers chat messages through it.")
+            raise InvalidInput(f"{self.checkpoint_dir} has no chat template: serve answers chat messages through it.")
 
     def prompt_ids(self, request: ChatRequest) -> list[int]:
         """The token ids the model is fed for `request`: its messages through the chat template (400 when the

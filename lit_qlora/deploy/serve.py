@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 from typing import Literal, Optional
 
+from lit_qlora.errors import InvalidInput
 from lit_qlora.hardware import PrecisionChoice
 
 # litserve, torch and the model are imported inside the functions: the CLI imports this module to build --help.
@@ -71,7 +72,8 @@ def serve_command(
     """
     from lit_qlora.checkpoint.adapter import read_adapter_config
     from lit_qlora.data.inference import trained_tokenizer
-    from lit_qlora.deploy.gguf_import import DEFAULT_CHECKPOINT, ensure_default_checkpoint
+    from lit_qlora.checkpoint.download import DEFAULT_CHECKPOINT
+    from lit_qlora.deploy.gguf_import import ensure_default_checkpoint
 
     checkpoint_dir = Path(checkpoint_dir or DEFAULT_CHECKPOINT)
     ensure_default_checkpoint(checkpoint_dir)
@@ -80,9 +82,10 @@ def serve_command(
         read_adapter_config(adapter_dir)
     tokenizer = trained_tokenizer(checkpoint_dir, adapter_dir)
     if not tokenizer.has_chat_template and tokenizer.prompt_format is None:
-        raise ValueError(f"{checkpoint_dir} has no chat template (tokenizer_config.json chat_template) and no "
-                         "fine-tune's prompt style was given (--adapter_dir): serve answers chat messages through one "
-                         "of them. Serve a chat model or a fine-tune of it, or use `litqlora generate` for this one.")
+        raise InvalidInput(f"{checkpoint_dir} has no chat template (tokenizer_config.json chat_template) and no "
+                           "fine-tune's prompt style was given (--adapter_dir): serve answers chat messages through "
+                           "one of them. Serve a chat model or a fine-tune of it, or use `litqlora generate` for this "
+                           "one.")
     server = build_server(checkpoint_dir, adapter_dir, quantize, precision,
                           api_key or os.environ.get("LIT_QLORA_API_KEY"), max_new_tokens, model_name)
     print(f"Serving {checkpoint_dir}{f' + {adapter_dir}' if adapter_dir else ''} on http://{host}:{port}/v1",

@@ -8,16 +8,18 @@ from __future__ import annotations
 import functools
 import json
 import re
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Optional
 
 from lit_qlora.estimate.preference import SEQUENCES_PER_PAIR, PreferenceStep, reference_pass
 from lit_qlora.estimate.search import AUTO_LENGTH_TRACES, LENGTH_STEP, largest_batches, longest_context
+from lit_qlora.estimate.args import EstimateSpec
 from lit_qlora.estimate.step import offload_decision, other_temporaries, parallel_bytes, trace_step
-from lit_qlora.hardware import PrecisionChoice, choose_precision
+from lit_qlora.errors import InvalidInput
+from lit_qlora.hardware import choose_precision
 from lit_qlora.preference.args import DPOArgs
-from lit_qlora.train.args import DataArgs, LoRAArgs, TrainArgs
+from lit_qlora.train.args import TrainArgs
 
 # torch and the model stack are imported inside the functions, and annotations name their types as text: the CLI
 # imports `estimate` to build `--help` (lit_qlora.cli.commands says why and how).
@@ -25,26 +27,18 @@ from lit_qlora.train.args import DataArgs, LoRAArgs, TrainArgs
 GiB = 1 << 30
 
 
-@dataclass
-class RecipeDataArgs(DataArgs):
-    format: Literal["auto", "alpaca", "messages", "sharegpt", "prompt_completion", "text",  # type: ignore[assignment]
-                    "explicit", "implicit"] = "auto"
-    """A finetune recipe's row format or a dpo recipe's pair format (read, not used: the estimate's sequences are
-    max_seq_length tokens)."""
-
-
 def parse_bytes(text: str) -> int:
     """A size as written: '24GiB' (2^30), '24GB' (10^9), '80G' (a bare prefix: binary, as cards are quoted),
     '512MiB', '1500000000' or '1500000000B' (bytes)."""
     found = re.fullmatch(r"\s*([\d.]+)\s*([KMGT]?)(i?B)?\s*", str(text), flags=re.IGNORECASE)
     if not found:
-        raise ValueError(f"--device_memory {text!r} is not a size; write it like 24GiB, 80GB or 512MiB.")
+        raise InvalidInput(f"--device_memory {text!r} is not a size; write it like 24GiB, 80GB or 512MiB.")
     power = " KMGT".index(found[2].upper() or " ")
     decimal = bool(found[2]) and (found[3] or "").lower() == "b"  # GB: 10^9; GiB, G: 2^30
     return int(float(found[1]) * (1000 if decimal else 1024) ** power)
 
 
-def resolve_config(checkpoint_dir: str | Path) -> tuple[Config, str]:
+def resolve_config(checkpoint_dir: str | Path) -> tuple[Config, str]:  # noqa: F821
     """The model to estimate and where its shape came from: a directory's config.json (no weights needed), a preset
     name, or, for a recipe whose checkpoint is not downloaded, the preset its directory is named after."""
     from lit_qlora.model.config import PRESETS, Config
@@ -59,93 +53,54 @@ def resolve_config(checkpoint_dir: str | Path) -> tuple[Config, str]:
     if matches:
         preset = max(matches, key=len)
         return PRESETS[preset], f"preset {preset} ({path} has no config.json: not downloaded)"
-    raise ValueError(f"--checkpoint_dir {checkpoint_dir}: no config.json there and no preset of that name. Give a "
+    raise InvalidInput(f"--checkpoint_dir {checkpoint_dir}: no config.json there and no preset of that name. Give a "
                      f"directory with the model's config.json (weights are not needed) or one of the presets: "
                      f"{', '.join(sorted(PRESETS))}.")
 
 
-def estimate(
-    checkpoint_dir: str = "checkpoints/SmolLM2-135M-Instruct",
-    out_dir: Path = Path("out/estimate"),
-    quantize: Literal["nf4", "none"] = "nf4",
-    precision: PrecisionChoice = "auto",
-    seed: int = 1337,
-    devices: int = 1,
-    num_nodes: int = 1,
-    strategy: Literal["auto", "ddp", "fsdp", "tp"] = "auto",
-    tensor_parallel: int = 1,
-    lora: LoRAArgs = LoRAArgs(),
-    train: TrainArgs = TrainArgs(),
-    data: RecipeDataArgs = RecipeDataArgs(),
-    device: Literal["cuda", "cpu"] = "cuda",
-    device_memory: Optional[str] = None,
-    method: Optional[Literal["sft", "dpo"]] = None,
-    dpo: Optional[DPOArgs] = None,
-) -> dict[str, Any]:
+def estimate(spec: Optional[EstimateSpec] = None, **settings: Any) -> dict[str, Any]:
     """Predict a fine-tune's peak device memory per rank, by category, without weights or a GPU.
 
     Args:
-        checkpoint_dir: A model directory (only its config.json is read), a preset name from lit_qlora/model/config.py
-            (e.g. Llama-2-7b), or a recipe's checkpoint directory that is not downloaded yet (its preset is used).
-        out_dir: Where estimate.json goes.
-        quantize: nf4 (QLoRA) or none (LoRA), as for finetune.
-        precision: As for finetune; auto is what finetune's auto picks on the target --device: bf16-true for
-            cuda (it assumes a GPU with bf16, compute capability >= 8.0; for a T4 or V100 pass 16-mixed), and for
-            cpu what this machine's CPU would pick.
-        seed: Accepted so a finetune recipe reads as it is (an estimate has no randomness).
-        devices: Devices per node, as for finetune.
-        num_nodes: Nodes, as for finetune.
-        strategy: auto, ddp, fsdp or tp, as for finetune.
-        tensor_parallel: Ranks per tensor-parallel group with --strategy tp.
-        lora: Adapter settings, as for finetune.
-        train: Optimization settings, as for finetune (micro_batch_size, max_seq_length, activation_checkpointing
-            set the step's size).
-        data: Accepted so a finetune or dpo recipe reads as it is (the step runs on max_seq_length tokens per
-            sequence).
-        device: cuda (predict torch.cuda.max_memory_allocated on a GPU) or cpu (allocated tensor bytes on a CPU).
-        device_memory: The card's memory, e.g. 24GiB: also find the largest micro-batch size that fits, with and
-            without activation checkpointing; with --train.max_seq_length auto, the longest sequence that fits at
-            the given micro-batch instead (and the host memory it needs for offloaded activations). Units as
-            written: GiB (2^30 bytes), GB (10^9), a bare G reads as GiB; the bytes are echoed.
-        method: sft (`litqlora finetune`'s step) or dpo (`litqlora dpo`'s: micro_batch_size pairs, two sequences each,
-            in one forward and backward, and the reference's no-grad forward with --dpo.reference adapters_off).
-            Default: dpo when the recipe has a `dpo:` section or a --dpo.* flag is given (a config_hub/dpo/ preset),
-            else sft.
-        dpo: The preference objective, as for `litqlora dpo` (--dpo.help lists its options): --dpo.loss and
-            --dpo.reference decide whether a reference forward runs in the step. Given (a recipe's `dpo:` section or
-            a --dpo.* flag), the method is dpo unless --method sft says otherwise.
+        spec: The recipe and the card (lit_qlora.estimate.args.EstimateSpec: a finetune or dpo recipe's settings,
+            with --device, --device_memory, --method and --dpo.*), or its fields as keywords.
     """
     from lit_qlora.checkpoint.files import atomic_write_text
     from lit_qlora.model.config import Quantize
 
+    spec = EstimateSpec.of(spec, settings)
+    checkpoint_dir, out_dir, quantize, precision = spec.checkpoint_dir, spec.out_dir, spec.quantize, spec.precision
+    devices, num_nodes, strategy, tensor_parallel = spec.devices, spec.num_nodes, spec.strategy, spec.tensor_parallel
+    lora, train, device, device_memory, method, dpo = (spec.lora, spec.train, spec.device, spec.device_memory,
+                                                       spec.method, spec.dpo)
     auto_length = train.max_seq_length == "auto"
     for flag, value, least in (("--devices", devices, 1), ("--num_nodes", num_nodes, 1),
                                ("--train.micro_batch_size", train.micro_batch_size, 1),
                                ("--train.max_seq_length", AUTO_LENGTH_TRACES[0] if auto_length else train.max_seq_length,
                                 2)):
         if not isinstance(value, int):
-            raise ValueError(f"{flag} takes a whole number, got {value!r}.")
+            raise InvalidInput(f"{flag} takes a whole number, got {value!r}.")
         if value < least:
-            raise ValueError(f"{flag} must be at least {least}, got {value}.")
+            raise InvalidInput(f"{flag} must be at least {least}, got {value}.")
     method = method or ("dpo" if dpo is not None else "sft")
     if method == "dpo":
         dpo = dpo or DPOArgs()
         dpo.require_valid()
         if strategy == "tp":
-            raise ValueError("--method dpo: `litqlora dpo` runs with --strategy auto, ddp or fsdp, not tp.")
+            raise InvalidInput("--method dpo: `litqlora dpo` runs with --strategy auto, ddp or fsdp, not tp.")
     config, source = resolve_config(checkpoint_dir)
     quantize = Quantize(quantize)
     world_size = devices * num_nodes
     strategy = strategy if strategy != "auto" else ("ddp" if world_size > 1 else "auto")
     if strategy == "tp" and (tensor_parallel < 2 or world_size % tensor_parallel):
-        raise ValueError(f"--strategy tp needs --tensor_parallel >= 2 dividing devices x num_nodes ({world_size}).")
+        raise InvalidInput(f"--strategy tp needs --tensor_parallel >= 2 dividing devices x num_nodes ({world_size}).")
     train.accumulation(world_size // (tensor_parallel if strategy == "tp" else 1))  # checks the batch sizes
     train.require_valid_offload(device == "cuda")
     budget = parse_bytes(device_memory) if device_memory is not None else None
     if budget is not None:
         print(f"Device memory: {device_memory} = {budget:,} bytes ({budget / GiB:.2f} GiB)")
     if auto_length and budget is None:
-        raise ValueError("--train.max_seq_length auto asks for the longest sequence that fits a card: give the card's "
+        raise InvalidInput("--train.max_seq_length auto asks for the longest sequence that fits a card: give the card's "
                          "memory too, e.g. --device_memory 24GiB.")
     precision, precision_reason = estimate_precision(precision, device)
     print(f"Estimating {config.name} ({source}): {'QLoRA (NF4 base)' if quantize is Quantize.NF4 else 'LoRA'}, "

@@ -31,7 +31,7 @@ SEQUENCES_PER_PAIR = 2  # chosen and rejected, branches of one row
 def reference_pass(dpo: DPOArgs) -> Optional[str]:
     """When the reference's forward runs: 'every step' (adapters_off), 'once before training' (cached), or None
     (ORPO: no reference)."""
-    if dpo.loss == "orpo":
+    if not dpo.kind.uses_reference:
         return None
     return "every step" if dpo.reference == "adapters_off" else "once before training"
 
@@ -71,7 +71,7 @@ class PreferenceStep:
         if init_adapter:
             start = {f"{name}.{leaf}": torch.zeros_like(getattr(layer, leaf))
                      for name, layer in lora_modules(model).items() for leaf in ("lora_A", "lora_B")}
-        objective = Objective(dpo.loss, dpo.beta, dpo.label_smoothing, dpo.orpo_lambda)
+        objective = Objective.from_args(dpo)
         self._args = (model, batch, start, objective, pairs, phase, trace)
 
     def before_training(self) -> None:

@@ -23,6 +23,7 @@ simulated (docs: tutorials/memory.md, "Will it fit?"):
 from __future__ import annotations
 
 import functools
+import types
 from contextlib import ExitStack, contextmanager
 from typing import Any, Callable, Iterator, Optional
 
@@ -36,9 +37,40 @@ CUDA_BLOCK = 512  # the caching allocator rounds every allocation up to this
 OFFLOADED = "offloaded activations (host)"  # a host-memory category of the trace: beside the device's peak
 
 
+PATCH_POINTS: dict[str, tuple[str, ...]] = {
+    "lit_qlora.lora.dropout": ("hash_dropout_applies", "replayed_dropout_applies"),  # CUDA's dropout paths
+    "lit_qlora.model.flex": ("block_mask", "flex_attend"),  # stand-ins allocating what the compiled kernels do
+    "lit_qlora.model.offload": ("ActivationOffload.to_host",),  # the host copies, counted apart
+    "lit_qlora.model.tiled_mlp": ("tile_starts",),  # the first tiles traced
+    "lit_qlora.model.transformer": ("use_flex_attention",),  # CUDA's attention
+    "lit_qlora.nf4.linear": ("_cuda_scratch", "_scratch", "dense_rows", "dense_stack", "whole_weight"),
+    "lit_qlora.nf4.reference": ("_TABLE_CACHE",),  # (caches set aside, read: `_nf4_caches_set_aside`)
+    "lit_qlora.train.loss": ("head_ce_sum", "logits_chunk_elems", "nf4_head_ce_sum", "tiled_ce_sum"),
+    "lit_qlora.train.tiled_loss": ("tile_starts",),  # the first tiles traced
+    "torch.nn.functional": ("dropout",),  # CUDA's fused dropout
+}
+"""Every name of another module that the estimate replaces, wraps or sets aside while it traces a step, by module
+(`Class.name` for a class's attribute, replaced on an instance the estimate made). The code reaches them only through
+`_point` and `_patched`, which refuse a name not listed here; tests/test_estimate.py checks that each still exists, so
+a rename in its own module fails there rather than silently making the estimate trace something else."""
+
+
+def _point(obj: Any, name: str) -> Any:
+    """`obj.name`, one of PATCH_POINTS (obj: a module, or an instance of a listed class)."""
+    if isinstance(obj, types.ModuleType):
+        module, qualified = obj.__name__, name
+    else:
+        module, qualified = type(obj).__module__, f"{type(obj).__name__}.{name}"
+    if qualified not in PATCH_POINTS.get(module, ()):
+        raise RuntimeError(f"the estimate reaches {module}.{qualified}, which lit_qlora.estimate.step.PATCH_POINTS "
+                           "does not list: list it there")
+    return getattr(obj, name)
+
+
 @contextmanager
 def _patched(obj: Any, name: str, value: Any) -> Iterator[None]:
-    old = getattr(obj, name)
+    """`obj.name` is `value` inside (a name PATCH_POINTS lists)."""
+    old = _point(obj, name)
     setattr(obj, name, value)
     try:
         yield
@@ -56,7 +88,8 @@ def _nf4_caches_set_aside() -> Iterator[None]:
     from lit_qlora.nf4.native import use_native
 
     use_native(torch.bfloat16)  # compile and self-test the C kernels for real now: on fake tensors the test fails
-    caches = (reference._TABLE_CACHE, linear._scratch.__dict__, linear._cuda_scratch.__dict__)  # (CPU, CUDA buffers)
+    caches = (_point(reference, "_TABLE_CACHE"), _point(linear, "_scratch").__dict__,
+              _point(linear, "_cuda_scratch").__dict__)  # (CPU, CUDA buffers)
     saved = [dict(cache) for cache in caches]
     for cache in caches:
         cache.clear()
@@ -78,7 +111,7 @@ def _first_loss_chunks_traced() -> Callable:
     gradient is still allocated). A loss's first chunk starts at offset 0 of the hidden states it slices."""
     from lit_qlora.train import loss
 
-    real, seen = loss._head_ce_sum, [0]
+    real, seen = _point(loss, "head_ce_sum"), [0]
 
     def head_ce_sum(head, hidden, targets):
         seen[0] = 1 if hidden.storage_offset() == 0 else seen[0] + 1
@@ -89,7 +122,7 @@ def _first_loss_chunks_traced() -> Callable:
     return head_ce_sum
 
 
-def resident_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+def resident_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:  # noqa: F821
     """What a real run holds between steps (for `memory.trace.profiled_peak`, the measurement an estimate is checked
     against): weights, LoRA and its AdamW state, our NF4 scratch buffers. (Not the C kernels' lookup tables,
     ~0.2 MiB of process-wide constants, which no estimate counts.)"""
@@ -99,7 +132,7 @@ def resident_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -
 
     tensors = list(model.parameters()) + list(model.buffers())
     tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
-    return tensors + list((getattr(linear._scratch, "buffers", None) or {}).values())
+    return tensors + list((getattr(_point(linear, "_scratch"), "buffers", None) or {}).values())
 
 
 @contextmanager
@@ -112,7 +145,8 @@ def _gpu_nf4_paths() -> Iterator[None]:
         yield
 
 
-def _cuda_dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
+def _cuda_dropout(x: torch.Tensor, p: float = 0.5, training: bool = True,  # noqa: F821
+                  inplace: bool = False) -> torch.Tensor:  # noqa: F821
     """Dropout as CUDA runs it: one fused kernel that keeps a 1-byte mask for backward."""
     import torch
 
@@ -166,16 +200,17 @@ def _flex_allocations_function():
 
 @contextmanager
 def _cuda_attention() -> Iterator[None]:
-    """CUDA's attention (lit_qlora.model.attention): flex_attention, O(L), where a window, packed documents or a soft
-    cap needs a mask (unless LIT_QLORA_FLEX_ATTENTION=0), with `_FlexAllocations` standing in for its kernels."""
-    from lit_qlora.model import attention, attention_mask, transformer
+    """CUDA's attention (lit_qlora.model.attention, lit_qlora.model.flex): flex_attention, O(L), where a window,
+    packed documents or a soft cap needs a mask (unless LIT_QLORA_FLEX_ATTENTION=0), with `_FlexAllocations` standing
+    in for its kernels."""
+    from lit_qlora.model import attention, flex, transformer
 
     if attention.flex_setting() is False:
         yield
         return
     with _patched(transformer, "use_flex_attention", lambda device: True), \
-            _patched(attention, "flex_attend", _FlexAllocations.attend), \
-            _patched(attention_mask, "block_mask", _FlexAllocations.block_mask):
+            _patched(flex, "flex_attend", _FlexAllocations.attend), \
+            _patched(flex, "block_mask", _FlexAllocations.block_mask):
         yield
 
 
@@ -199,7 +234,7 @@ def cuda_code_paths() -> Iterator[None]:
         yield
 
 
-def offload_decision(config: Config, precision: Precision, train: TrainArgs, device: str,
+def offload_decision(config: Config, precision: Precision, train: TrainArgs, device: str,  # noqa: F821
                      micro_batch_size: Optional[int] = None, device_total: Optional[int] = None,
                      rows: int = 1) -> tuple[bool, str, int]:
     """(offload or not, why, the pinned bytes it takes) for the recipe as a run on `device` (a card of
@@ -223,9 +258,9 @@ def offload_decision(config: Config, precision: Precision, train: TrainArgs, dev
     return on, why, blocks * (pinned_size(one) if device == "cuda" else one)
 
 
-def trace_step(config: Config, quantize: Quantize, precision: Precision, lora: LoRAArgs, train: TrainArgs,
-               device: str = "cuda", micro_batch_size: Optional[int] = None,
-               device_total: Optional[int] = None, preference: Optional[PreferenceStep] = None) -> AllocationTrace:
+def trace_step(config: Config, quantize: Quantize, precision: Precision, lora: LoRAArgs, train: TrainArgs,  # noqa: F821
+               device: str = "cuda", micro_batch_size: Optional[int] = None, device_total: Optional[int] = None,
+               preference: Optional[PreferenceStep] = None) -> AllocationTrace:  # noqa: F821
     """Two optimizer steps of a fine-tune (each: forward, loss, backward per micro-batch, clipping, AdamW) on fake
     tensors; the trace holds the peak of allocated bytes and its categories. With `preference`, `litqlora dpo`'s
     step instead (lit_qlora.estimate.preference): micro_batch_size pairs, two sequences each."""
@@ -256,8 +291,8 @@ def trace_step(config: Config, quantize: Quantize, precision: Precision, lora: L
         if offload_decision(config, precision, train, device, batch, device_total)[0]:
             from lit_qlora.model.offload import ActivationOffload
 
-            model.activation_offload = ActivationOffload()
-            model.activation_offload._to_host = phase.wrap(model.activation_offload._to_host, OFFLOADED)
+            model.activation_offload = offload = ActivationOffload()
+            offload.to_host = phase.wrap(_point(offload, "to_host"), OFFLOADED)
         model.train()
         params = [p for p in model.parameters() if p.requires_grad]
         shapes = {(tuple(p.shape), p.dtype) for p in params}
@@ -287,9 +322,9 @@ def trace_step(config: Config, quantize: Quantize, precision: Precision, lora: L
                 trace.hold(p, "frozen base")
             else:
                 trace.hold(p, "embeddings and norms")
-        for name in ("_dense_rows", "dense_stack"):  # one weight's dense rows; a fused group's stacked weights
-            stack.enter_context(_patched(linear, name, phase.wrap(getattr(linear, name), "NF4 dequantize scratch")))
-        stack.enter_context(_patched(loss, "_head_ce_sum", _first_loss_chunks_traced()))
+        for name in ("dense_rows", "dense_stack"):  # one weight's dense rows; a fused group's stacked weights
+            stack.enter_context(_patched(linear, name, phase.wrap(_point(linear, name), "NF4 dequantize scratch")))
+        stack.enter_context(_patched(loss, "head_ce_sum", _first_loss_chunks_traced()))
         # Every tile allocates alike: trace the first few (an 8B step at 100k+ tokens has thousands). But for CPU
         # dropout, whose first run keeps each tile's down products for the recompute (tokens x r per adapter).
         tiles_alike = (tiled_loss, tiled_mlp) if device == "cuda" or not lora.dropout else (tiled_loss,)
@@ -297,8 +332,8 @@ def trace_step(config: Config, quantize: Quantize, precision: Precision, lora: L
             stack.enter_context(_patched(tiled, "tile_starts",
                                          lambda n, tile: range(0, min(n, TRACED_LOSS_CHUNKS * tile), tile)))
         # an NF4 head's loss runs slice by slice of the vocabulary: no tensor is vocabulary-wide, so it is tagged
-        stack.enter_context(_patched(loss, "nf4_head_ce_sum", phase.wrap(loss.nf4_head_ce_sum, "logits/loss chunks")))
-        stack.enter_context(_patched(loss, "tiled_ce_sum", phase.wrap(loss.tiled_ce_sum, "logits/loss chunks")))
+        for name in ("nf4_head_ce_sum", "tiled_ce_sum"):
+            stack.enter_context(_patched(loss, name, phase.wrap(_point(loss, name), "logits/loss chunks")))
         ids = torch.zeros(batch, train.max_seq_length, dtype=torch.long)
         if preference is not None:
             preference.prepare(model, batch, train.max_seq_length, phase, trace, train.init_adapter is not None)
@@ -330,7 +365,7 @@ FSDP_GATHER = "FSDP's gathered block and the prefetched next one"
 """The part of "other temporaries" parallel_bytes adds under FSDP."""
 
 
-def other_temporaries(trace: AllocationTrace, parts: dict[str, int], largest: int = 3) -> dict[str, int]:
+def other_temporaries(trace: AllocationTrace, parts: dict[str, int], largest: int = 3) -> dict[str, int]:  # noqa: F821
     """"other temporaries" at the peak by what allocated them (the op, and the step's phase), the `largest` named and
     the rest summed; FSDP's gathered blocks (parallel_bytes) apart."""
     ranked = sorted(trace.peak_other_by_origin.items(), key=lambda item: -item[1])
@@ -344,7 +379,7 @@ def other_temporaries(trace: AllocationTrace, parts: dict[str, int], largest: in
     return named
 
 
-def parallel_bytes(by_category: dict[str, int], config: Config, strategy: str, world_size: int,
+def parallel_bytes(by_category: dict[str, int], config: Config, strategy: str, world_size: int,  # noqa: F821
                    tensor_parallel: int) -> dict[str, int]:
     """One rank's bytes by category under a parallel strategy, from the one-rank trace (see the module doc)."""
     parts = dict(by_category)

@@ -3,7 +3,8 @@
 torch's CPU dropout draws a Bernoulli number per element (~13 ms for a 2048x576 bf16 input here, 25x the adapter's
 A matmul): with seven adapters per block it made a SmolLM2 LoRA step ~19% slower at dropout 0.05 (issue 16).
 Here the mask is a hash of each element's index and a per-call seed drawn from torch's CPU generator, computed 16
-lanes at a time by the C kernel beside the NF4 ones (PyTorch ops where it is unavailable: the same values). So:
+lanes at a time by LoRA's C kernel (lit_qlora/lora/kernels.c, bound in `lit_qlora.lora.native`; PyTorch ops where it
+is unavailable: the same values). So:
 - backward regenerates the mask from the seed: nothing is saved but the input (which the base projection's
   neighbours keep anyway) and the r-wide ``x A^T``; torch would keep the mask and the dropped copy of x;
 - activation checkpointing's recompute draws the same seed (it restores the RNG state), and a resumed run
@@ -25,7 +26,8 @@ from typing import Callable, Optional
 
 import torch
 
-from lit_qlora.nf4 import native
+from lit_qlora.lora import native
+from lit_qlora.nf4.native import is_fake
 
 GOLDEN, MIX1, MIX2, LOW32 = 0x9E3779B1, 0x7FEB352D, 0x846CA68B, 0xFFFFFFFF
 
@@ -75,7 +77,7 @@ def dropped(x: torch.Tensor, seed: int, p: float, inplace: bool = False) -> torc
     nobody else reads): one fresh allocation fewer, whose pages the heap release would have the OS fault in again."""
     x = x.contiguous()  # (x itself when it already is)
     threshold, scale = keep_threshold(p), 1.0 / (1.0 - p)
-    if native.is_fake(x):
+    if is_fake(x):
         return x if inplace else torch.empty_like(x)  # `litqlora estimate`: shapes only
     if x.device.type == "cpu" and _use_kernel(x.dtype):
         out = x if inplace else torch.empty_like(x)
@@ -168,7 +170,7 @@ def down(x2: torch.Tensor, a: list[torch.Tensor], seeds: list[int], p: float) ->
 
 
 def _down(x2: torch.Tensor, a: list[torch.Tensor], seeds: list[int], p: float) -> list[torch.Tensor]:
-    if native.is_fake(x2):
+    if is_fake(x2):
         return [x2.new_empty(x2.shape[0], t.shape[0]) for t in a]
     if not _fused_kernel(x2, a):
         return [dropped(x2, seed, p) @ t.to(x2.dtype).T for t, seed in zip(a, seeds)]
@@ -182,7 +184,7 @@ def down_backward(x2: torch.Tensor, a: list[torch.Tensor], grad_h: list[torch.Te
                   grad_x: Optional[torch.Tensor], needs_x: bool) -> tuple[list[torch.Tensor], Optional[torch.Tensor]]:
     """`down`'s backward: (each ``grad_h[q]^T @ dropout_q(x2)``, in a[q]'s dtype; the input gradient ``sum_q
     dropout_q(grad_h[q] @ a[q])``, added into `grad_x` (contiguous, like x2) when given, else new when `needs_x`)."""
-    fake = native.is_fake(x2)  # `litqlora estimate`: the kernel's allocations, without its self-check or its work
+    fake = is_fake(x2)  # `litqlora estimate`: the kernel's allocations, without its self-check or its work
     if not (_fits_kernel(x2, a) if fake else _fused_kernel(x2, a)):
         grad_a = [(g.T @ dropped(x2, seed, p)).to(t.dtype) for t, g, seed in zip(a, grad_h, seeds)]
         if needs_x:
@@ -289,7 +291,7 @@ def replayed_lora(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.
 def _recorded_keep_mask(x: torch.Tensor, p: float, ctx) -> torch.Tensor:
     """A keep mask for `x` drawn from the default generator, whose state (and `p`) `ctx` records for
     `_replayed_keep_mask`. On fake tensors (a dry run; fake CUDA has no generator) there is no state to keep."""
-    gen = None if native.is_fake(x) else _default_generator(x.device)
+    gen = None if is_fake(x) else _default_generator(x.device)
     ctx.state, ctx.p = None if gen is None else gen.get_state(), p
     return _keep_mask(x, p, gen)
 
@@ -340,7 +342,7 @@ def hash_dropout_applies(x: torch.Tensor) -> bool:
 
 def draw_seed(x: torch.Tensor) -> int:
     """One adapter call's mask seed, from torch's CPU generator (which checkpointing's recompute restores)."""
-    return 0 if native.is_fake(x) else int(torch.randint(0, 2**32, (), dtype=torch.int64).item())
+    return 0 if is_fake(x) else int(torch.randint(0, 2**32, (), dtype=torch.int64).item())
 
 
 @torch.compiler.disable  # the kernel writes through raw pointers

@@ -10,6 +10,7 @@ from typing import Callable, Iterable, Iterator, Optional
 import torch
 import torch.nn as nn
 
+from lit_qlora.errors import InvalidInput
 from lit_qlora.lora import dropout as lora_dropout
 from lit_qlora.lora.dropout import dropped_lora
 from lit_qlora.nf4 import dequantize_nf4, frozen_linear, is_nf4, row_slices
@@ -44,7 +45,7 @@ class LoRALinear(nn.Linear):
                  dtype: Optional[torch.dtype] = None) -> None:
         nn.Module.__init__(self)
         if r <= 0:
-            raise ValueError(f"LoRA rank r must be positive, got {r}.")
+            raise InvalidInput(f"LoRA rank r (--lora.r) must be positive, got {r}.")
         self.in_features, self.out_features = base.in_features, base.out_features
         self.weight = base.weight
         self.weight.requires_grad_(False)
@@ -155,9 +156,11 @@ def resolve_targets(targets: Iterable[str] | str, tied_head: bool = False) -> li
         return [t for t in TARGETS if not (tied_head and t == "lm_head") or t in names]
     unknown = [t for t in names if t not in TARGETS]
     if unknown:
-        raise ValueError(f"Unknown LoRA target(s) {unknown}: choose from {', '.join(TARGETS)} or 'all'.")
+        raise InvalidInput(f"Unknown LoRA target(s) {unknown} (--lora.targets): choose from {', '.join(TARGETS)} or "
+                           "'all'.")
     if not names:
-        raise ValueError("LoRA needs at least one target: choose from " + ", ".join(TARGETS) + " or 'all'.")
+        raise InvalidInput("LoRA needs at least one target (--lora.targets): choose from " + ", ".join(TARGETS)
+                           + " or 'all'.")
     return [t for t in TARGETS if t in names]  # canonical order
 
 

@@ -1,8 +1,9 @@
 """The decoder and its layers: the config (`config`: one dataclass for every family, read from and written to
-config.json, and the presets), the Transformer (`transformer`), attention and its masks (`attention`,
-`attention_mask`), RoPE (`rope`), q/k/v and gate/up fused into one matmul (`fused_projections`), the tiled MLP
-(`tiled_mlp`), offloaded activation checkpoints (`offload`), the Hugging Face checkpoint layout (`hf_layout`) and
-sampling with the KV cache (`sampling`). The names of the former lit_qlora/model.py keep their path here.
+config.json, and the presets), the Transformer (`transformer`), attention and its masks (`attention`, `flex`:
+flex_attention compiled, `attention_mask`), RoPE (`rope`), q/k/v and gate/up fused into one matmul
+(`fused_projections`), the tiled MLP (`tiled_mlp`), offloaded activation checkpoints (`offload`), the Hugging Face
+checkpoint layout (`hf_layout`) and sampling with the KV cache (`sampling`). The names of the former lit_qlora/model.py
+keep their path here.
 """
 
 from lit_qlora import public_names

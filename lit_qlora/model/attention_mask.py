@@ -2,13 +2,13 @@
 row only within its own document, and in a document with branches (a preference pair's two answers after one
 prompt) only within its branch and the trunk before it.
 
-A packed row carries per-token `positions` (B, T) that restart at 0 where each document starts: they are the
-documents' RoPE positions and, read through `document_ids`, their boundaries (right padding sits at position 0, so
-each padding token is a document of its own and nothing attends to it). `attention_mask` is the one place masks are
-built, from one rule per kind written as flex_attention's `mask_mod(b, h, q_idx, kv_idx)` (`causal_mask_mod`,
-`document_mask_mod`): a flex_attention `BlockMask` where `lit_qlora.model.attention` runs flex_attention (CUDA; O(T)
-memory), else the dense boolean mask for SDPA and Gemma 2's capped attention (CPU, KV-cache decoding; O(T^2)) or None
-where plain causal SDPA is exact.
+A packed row carries per-token `positions` (B, T) that restart at 0 where each document starts: they are the documents'
+RoPE positions and, read through `document_ids`, their boundaries (right padding sits at position 0, so each padding
+token is a document of its own and nothing attends to it). `attention_mask` is the one place masks are built, from one
+rule per kind written as flex_attention's `mask_mod(b, h, q_idx, kv_idx)` (`causal_mask_mod`, `document_mask_mod`): a
+flex_attention `BlockMask` (`lit_qlora.model.flex.block_mask`) where `lit_qlora.model.attention` runs flex_attention
+(CUDA; O(T) memory), else the dense boolean mask for SDPA and Gemma 2's capped attention (CPU, KV-cache decoding;
+O(T^2)) or None where plain causal SDPA is exact.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ import functools
 from typing import Callable, Optional
 
 import torch
+
+from lit_qlora.model import flex as flex_module  # (`flex` is attention_mask's argument)
 
 
 def attention_mask(q_pos: torch.Tensor, kv_len: int, window: Optional[int], decoding: bool,
@@ -33,10 +35,11 @@ def attention_mask(q_pos: torch.Tensor, kv_len: int, window: Optional[int], deco
     if flex and not decoding:
         T = q_pos.numel()
         if positions is not None:
-            return block_mask(document_mask_mod(positions, window), positions.size(0), T, positions.device)
+            return flex_module.block_mask(document_mask_mod(positions, window), positions.size(0), T,
+                                          positions.device)
         if capped or (window is not None and T > window):
-            return block_mask(causal_mask_mod(window if window is not None and T > window else None), None, T,
-                              q_pos.device)
+            return flex_module.block_mask(causal_mask_mod(window if window is not None and T > window else None),
+                                          None, T, q_pos.device)
         return None
     if positions is not None:
         return dense_mask(document_mask_mod(positions, window), *positions.shape, positions.device)
@@ -107,27 +110,6 @@ def causal_mask_mod(window: Optional[int] = None) -> MaskMod:
     return mask_mod
 
 
-def block_mask(mask_mod: MaskMod, batch: Optional[int], length: int, device):
-    """flex_attention's BlockMask for `mask_mod` over (length, length), per row of `batch` (None: the same for every
-    row), the same for every head. On CUDA through `torch.compile(create_block_mask)` (made once), which never
-    materializes the (length, length) mask: the block tables are O((length / 128)^2) int32; elsewhere eagerly (the
-    dense mask, transient: tests only)."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    build = _compiled_create_block_mask() if torch.device(device).type == "cuda" else create_block_mask
-    return build(mask_mod, batch, None, length, length, device)
-
-
-@functools.lru_cache(maxsize=None)
-def _compiled_create_block_mask():
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    from lit_qlora.model.attention import raise_recompile_limit
-
-    raise_recompile_limit()
-    return torch.compile(create_block_mask)
-
-
 def dense_mask(mask_mod: MaskMod, batch: int, length: int, device=None) -> torch.Tensor:
     """The (batch, 1, length, length) boolean mask `mask_mod` describes (the same for every head)."""
     b = torch.arange(batch, device=device)[:, None, None, None]
@@ -138,7 +120,7 @@ def dense_mask(mask_mod: MaskMod, batch: int, length: int, device=None) -> torch
 
 def as_dense(block_mask) -> torch.Tensor:
     """The boolean mask a BlockMask describes, (batch, 1, length, length): where flex_attention cannot run a shape
-    (`lit_qlora.model.attention.flex_runs`), the same attention through the dense paths."""
+    (`lit_qlora.model.flex.flex_runs`), the same attention through the dense paths."""
     q_len, kv_len = block_mask.seq_lengths
     if q_len != kv_len:
         raise ValueError(f"a full-sequence BlockMask is square; this one is {q_len} x {kv_len}")

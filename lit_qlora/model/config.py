@@ -11,6 +11,9 @@ from typing import Any, Literal
 
 import torch
 
+from lit_qlora.errors import InvalidInput, MissingFile
+from lit_qlora.hardware import PRECISIONS
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3")
 GEMMA = ("gemma2", "gemma3_text")
 
@@ -39,7 +42,7 @@ _PRECISION_TABLE = (
     ("16-true", "float16", torch.float16, torch.float16),
     ("32-true", "float32", torch.float32, torch.float32),
 )
-Precision = Literal["bf16-true", "bf16-mixed", "16-mixed", "16-true", "32-true"]
+Precision = Literal[PRECISIONS]  # type: ignore[valid-type]
 """A resolved precision (what `--precision auto` becomes: lit_qlora.hardware.choose_precision)."""
 PRECISION_DTYPES: dict[str, torch.dtype] = {precision: dtype for precision, _, dtype, _ in _PRECISION_TABLE}
 ADAPTER_DTYPES: dict[str, torch.dtype] = {precision: lora for precision, _, _, lora in _PRECISION_TABLE}
@@ -64,7 +67,7 @@ class Quantize(str, Enum):
         return self.value
 
 
-def require_checkpoint_dir(checkpoint_dir: str | Path, error: type[Exception] = FileNotFoundError) -> None:
+def require_checkpoint_dir(checkpoint_dir: str | Path, error: type[Exception] = MissingFile) -> None:
     if not Path(checkpoint_dir).is_dir():
         raise error(
             f"Checkpoint directory {checkpoint_dir} does not exist. Download one with `litqlora download REPO_ID` "
@@ -136,26 +139,27 @@ class Config:
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
+            raise InvalidInput(
                 f"model_type {self.model_type!r} is not supported; lit-qlora covers {', '.join(SUPPORTED_MODEL_TYPES)}."
             )
         if self.head_dim is None:
             self.head_dim = self.n_embd // self.n_head
         if self.n_head % self.n_query_groups:
-            raise ValueError(f"n_head ({self.n_head}) must be a multiple of n_query_groups ({self.n_query_groups}).")
+            raise InvalidInput(f"n_head ({self.n_head}) must be a multiple of n_query_groups ({self.n_query_groups}).")
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
             if kind not in ("default", "llama3", "linear", "longrope"):
-                raise ValueError(f"rope scaling type {kind!r} is not supported (default, linear, llama3, longrope are).")
+                raise InvalidInput(f"rope scaling type {kind!r} is not supported (default, linear, llama3, longrope "
+                                   "are).")
             if kind == "default":
                 self.rope_scaling = None
             if kind == "longrope":
                 wanted = int(self.head_dim * self.partial_rotary_factor) // 2
                 for key in ("short_factor", "long_factor"):
                     if len(self.rope_scaling.get(key) or []) != wanted:
-                        raise ValueError(f"rope_scaling.{key} needs {wanted} values (one per rotated dim pair of "
-                                         f"head_dim {self.head_dim} x partial_rotary_factor "
-                                         f"{self.partial_rotary_factor}); check config.json.")
+                        raise InvalidInput(f"rope_scaling.{key} needs {wanted} values (one per rotated dim pair of "
+                                           f"head_dim {self.head_dim} x partial_rotary_factor "
+                                           f"{self.partial_rotary_factor}); check config.json.")
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -170,9 +174,9 @@ class Config:
         `rope_parameters` layout)."""
         model_type = hf.get("model_type", "llama")
         if model_type == "gemma3":
-            raise ValueError("This config.json is a multimodal Gemma 3 (model_type gemma3: text and vision); "
-                             "lit-qlora fine-tunes the text-only Gemma 3 checkpoints (model_type gemma3_text, e.g. "
-                             "google/gemma-3-1b-it).")
+            raise InvalidInput("This config.json is a multimodal Gemma 3 (model_type gemma3: text and vision); "
+                               "lit-qlora fine-tunes the text-only Gemma 3 checkpoints (model_type gemma3_text, e.g. "
+                               "google/gemma-3-1b-it).")
         hf = {**HF_DEFAULTS.get(model_type, {}), **hf}
         rope = dict(hf.get("rope_parameters") or {})
         local_rope = {}
@@ -195,12 +199,12 @@ class Config:
             every = 2 if model_type == "gemma2" else hf.get("sliding_window_pattern", 6)
             layer_types = sliding_pattern(hf["num_hidden_layers"], every)
         if model_type == "qwen3" and window is not None:
-            raise ValueError("This Qwen3 config.json sets use_sliding_window: true (sliding attention in the layers "
-                             "from max_window_layers on), which lit-qlora does not model; the released Qwen3 "
-                             "checkpoints leave it false.")
+            raise InvalidInput("This Qwen3 config.json sets use_sliding_window: true (sliding attention in the "
+                               "layers from max_window_layers on), which lit-qlora does not model; the released Qwen3 "
+                               "checkpoints leave it false.")
         if hf.get("use_bidirectional_attention"):
-            raise ValueError("This config.json sets use_bidirectional_attention: true (an embedding model, not a "
-                             "causal LM); lit-qlora fine-tunes causal language models.")
+            raise InvalidInput("This config.json sets use_bidirectional_attention: true (an embedding model, not a "
+                               "causal LM); lit-qlora fine-tunes causal language models.")
         local_base = None
         if model_type == "gemma3_text":
             local_base = float(local_rope.get("rope_theta", hf.get("rope_local_base_freq", 10000.0)))
@@ -246,14 +250,15 @@ class Config:
         path = Path(checkpoint_dir) / "config.json"
         require_checkpoint_dir(checkpoint_dir)
         if not path.is_file():
-            raise FileNotFoundError(
+            raise MissingFile(
                 f"{path} does not exist: a checkpoint directory needs a Hugging Face config.json. "
                 "Use `litqlora download` or `litqlora convert_gguf` to create one."
             )
         try:
             hf = json.loads(path.read_text(encoding="utf-8"))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"{path} is not valid JSON ({e}); re-download the checkpoint or restore the file.") from None
+            raise InvalidInput(f"{path} is not valid JSON ({e}); re-download the checkpoint or restore the "
+                               "file.") from None
         return cls.from_hf_config(hf, name=Path(checkpoint_dir).name)
 
     def to_hf_config(self, torch_dtype: str = "bfloat16") -> dict[str, Any]:
@@ -318,7 +323,7 @@ class Config:
     @classmethod
     def from_name(cls, name: str, **overrides: Any) -> "Config":
         if name not in PRESETS:
-            raise ValueError(f"Unknown model preset {name!r}. Known presets: {', '.join(sorted(PRESETS))}.")
+            raise InvalidInput(f"Unknown model preset {name!r}. Known presets: {', '.join(sorted(PRESETS))}.")
         return replace(PRESETS[name], **overrides)
 
 

@@ -130,7 +130,7 @@ class ActivationOffload:
         elif t.device.type == "cuda":
             return t  # (a block input is contiguous: the residual stream's sum)
         else:
-            host, pinned = self._to_host(t), nbytes
+            host, pinned = self.to_host(t), nbytes
         packed = _Offloaded(host, t.shape, t.dtype, t.device, nbytes, self._last)
         self._last = weakref.ref(packed)
         self.offloaded += 1
@@ -167,7 +167,7 @@ class ActivationOffload:
         else:
             packed.fetched = self._to_device(packed.host)
 
-    def _to_host(self, t: torch.Tensor) -> torch.Tensor:
+    def to_host(self, t: torch.Tensor) -> torch.Tensor:
         """CPU tensors (tests, the estimate): a separate copy stands for host memory (the estimate counts it as
         host memory, beside the device's)."""
         return t.detach().clone()

@@ -6,6 +6,7 @@ from typing import Iterable, Iterator, Optional, Sequence
 
 import torch
 
+from lit_qlora.errors import InvalidInput
 from lit_qlora.model.transformer import Transformer
 
 
@@ -42,7 +43,8 @@ def generate(
     device = next(model.parameters()).device
     max_len = min(len(prompt) + max_new_tokens, model.config.max_seq_length)
     if len(prompt) >= max_len:
-        raise ValueError(f"The prompt has {len(prompt)} tokens; the model's context is {model.config.max_seq_length}.")
+        raise InvalidInput(f"The prompt has {len(prompt)} tokens; the model's context is "
+                           f"{model.config.max_seq_length}.")
     generator = torch.Generator(device=device).manual_seed(seed)
     model.set_kv_cache(batch_size=1, max_len=max_len, device=device)
     try:

@@ -18,8 +18,9 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from lit_qlora.lora.dropout import reusing_down_products
-from lit_qlora.model.attention import FlexShape, attend, flex_runs, softcap, use_flex_attention
+from lit_qlora.model.attention import attend, softcap, use_flex_attention
 from lit_qlora.model.attention_mask import as_dense, attention_mask, document_lengths
+from lit_qlora.model.flex import FlexShape, flex_runs
 from lit_qlora.model.config import Config
 from lit_qlora.model.fused_projections import fused_projections, share_storage
 from lit_qlora.model.offload import block_input_saved
@@ -305,7 +306,7 @@ class Transformer(nn.Module):
             share_storage((mlp.gate_proj, mlp.up_proj), trainable)
 
     def flex_or_dense(self, mask, rows: int, dtype: torch.dtype):
-        """A BlockMask where flex_attention runs this forward's shape, else its dense mask (attention.flex_runs)."""
+        """A BlockMask where flex_attention runs this forward's shape, else its dense mask (flex.flex_runs)."""
         if mask is None or isinstance(mask, torch.Tensor):
             return mask
         c = self.config

@@ -13,6 +13,8 @@ from typing import NamedTuple, Optional, Sequence
 
 from torchao.quantization import NF4Tensor
 
+from lit_qlora.errors import InvalidInput
+
 
 class NF4Layout(NamedTuple):
     """``(block_size, scaler_block_size)`` to pass to :func:`~lit_qlora.nf4.quantize_nf4` or torchao's ``to_nf4``."""
@@ -46,7 +48,7 @@ def check_layout(shape: Sequence[int], block_size: int, scaler_block_size: int, 
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     numel = math.prod(shape)
     if numel == 0 or numel % block_size:
-        raise ValueError(
+        raise InvalidInput(
             f"cannot quantize shape {shape} to NF4: numel {numel} is not a multiple of block_size {block_size}; "
             "NF4 needs whole blocks (pad the tensor, e.g. in_features, to a multiple of the block size)"
         )
@@ -58,14 +60,16 @@ def check_layout(shape: Sequence[int], block_size: int, scaler_block_size: int, 
         )
     if world_size > 1:
         if shape[0] % world_size:
-            raise ValueError(
+            raise InvalidInput(
                 f"shape {shape} cannot be sharded along dim 0 across {world_size} ranks: {shape[0]} rows are "
-                "not divisible by the world size (FSDP2 would pad the last shard, which NF4Tensor cannot hold)"
+                "not divisible by the world size (FSDP2 would pad the last shard, which NF4Tensor cannot hold); "
+                "choose another --nf4_shards (or devices x num_nodes with --strategy fsdp)"
             )
         if n_blocks % world_size:
-            raise ValueError(
+            raise InvalidInput(
                 f"shape {shape} cannot be sharded along dim 0 across {world_size} ranks: a shard of "
-                f"{shape[0] // world_size} rows holds a fraction of a {block_size}-element block"
+                f"{shape[0] // world_size} rows holds a fraction of a {block_size}-element block; choose another "
+                "--nf4_shards (or devices x num_nodes with --strategy fsdp)"
             )
         if (n_blocks // scaler_block_size) % world_size:
             raise ValueError(

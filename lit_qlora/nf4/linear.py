@@ -95,7 +95,7 @@ def _scratch_matrix(rows: int, cols: int, dtype: torch.dtype, device: torch.devi
     return buf[:numel].view(rows, cols)
 
 
-def _dense_rows(weight: NF4Tensor, dtype: torch.dtype, start: int, stop: int, recompute: int = 0) -> torch.Tensor:
+def dense_rows(weight: NF4Tensor, dtype: torch.dtype, start: int, stop: int, recompute: int = 0) -> torch.Tensor:
     """Rows ``start:stop`` of the dequantized weight, valid only until the next call on this thread (a fresh tensor
     under torch.compile, where it comes from the custom op: ``recompute`` names the call site, see nf4/ops.py)."""
     if torch.compiler.is_compiling():
@@ -134,7 +134,7 @@ class NF4Linear(torch.autograd.Function):
         ctx.dense = False
         slices = _row_slices(weight)
         if len(slices) == 1:
-            dense = _dense_rows(weight, dtype, 0, weight.shape[0])
+            dense = dense_rows(weight, dtype, 0, weight.shape[0])
             ctx.dense = _save_dense() and not torch.compiler.is_compiling()
             ctx.save_for_backward(dense if ctx.dense else weight)
             return F.linear(x, dense, bias)
@@ -142,7 +142,7 @@ class NF4Linear(torch.autograd.Function):
         x = x.to(dtype)
         y = x.new_empty(*x.shape[:-1], weight.shape[0])
         for start, stop in slices:
-            y[..., start:stop] = F.linear(x, _dense_rows(weight, dtype, start, stop),
+            y[..., start:stop] = F.linear(x, dense_rows(weight, dtype, start, stop),
                                           None if bias is None else bias[start:stop])
         return y
 
@@ -161,13 +161,13 @@ class NF4Linear(torch.autograd.Function):
             if len(slices) == 1 or tokens * 4 >= weight.shape[0] * dtype.itemsize:
                 slices = [(0, weight.shape[0])]
             if len(slices) == 1:
-                grad_x = grad_output @ _dense_rows(weight, dtype, 0, weight.shape[0], recompute=1)
+                grad_x = grad_output @ dense_rows(weight, dtype, 0, weight.shape[0], recompute=1)
             else:
                 # The slices contract over different rows: their bf16 partial products are summed in fp32.
                 grad_x = torch.zeros(*grad_output.shape[:-1], weight.shape[1], dtype=torch.float32,
                                      device=grad_output.device)
                 for start, stop in slices:
-                    grad_x += grad_output[..., start:stop] @ _dense_rows(weight, dtype, start, stop)
+                    grad_x += grad_output[..., start:stop] @ dense_rows(weight, dtype, start, stop)
                 grad_x = grad_x.to(dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(0)

@@ -7,6 +7,9 @@ The shared library is cached per source, compiler, flags and CPU under ``~/.cach
 with a failing self-test, or with ``LIT_QLORA_NF4_BACKEND=eager``, callers fall back to
 :mod:`lit_qlora.nf4.reference` (one warning).
 
+The build (`build_library`), simd.h (the vector helpers kernels.c includes), the storage formats' numbers and
+`kernel_threads` serve LoRA's C kernels too (lit_qlora/lora/kernels.c, bound in :mod:`lit_qlora.lora.native`).
+
 Beside it, which path CUDA tensors take: ``triton_available`` (the Triton kernel, :mod:`lit_qlora.nf4.triton`).
 """
 
@@ -26,7 +29,7 @@ import sys
 import tempfile
 import threading
 from importlib import resources
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 
@@ -36,8 +39,8 @@ from lit_qlora.nf4.reference import (SUPPORTED_DTYPES, cached, dequantize_eager,
 
 log = logging.getLogger(__name__)
 
-# Storage formats as kernels.c numbers them.
-_FMT = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+STORAGE_FORMATS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+"""Storage formats as the C kernels number them (simd.h)."""
 _native_lock = threading.Lock()
 _native_state: dict = {"lib": None, "tried": False, "error": None}
 
@@ -57,9 +60,19 @@ def _cpu_fingerprint() -> str:
     return "|".join(parts)
 
 
+def package_text(package: str, name: str) -> str:
+    """A file shipped with `package` (package data, so non-editable installs have it too)."""
+    return resources.files(package).joinpath(name).read_text(encoding="utf-8")
+
+
 def kernel_source() -> str:
     """kernels.c as shipped with the package (package data, so non-editable installs have it too)."""
-    return resources.files(__package__).joinpath("kernels.c").read_text(encoding="utf-8")
+    return package_text(__package__, "kernels.c")
+
+
+def simd_header() -> str:
+    """simd.h, which NF4's and LoRA's kernels.c include: shipped beside this module, copied beside either to build."""
+    return package_text(__package__, "simd.h")
 
 
 def _kernel_cache_dir() -> str:
@@ -77,7 +90,23 @@ def _kernel_cache_dir() -> str:
     return cache_dir
 
 
+_I32, _I64, _PTR = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
+_SIGNATURES = {  # each kernel's arguments after the thread count its threaded `_mt` entry point takes first
+    "nf4_dequant16": [_PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I32],
+    "nf4_dequant32": [_PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I32],
+    "nf4_quantize": [_PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _I32],
+}
+
+
 def _compile_native() -> ctypes.CDLL:
+    return build_library("nf4", {"kernels.c": kernel_source(), "simd.h": simd_header()}, _SIGNATURES)
+
+
+def build_library(name: str, sources: dict[str, str], signatures: dict[str, list]) -> ctypes.CDLL:
+    """Compile `sources` (file name -> text: the first is compiled, the others are files it includes) into a shared
+    library, cached under the kernel cache by texts, compiler, flags and CPU; with OpenMP where the compiler has it,
+    else on one thread (one warning). Each of `signatures` names a kernel whose threaded entry point `NAME_mt` takes
+    a thread count, then those ctypes arguments; `lib.has_f16` is what `{name}_has_f16()` says: float16 compiled."""
     compiler = os.environ.get("LIT_QLORA_CC") or shutil.which("gcc") or shutil.which("cc")
     if not compiler:
         raise RuntimeError("no C compiler (gcc/cc) found")
@@ -86,25 +115,27 @@ def _compile_native() -> ctypes.CDLL:
     flags = ["-O3", f"-march={march}", "-std=gnu11", "-shared", "-fPIC"]
     flags += shlex.split(os.environ.get("LIT_QLORA_CFLAGS", ""))  # extra flags, e.g. for debugging
     try:
-        return _build(compiler, [*flags, "-fopenmp"])
+        return _build(name, sources, signatures, compiler, [*flags, "-fopenmp"])
     except RuntimeError as e:  # a compiler without OpenMP (clang on macOS): the same kernels on one thread
-        log.warning("lit_qlora.nf4: building the native kernels with -fopenmp failed (%s); they run on one thread",
-                    str(e)[-300:])
-        return _build(compiler, flags)
+        log.warning("lit_qlora.%s: building the native kernels with -fopenmp failed (%s); they run on one thread",
+                    name, str(e)[-300:])
+        return _build(name, sources, signatures, compiler, flags)
 
 
-def _build(compiler: str, flags: list[str]) -> ctypes.CDLL:
-    # The text that is hashed is the text compiled (written out below), so the key always names its build.
-    source = kernel_source()
-    key = hashlib.sha256("\n".join([source, compiler, *flags, _cpu_fingerprint()]).encode()).hexdigest()[:16]
+def _build(name: str, sources: dict[str, str], signatures: dict[str, list], compiler: str,
+           flags: list[str]) -> ctypes.CDLL:
+    # The texts that are hashed are the texts compiled (written out below), so the key always names its build.
+    texts = [f"{file}\n{text}" for file, text in sources.items()]
+    key = hashlib.sha256("\n".join([*texts, compiler, *flags, _cpu_fingerprint()]).encode()).hexdigest()[:16]
     cache_dir = _kernel_cache_dir()
-    lib_path = os.path.join(cache_dir, f"nf4_{key}.so")
+    lib_path = os.path.join(cache_dir, f"{name}_{key}.so")
     if not os.path.exists(lib_path):
         with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
-            src = os.path.join(tmp, "nf4.c")
-            with open(src, "w") as f:
-                f.write(source)
-            tmp_lib = os.path.join(tmp, "nf4.so")
+            for file, text in sources.items():
+                with open(os.path.join(tmp, file), "w") as f:
+                    f.write(text)
+            src = os.path.join(tmp, next(iter(sources)))
+            tmp_lib = os.path.join(tmp, f"{name}.so")
             res = subprocess.run(
                 [compiler, *flags, src, "-o", tmp_lib], capture_output=True, text=True, timeout=120
             )
@@ -112,21 +143,12 @@ def _build(compiler: str, flags: list[str]) -> ctypes.CDLL:
                 raise RuntimeError(f"{compiler} failed: {res.stderr.strip()[-2000:]}")
             os.replace(tmp_lib, lib_path)  # atomic: concurrent processes see a complete file or none
     lib = ctypes.CDLL(lib_path)
-    i32, i64, ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
-    dequant = [ptr, ptr, ptr, i64, i64, i64, ptr, i32]
-    signatures = {  # each kernel's arguments after the thread count its threaded `_mt` entry point takes first
-        "nf4_dequant16": dequant, "nf4_dequant32": dequant,
-        "nf4_quantize": [ptr, i64, i64, i64, ptr, ptr, ptr, i32],
-        "lora_dropout": [ptr, ptr, i64, i64, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_float, i32],
-        "lora_drop_down": [ptr, i64, i64, i64, i32, ptr, i64, ptr, ptr, ctypes.c_uint32, ctypes.c_float, i32],
-        "lora_drop_down_bwd": [ptr, i64, i64, i64, i64, i32, ptr, i64, ptr, ptr, ptr, i32, ptr, ctypes.c_uint32,
-                               ctypes.c_float, i32],
-    }  # fmt: skip
-    for name, args in signatures.items():
-        fn = getattr(lib, name + "_mt")
-        fn.argtypes, fn.restype = [i32, *args], None
-    lib.nf4_has_f16.restype = ctypes.c_int
-    lib.has_f16 = bool(lib.nf4_has_f16())
+    for kernel, args in signatures.items():
+        fn = getattr(lib, kernel + "_mt")
+        fn.argtypes, fn.restype = [ctypes.c_int32, *args], None
+    has_f16 = getattr(lib, f"{name}_has_f16")
+    has_f16.restype = ctypes.c_int
+    lib.has_f16 = bool(has_f16())
     return lib
 
 
@@ -191,7 +213,7 @@ def _self_test() -> None:
                     raise RuntimeError(f"native dequantize self-test mismatch for {dtype} -> {out_dtype}")
 
 
-def _threads(n_units: int, work_bytes: int) -> int:
+def kernel_threads(n_units: int, work_bytes: int) -> int:
     """Threads for a kernel call: torch's count, but one per MiB of work at most (small jobs run on one)."""
     return max(1, min(torch.get_num_threads(), work_bytes >> 20, n_units))
 
@@ -207,9 +229,9 @@ def quantize_blocks(src: torch.Tensor, block_size: int, q_out: torch.Tensor, s_o
         return  # a dry run (`litqlora estimate`): no data to read; the kernel allocates nothing either
     lib = _native_state["lib"]
     thr = cached(("thr_tensor", src.dtype), lambda: torch.tensor(thresholds(src.dtype), dtype=torch.float32))
-    fmt = _FMT[src.dtype]
+    fmt = STORAGE_FORMATS[src.dtype]
     n_blocks = s_out.numel()
-    threads = _threads(n_blocks, src.numel() * src.element_size())
+    threads = kernel_threads(n_blocks, src.numel() * src.element_size())
     lib.nf4_quantize_mt(threads, src.data_ptr(), 0, n_blocks, block_size, thr.data_ptr(), q_out.data_ptr(),
                         s_out.data_ptr(), fmt)
 
@@ -225,54 +247,13 @@ def dequantize_blocks(qdata: torch.Tensor, scales: torch.Tensor, levels: torch.T
     hb = qdata.numel() // scales.numel()
     b0, b1 = blocks or (0, scales.numel())
     n_blocks = b1 - b0
-    fmt = _FMT[dtype]
+    fmt = STORAGE_FORMATS[dtype]
     if is_fake(out):
         return  # a dry run: the temporaries above are counted, the kernel's writes need no data
     fn = lib.nf4_dequant16_mt if out.dtype != torch.float32 else lib.nf4_dequant32_mt
     # The kernel indexes blocks from its pointers, so a block range is a shift of the input pointers.
-    fn(_threads(n_blocks, out.numel() * out.element_size()), qdata.data_ptr() + b0 * hb, scales.data_ptr() + b0 * 4,
-       levels.data_ptr(), 0, n_blocks, hb, out.data_ptr(), fmt)
-
-
-def dropout_elements(src: torch.Tensor, out: torch.Tensor, seed: int, threshold: int, scale: float) -> None:
-    """C kernel: ``out = src * scale`` where the hash of (element index, seed) >= threshold, else 0 (both
-    contiguous, same dtype; see lit_qlora/lora/dropout.py)."""
-    lib = _native_state["lib"]
-    fmt, n = _FMT[src.dtype], src.numel()
-    threads = _threads(-(-n // (1 << 14)), n * src.element_size())  # the C side splits in chunks of 2**14
-    lib.lora_dropout_mt(threads, src.data_ptr(), out.data_ptr(), 0, n, seed, threshold, scale, fmt)
-
-
-def _pointers(tensors) -> ctypes.Array:
-    return (ctypes.c_int64 * len(tensors))(*[t.data_ptr() for t in tensors])
-
-
-def lora_drop_down(x: torch.Tensor, a: Sequence[torch.Tensor], h: Sequence[torch.Tensor], seeds: Sequence[int],
-                   threshold: int, scale: float) -> None:
-    """C kernel: ``h[q] = (x * keep_q * scale) @ a[q].T`` for each adapter q without writing the dropped x (x
-    contiguous (rows, cols); a[q] (r, cols) of x's dtype, h[q] float32 (rows, r), all contiguous; see lora_dropout)."""
-    lib = _native_state["lib"]
-    rows, cols = x.shape
-    r, fmt = a[0].shape[0], _FMT[x.dtype]
-    threads = _threads(-(-rows // 32), x.numel() * x.element_size() * len(a))  # the C side splits in 32 rows
-    lib.lora_drop_down_mt(threads, x.data_ptr(), cols, 0, rows, len(a), _pointers(a), r, _pointers(h),
-                          (ctypes.c_int64 * len(seeds))(*seeds), threshold, scale, fmt)
-
-
-def lora_drop_down_backward(x: torch.Tensor, a: Sequence[torch.Tensor], grad_h: Sequence[torch.Tensor],
-                            grad_a: Sequence[torch.Tensor], grad_x: Optional[torch.Tensor], accumulate: bool,
-                            seeds: Sequence[int], threshold: int, scale: float) -> None:
-    """C kernel: ``grad_a[q] += grad_h[q].T @ (x * keep_q * scale)`` and ``grad_x (+)= sum_q keep_q * scale *
-    (grad_h[q] @ a[q])`` (a[q] (r, cols) of x's dtype, float32 grad_h[q] (rows, r) and grad_a (r, cols); grad_x like x,
-    or None)."""
-    lib = _native_state["lib"]
-    rows, cols = x.shape
-    r, fmt = a[0].shape[0], _FMT[x.dtype]
-    gx = None if grad_x is None else grad_x.data_ptr()
-    threads = _threads(-(-cols // 16), x.numel() * x.element_size() * len(a))  # the C side splits in 16 columns
-    lib.lora_drop_down_bwd_mt(threads, x.data_ptr(), rows, cols, 0, cols, len(a), _pointers(a), r, _pointers(grad_h),
-                              _pointers(grad_a), gx, int(accumulate), (ctypes.c_int64 * len(seeds))(*seeds),
-                              threshold, scale, fmt)
+    fn(kernel_threads(n_blocks, out.numel() * out.element_size()), qdata.data_ptr() + b0 * hb,
+       scales.data_ptr() + b0 * 4, levels.data_ptr(), 0, n_blocks, hb, out.data_ptr(), fmt)
 
 
 def use_native(dtype: Optional[torch.dtype] = None) -> bool:

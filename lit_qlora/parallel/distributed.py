@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from lit_qlora.errors import InvalidInput
+
 STRATEGIES = ("auto", "ddp", "fsdp", "tp")
 
 
@@ -25,14 +27,14 @@ def build_strategy(strategy: str, world_size: int, tensor_parallel: int = 1):
     """What `L.Trainer(strategy=...)` gets: FSDP2 for `fsdp` (Lightning's own "fsdp" is FSDP1), a data x tensor
     mesh for `tp`, else the name."""
     if strategy not in STRATEGIES:
-        raise ValueError(f"--strategy {strategy!r} is not supported: choose one of {', '.join(STRATEGIES)}.")
+        raise InvalidInput(f"--strategy {strategy!r} is not supported: choose one of {', '.join(STRATEGIES)}.")
     if tensor_parallel != 1 and strategy != "tp":
-        raise ValueError(f"--tensor_parallel {tensor_parallel} needs --strategy tp.")
+        raise InvalidInput(f"--tensor_parallel {tensor_parallel} needs --strategy tp.")
     if strategy in ("fsdp", "tp"):
         from lightning.pytorch.strategies import ModelParallelStrategy
 
         if tensor_parallel < 1 or world_size % tensor_parallel:
-            raise ValueError(f"--tensor_parallel {tensor_parallel} must divide devices x num_nodes ({world_size}).")
+            raise InvalidInput(f"--tensor_parallel {tensor_parallel} must divide devices x num_nodes ({world_size}).")
         return ModelParallelStrategy(data_parallel_size=world_size // tensor_parallel,
                                      tensor_parallel_size=tensor_parallel)
     return strategy
@@ -45,13 +47,13 @@ def nf4_shards_for(strategy: str, world_size: int, requested: Union[int, None] =
     overrides it, e.g. to quantize a 1-process run to the same bits as an FSDP run of `requested` processes.
     """
     if requested is not None and requested < 1:
-        raise ValueError(f"--nf4_shards must be at least 1, got {requested}.")
+        raise InvalidInput(f"--nf4_shards must be at least 1, got {requested}.")
     if strategy == "tp" and requested not in (None, 1):
-        raise ValueError("--nf4_shards does not apply to --strategy tp: every rank quantizes its own shards.")
+        raise InvalidInput("--nf4_shards does not apply to --strategy tp: every rank quantizes its own shards.")
     shards = requested or (world_size if strategy == "fsdp" else 1)
     if strategy == "fsdp" and shards % world_size:
-        raise ValueError(f"nf4_shards ({shards}) must be a multiple of devices x num_nodes ({world_size}) with "
-                         "--strategy fsdp: every rank holds whole NF4 scaler groups.")
+        raise InvalidInput(f"nf4_shards ({shards}) must be a multiple of devices x num_nodes ({world_size}) with "
+                           "--strategy fsdp: every rank holds whole NF4 scaler groups.")
     return shards
 
 

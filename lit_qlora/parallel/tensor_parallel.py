@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from lit_qlora.errors import InvalidInput
 from lit_qlora.lora.layer import LoRALinear
 from lit_qlora.nf4 import dequantize_nf4, frozen_linear, quantize_nf4
 from lit_qlora.parallel.distributed import broadcast_trainable
@@ -89,8 +90,8 @@ def shard_tensor(name: str, tensor: torch.Tensor, rank: int, size: int) -> torch
         return tensor
     dim = 0 if style == "column" else 1
     if tensor.shape[dim] % size:
-        raise ValueError(f"{name} has {tensor.shape[dim]} {'rows' if dim == 0 else 'columns'}, not divisible by "
-                         f"--tensor_parallel {size}.")
+        raise InvalidInput(f"{name} has {tensor.shape[dim]} {'rows' if dim == 0 else 'columns'}, not divisible by "
+                           f"--tensor_parallel {size}.")
     return tensor.chunk(size, dim)[rank].clone(memory_format=torch.contiguous_format)
 
 
@@ -108,8 +109,8 @@ def check_divisible(config, size: int) -> None:
     for what, n in (("n_head", config.n_head), ("n_query_groups", config.n_query_groups),
                     ("intermediate_size", config.intermediate_size)):
         if n % size:
-            raise ValueError(f"--tensor_parallel {size} must divide the model's {what} ({n}): every rank holds "
-                             "whole attention heads, whole kv groups and an equal slice of the MLP.")
+            raise InvalidInput(f"--tensor_parallel {size} must divide the model's {what} ({n}): every rank holds "
+                               "whole attention heads, whole kv groups and an equal slice of the MLP.")
 
 
 def tp_layout_weight(tensor: torch.Tensor, style: str, size: int) -> torch.Tensor:

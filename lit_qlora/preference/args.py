@@ -2,11 +2,33 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal, Optional
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ClassVar, Literal, Optional
 
 from lit_qlora.errors import UserError
 from lit_qlora.train.args import DataArgs
+from lit_qlora.train.spec import RunSpec
+
+
+@dataclass(frozen=True)
+class LossKind:
+    """What a preference loss needs and reports, as the run, the estimate and the messages read it."""
+
+    title: str  # how messages name it
+    uses_reference: bool  # whether a reference model's log-probabilities enter it
+    mean_logps: bool  # each answer's mean token log-probability (else its sum)
+    label_smoothing: bool  # whether --dpo.label_smoothing applies
+
+
+DPO_LOSSES = {
+    "sigmoid": LossKind("DPO (sigmoid)", uses_reference=True, mean_logps=False, label_smoothing=True),
+    "ipo": LossKind("IPO", uses_reference=True, mean_logps=True, label_smoothing=False),
+    "orpo": LossKind("ORPO", uses_reference=False, mean_logps=True, label_smoothing=False),
+}
+"""The registry of `--dpo.loss` choices (their formulas: lit_qlora.preference.loss.pair_sums)."""
+
+DPOLossName = Literal[tuple(DPO_LOSSES)]  # type: ignore[valid-type]
 
 
 @dataclass
@@ -14,7 +36,7 @@ class DPOArgs:
     beta: float = 0.1
     """How far the policy may move from the reference: the scale of the implicit reward beta * (log pi - log ref).
     Lower lets it move further (TRL's default is 0.1)."""
-    loss: Literal["sigmoid", "ipo", "orpo"] = "sigmoid"
+    loss: DPOLossName = "sigmoid"
     """sigmoid: DPO (Rafailov et al.); ipo: IPO (Azar et al.), a squared loss on mean token log-probabilities that
     does not drive the margin to infinity; orpo: ORPO (Hong et al.), reference-free: the chosen answer's NLL plus
     orpo_lambda x the odds-ratio term (SFT and preference in one run, from the base)."""
@@ -28,6 +50,10 @@ class DPOArgs:
     without gradients); cached computes each pair's once before training into out_dir/reference_logps.safetensors
     (reused on resume)."""
 
+    @property
+    def kind(self) -> LossKind:
+        return DPO_LOSSES[self.loss]
+
     def require_valid(self) -> None:
         if not self.beta > 0:
             raise UserError(f"--dpo.beta must be > 0 (the implicit reward's scale; TRL's default is 0.1), got "
@@ -35,7 +61,7 @@ class DPOArgs:
         if not 0 <= self.label_smoothing < 0.5:
             raise UserError(f"--dpo.label_smoothing is the share of pairs taken for mislabeled, in [0, 0.5); got "
                             f"{self.label_smoothing}.")
-        if self.label_smoothing and self.loss != "sigmoid":
+        if self.label_smoothing and not self.kind.label_smoothing:
             raise UserError(f"--dpo.label_smoothing applies to --dpo.loss sigmoid (conservative DPO), and this run uses "
                             f"{self.loss}: leave it out or use sigmoid.")
         if not self.orpo_lambda > 0:
@@ -54,3 +80,19 @@ class PreferenceDataArgs(DataArgs):
     A string prompt is one user turn in the prompt style; implicit strings are raw text."""
     packing: bool = False
     """Not for preference pairs (each pair is scored as a whole): leave it false."""
+
+
+@dataclass
+class DPOSpec(RunSpec):
+    """`litqlora dpo`'s settings: a fine-tune's run spec with preference pairs for data, and the objective."""
+
+    cli_skip: ClassVar[frozenset[str]] = frozenset({"tensor_parallel"})
+
+    out_dir: Path = Path("out/dpo")
+    """Where adapters, merged model, logs, metrics and resumable checkpoints go."""
+    strategy: Literal["auto", "ddp", "fsdp"] = "auto"  # type: ignore[assignment]
+    """auto (one device), ddp or fsdp (FSDP2), as for `litqlora finetune`."""
+    data: PreferenceDataArgs = field(default_factory=PreferenceDataArgs)
+    """The preference pairs; with nothing given, the demo pairs shipped with lit-qlora."""
+    dpo: DPOArgs = field(default_factory=DPOArgs)
+    """The preference objective."""

@@ -9,38 +9,14 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Any, Optional
 
-from lit_qlora.deploy.gguf_import import DEFAULT_CHECKPOINT
 from lit_qlora.errors import UserError
-from lit_qlora.hardware import PrecisionChoice
-from lit_qlora.preference.args import DPOArgs, PreferenceDataArgs
-from lit_qlora.train.args import ExportArgs, LoRAArgs, TrainArgs, data_source
-from lit_qlora.train.loggers import LoggerName
+from lit_qlora.preference.args import DPOArgs, DPOSpec
+from lit_qlora.train.args import data_source
 
 
-def dpo(
-    checkpoint_dir: Path = DEFAULT_CHECKPOINT,
-    out_dir: Path = Path("out/dpo"),
-    quantize: Literal["nf4", "none"] = "nf4",
-    precision: PrecisionChoice = "auto",
-    seed: int = 1337,
-    accelerator: str = "auto",
-    devices: int = 1,
-    num_nodes: int = 1,
-    strategy: Literal["auto", "ddp", "fsdp"] = "auto",
-    nf4_shards: Optional[int] = None,
-    resume: Union[bool, Literal["auto"], Path] = False,
-    lora: LoRAArgs = LoRAArgs(),
-    train: TrainArgs = TrainArgs(),
-    data: PreferenceDataArgs = PreferenceDataArgs(),
-    dpo: DPOArgs = DPOArgs(),
-    ignore_modules: Optional[list[str]] = None,
-    compile: Union[bool, Literal["force"]] = False,
-    overwrite: bool = False,
-    logger: Union[LoggerName, list[LoggerName]] = "tensorboard",
-    export: ExportArgs = ExportArgs(),
-) -> dict[str, Any]:
+def dpo(spec: Optional[DPOSpec] = None, **settings: Any) -> dict[str, Any]:
     """Preference-tune a LoRA adapter (DPO, IPO or ORPO) on a frozen base, NF4 by default: rows of a prompt, a chosen
     and a rejected answer. The reference model is the same base with the adapters off (or, with
     --train.init_adapter, the adapter the run starts from): no second copy of the weights. Metrics under TRL's names
@@ -48,53 +24,34 @@ def dpo(
     for validation) in metrics.jsonl, the loggers and summary.json.
 
     Args:
-        checkpoint_dir: Base model (Hugging Face directory). The default is the bundled SmolLM2-135M-Instruct.
-        out_dir: Where adapters, merged model, logs, metrics and resumable checkpoints go.
-        quantize: nf4 = every base linear stored as NF4 (QLoRA); none = base in the precision's dtype (LoRA).
-        precision: As for `litqlora finetune` (auto picks by hardware).
-        seed: Seeds adapter init, data order and dropout: CPU runs repeat exactly.
-        accelerator: cpu, cuda, auto...
-        devices: Devices per node.
-        num_nodes: Nodes.
-        strategy: auto (one device), ddp or fsdp (FSDP2), as for `litqlora finetune`.
-        nf4_shards: NF4 layout: how many FSDP shards every NF4 weight must split into (see `litqlora finetune`).
-        resume: auto = continue from the newest checkpoint in out_dir (fresh start if none); a checkpoint
-            directory; or false.
-        lora: Adapter settings (with --train.init_adapter, the adapter's own rank, alpha and targets).
-        train: Optimization settings; --train.init_adapter DIR starts from a finished `finetune` run's adapter (SFT,
-            then DPO), which is then also the reference.
-        data: The preference pairs; with nothing given, the demo pairs shipped with lit-qlora.
-        dpo: The preference objective.
-        ignore_modules: Module names (prefixes) whose linears stay in high precision with nf4, e.g. lm_head.
-        compile: torch.compile each transformer block, as for `litqlora finetune`.
-        overwrite: Start a new run in an out_dir that holds another run's checkpoints or results, deleting them.
-        logger: tensorboard, csv, wandb or mlflow, or several (--logger '[tensorboard,csv]').
-        export: More exports of the adapter beside final/'s adapter, merged model and PEFT adapter.
+        spec: The run's settings (lit_qlora.preference.args.DPOSpec: `litqlora finetune`'s, with preference pairs
+            for data and --dpo.*), or its fields as keywords.
     """
     from lit_qlora.data.files import PREFERENCE_DEMO_DATASET
     from lit_qlora.train.finetune import start_run
 
-    dpo.require_valid()
-    if data.packing:
+    spec = DPOSpec.of(spec, settings)
+    spec.dpo.require_valid()
+    if spec.tensor_parallel != 1 or spec.strategy == "tp":
+        raise UserError("`litqlora dpo` runs with --strategy auto, ddp or fsdp; tensor parallelism is finetune's.")
+    if spec.data.packing:
         raise UserError("--data.packing true packs several samples into one sequence, and a preference pair is scored "
                         "as a whole (its chosen and rejected answers side by side in one batch): leave packing out "
                         "for `litqlora dpo`.")
-    if data_source(data) is None:
-        data = replace(data, path=str(PREFERENCE_DEMO_DATASET))
-    print(f"Objective: {describe(dpo, train.init_adapter)}")
-    summary = start_run(checkpoint_dir, out_dir, quantize, precision, seed, accelerator, devices, num_nodes, strategy,
-                        1, nf4_shards, resume, lora, train, data, ignore_modules, compile, overwrite, logger, export,
-                        hooks=preference_hooks(dpo))
+    if data_source(spec.data) is None:
+        spec = replace(spec, data=replace(spec.data, path=str(PREFERENCE_DEMO_DATASET)))
+    print(f"Objective: {describe(spec.dpo, spec.train.init_adapter)}")
+    summary = start_run(spec, hooks=preference_hooks(spec.dpo))
     if summary:
-        print_samples(Path(out_dir))
+        print_samples(Path(spec.out_dir))
     return summary
 
 
 def describe(dpo: DPOArgs, init_adapter: Optional[Path]) -> str:
     """What the run optimizes and against which reference, in a line."""
-    if dpo.loss == "orpo":
-        return f"ORPO (lambda {dpo.orpo_lambda}), no reference model"
-    what = {"sigmoid": "DPO (sigmoid)", "ipo": "IPO"}[dpo.loss]
+    if not dpo.kind.uses_reference:
+        return f"{dpo.kind.title} (lambda {dpo.orpo_lambda}), no reference model"
+    what = dpo.kind.title
     ref = (f"the base with the adapter of {init_adapter}, as the run starts from it" if init_adapter is not None
            else "the base with the adapters off")
     how = "computed once before training and cached" if dpo.reference == "cached" else "computed in every step"
@@ -120,7 +77,7 @@ def build_module(model: Any, dm: Any, config: Any, dpo: DPOArgs) -> Any:
     from lit_qlora.preference.module import PreferenceModule
     from lit_qlora.preference.reference import Reference
 
-    objective = Objective(dpo.loss, dpo.beta, dpo.label_smoothing, dpo.orpo_lambda)
+    objective = Objective.from_args(dpo)
     reference = None
     if objective.uses_reference:
         start = starting_adapter(config.train.init_adapter)

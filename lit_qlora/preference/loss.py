@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from lit_qlora.preference.args import DPO_LOSSES, DPOArgs
+
 
 # Head logits are made for this many answer tokens at a time and recomputed in backward: a batch's answers never
 # hold vocab-sized logits for more than one chunk.
@@ -43,14 +45,19 @@ class Objective:
     label_smoothing: float = 0.0
     orpo_lambda: float = 0.1
 
+    @classmethod
+    def from_args(cls, dpo: DPOArgs) -> Objective:
+        """The run's objective from `--dpo.*` (the one translation of those settings into it)."""
+        return cls(dpo.loss, dpo.beta, dpo.label_smoothing, dpo.orpo_lambda)
+
     @property
     def uses_reference(self) -> bool:
-        return self.loss != "orpo"
+        return DPO_LOSSES[self.loss].uses_reference
 
     @property
     def mean_logps(self) -> bool:
         """IPO and ORPO compare each answer's mean token log-probability, DPO its sum."""
-        return self.loss in ("ipo", "orpo")
+        return DPO_LOSSES[self.loss].mean_logps
 
     @property
     def metric_names(self) -> tuple[str, ...]:

@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
+from lit_qlora.data.templates import PromptStyleName
+from lit_qlora.errors import InvalidInput, UserError
+
 
 @dataclass
 class LoRAArgs:
@@ -80,37 +83,19 @@ class TrainArgs:
     def accumulation(self, world_size: int) -> int:
         per_step = self.micro_batch_size * world_size
         if self.global_batch_size % per_step:
-            raise ValueError(
+            raise InvalidInput(
                 f"train.global_batch_size ({self.global_batch_size}) must be a multiple of train.micro_batch_size "
                 f"x devices ({self.micro_batch_size} x {world_size} = {per_step})."
             )
         return self.global_batch_size // per_step
 
-    def require_valid_offload(self, cuda: bool, checkpointing: Optional[bool] = None) -> None:
-        """offload_activations true can apply: the run is on CUDA and checkpoints activations (`checkpointing`:
-        whether it does, when known otherwise than from activation_checkpointing); a UserError saying why not."""
-        from lit_qlora.errors import UserError
-
-        if self.offload_activations not in (True, False, "auto"):
-            raise UserError(f"--train.offload_activations takes true, false or auto, got {self.offload_activations!r}.")
-        if self.offload_activations is not True:
-            return
-        if not cuda:
-            raise UserError("--train.offload_activations true moves the checkpointed blocks' inputs from GPU memory "
-                            "to the host's, and this run is on the CPU: its activations are in host memory already, "
-                            "so there is nothing to offload to. Leave it out (auto is off on CPU) or pass false; on "
-                            "a CPU, --train.activation_checkpointing true alone lowers activation memory.")
-        checkpointing = bool(self.activation_checkpointing) if checkpointing is None else checkpointing
-        if not checkpointing:
-            raise UserError("--train.offload_activations true offloads the inputs that activation checkpointing keeps "
-                            "for each block, and checkpointing is off: without it every block keeps all its "
-                            "activations on the GPU and none are offloaded. Pass --train.activation_checkpointing "
-                            "true too (or N for the first N blocks), or leave offload_activations out.")
+    def require_valid_offload(self, cuda: bool) -> None:
+        """offload_activations can apply to a run on CUDA or not (`cuda`) with this checkpointing: a UserError
+        saying why not."""
+        require_offload_applies(self.offload_activations, cuda, bool(self.activation_checkpointing))
 
     def require_fixed_length(self) -> None:
         """max_seq_length is a number of tokens (auto is the estimate's question, not a training setting)."""
-        from lit_qlora.errors import UserError
-
         if self.max_seq_length == "auto" or not isinstance(self.max_seq_length, int):
             raise UserError(f"--train.max_seq_length {self.max_seq_length!r}: a fine-tune needs a number of tokens. "
                             "`litqlora estimate --train.max_seq_length auto --device_memory 24GiB` (with the same "
@@ -119,8 +104,6 @@ class TrainArgs:
     def require_valid_validation(self, data: DataArgs) -> None:
         """eval_interval and early_stopping_patience make sense (and `data` holds a validation set for them): a
         UserError naming the option and the fix if not."""
-        from lit_qlora.errors import UserError
-
         if self.eval_interval is not None and self.eval_interval < 1:
             raise UserError(f"--train.eval_interval must be at least 1 (validate every N optimizer steps), got "
                             f"{self.eval_interval}; leave it out to validate only before and after training.")
@@ -141,10 +124,30 @@ class TrainArgs:
                             "out): pass --data.val_split 0.05 (or any fraction > 0), or leave out eval_interval.")
 
 
+def require_offload_applies(choice: Any, cuda: bool, checkpointing: bool) -> None:
+    """--train.offload_activations `choice` (true, false or auto) can apply to a run on CUDA or not with activation
+    checkpointing on or off: the one check of it (the run, the estimate and lit_qlora.train.offload all ask it), a
+    UserError saying why not."""
+    if choice not in (True, False, "auto"):
+        raise UserError(f"--train.offload_activations takes true, false or auto, got {choice!r}.")
+    if choice is not True:
+        return
+    if not cuda:
+        raise UserError("--train.offload_activations true moves the checkpointed blocks' inputs from GPU memory to "
+                        "the host's, and this run is on the CPU: its activations are in host memory already, so there "
+                        "is nothing to offload to. Leave it out (auto is off on CPU) or pass false; on a CPU, "
+                        "--train.activation_checkpointing true alone lowers activation memory.")
+    if not checkpointing:
+        raise UserError("--train.offload_activations true offloads the inputs that activation checkpointing keeps for "
+                        "each block, and checkpointing is off: without it every block keeps all its activations on "
+                        "the GPU and none are offloaded. Pass --train.activation_checkpointing true too (or N for the "
+                        "first N blocks), or leave offload_activations out.")
+
+
 def total_steps_for(train: TrainArgs, num_samples: int) -> int:
     if train.max_steps is not None:
         if train.max_steps < 1:
-            raise ValueError(f"train.max_steps must be at least 1, got {train.max_steps}.")
+            raise InvalidInput(f"train.max_steps must be at least 1, got {train.max_steps}.")
         return train.max_steps
     return train.epochs * max(1, num_samples // train.global_batch_size)
 
@@ -183,7 +186,7 @@ class DataArgs:
     """Kept for older recipes: the same as --data.path with a JSON / JSONL file."""
     hf_dataset: Optional[str] = None
     """Kept for older recipes: the same as --data.path with a Hub dataset name."""
-    prompt_style: Literal["auto", "alpaca", "chatml", "llama3", "chat_template"] = "auto"
+    prompt_style: PromptStyleName = "auto"
     """How rows become text: auto (the checkpoint's chat template where it has one, as generate, chat, serve and
     the exports will format prompts; else alpaca), alpaca, chatml, llama3, or chat_template. The style trained with
     is recorded beside the adapter, and inference and exports follow it."""
@@ -203,7 +206,7 @@ def data_source(data: DataArgs) -> Optional[str]:
     given = {name: value for name, value in (("path", data.path), ("json_path", data.json_path),
                                                ("hf_dataset", data.hf_dataset)) if value is not None}
     if len(given) > 1:
-        raise ValueError(f"--data.{' and --data.'.join(given)} each name a dataset: pass one of them (--data.path "
+        raise InvalidInput(f"--data.{' and --data.'.join(given)} each name a dataset: pass one of them (--data.path "
                          "takes files, folders and Hub names alike).")
     return str(next(iter(given.values()))) if given else None
 

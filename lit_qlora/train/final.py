@@ -11,9 +11,9 @@ from lit_qlora.deploy.export import export_config, hf_tensor_specs, write_peft_a
 from lit_qlora.errors import UserError
 
 
-def export_final(model: nn.Module, final_dir: Path, checkpoint_dir: Path, adapter_config: dict,
-                 adapter: Optional[dict[str, torch.Tensor]] = None, gguf: Optional[str] = None, merged: bool = True,
-                 peft: bool = True) -> None:
+def export_final(model: nn.Module, final_dir: Path, checkpoint_dir: Path, adapter_config: dict,  # noqa: F821
+                 adapter: Optional[dict[str, torch.Tensor]] = None, gguf: Optional[str] = None,  # noqa: F821
+                 merged: bool = True, peft: bool = True) -> None:
     """A fine-tune's final/: adapter.safetensors (+ adapter_config.json), merged/ (Hugging Face, bf16; unless
     `merged` is false) and peft/ (unless `peft` is false), streamed from the trained model. `adapter`: its tensors
     when already gathered (`full_lora_state_dict`). `gguf`: a GGUF type (--export.gguf): model-<type>.gguf and an
@@ -48,8 +48,8 @@ def export_final(model: nn.Module, final_dir: Path, checkpoint_dir: Path, adapte
     replace_dir(staging, final_dir)  # a re-export replaces an older final/ as a whole too
 
 
-def _export_parts(model: nn.Module, staging: Path, checkpoint_dir: Path, adapter_config: dict, gguf: Optional[str],
-                  merged: bool, peft: bool) -> None:
+def _export_parts(model: nn.Module, staging: Path, checkpoint_dir: Path, adapter_config: dict,  # noqa: F821
+                  gguf: Optional[str], merged: bool, peft: bool) -> None:
     import torch
 
     from lit_qlora.checkpoint.hf import save_hf_checkpoint

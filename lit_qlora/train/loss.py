@@ -13,7 +13,9 @@ from lit_qlora.train.tiled_loss import tiled_ce_sum, use_tiled_loss
 IGNORE_INDEX = -100
 
 
-def _head_ce_sum(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, targets: torch.Tensor):
+def head_ce_sum(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, targets: torch.Tensor):
+    """One chunk's summed cross-entropy: `head`'s fp32 logits for `hidden` against `targets` (IGNORE_INDEX left out).
+    Looked up by module attribute on every chunk: `litqlora estimate` replaces it to trace only a loss's first chunks."""
     logits = head(hidden).float()
     return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
 
@@ -51,7 +53,7 @@ class _HeadLossWithEagerGradients(torch.autograd.Function):
         for start in range(0, targets.numel(), chunk_tokens):
             h = hidden[start : start + chunk_tokens].detach().requires_grad_()
             with torch.enable_grad():
-                loss = _head_ce_sum(head, h, targets[start : start + chunk_tokens])
+                loss = head_ce_sum(head, h, targets[start : start + chunk_tokens])
                 grads = torch.autograd.grad(loss, (h, *params), allow_unused=True)
             grad_hidden[start : start + chunk_tokens] = grads[0]
             for acc, grad in zip(grad_params, grads[1:]):
@@ -101,7 +103,7 @@ def chunked_cross_entropy_sum(
         return _HeadLossWithEagerGradients.apply(hidden, targets, head, chunk_tokens, *params)
     total = hidden.new_zeros((), dtype=torch.float32)
     for start in range(0, targets.numel(), chunk_tokens):
-        total = total + _head_ce_sum(head, hidden[start : start + chunk_tokens], targets[start : start + chunk_tokens])
+        total = total + head_ce_sum(head, hidden[start : start + chunk_tokens], targets[start : start + chunk_tokens])
     return total
 
 

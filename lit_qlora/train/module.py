@@ -12,6 +12,7 @@ import lightning as L
 import torch
 
 from lit_qlora.train.compile import compile_blocks, compile_seconds, is_compiled
+from lit_qlora.errors import NonFinite
 from lit_qlora.memory.accounting import peak_memory_stats
 from lit_qlora.model.transformer import Transformer
 from lit_qlora.parallel.distributed import full, no_gradient_sync, reshard, shard_model
@@ -150,7 +151,7 @@ class FinetuneModule(L.LightningModule):
             # Dynamic loss scaling at work, not a diverging run: the scaler skips this update and halves its scale.
             problem = f"The gradients overflowed fp16 at loss scale {loss_scale:g} (loss {loss.item():.4f})"
         if problem and self.train_args.on_nonfinite == "stop" and not overflow:
-            raise FloatingPointError(
+            raise NonFinite(
                 f"{problem} at optimizer step {step}; nothing from this step was saved (earlier checkpoints are "
                 "unaffected). Lower --train.lr, use --precision bf16-true, 16-mixed or 32-true instead of 16-true, or "
                 "pass --train.on_nonfinite skip to skip such batches; then resume with --resume auto."

@@ -24,7 +24,7 @@ import torch.nn as nn
 from lit_qlora.lora.dropout import dropped_down
 from lit_qlora.nf4 import is_nf4, row_slices
 from lit_qlora.nf4 import linear as nf4_linear
-from lit_qlora.nf4.linear import DENSE_CHUNK_ELEMS, _dense_rows
+from lit_qlora.nf4.linear import DENSE_CHUNK_ELEMS, dense_rows
 
 
 def vocab_sliced_head(head: nn.Module, softcap: Optional[float]) -> bool:
@@ -41,7 +41,7 @@ def vocab_sliced_head(head: nn.Module, softcap: Optional[float]) -> bool:
 
 
 def _slice_logits(hidden, weight, rows, dtype, p, b):
-    w = _dense_rows(weight, dtype, *rows)  # (valid until the next dequantization on this thread)
+    w = dense_rows(weight, dtype, *rows)  # (valid until the next dequantization on this thread)
     z = hidden @ w.T
     if p is not None:
         z.addmm_(p, b[rows[0] : rows[1]].T)

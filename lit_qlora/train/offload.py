@@ -66,10 +66,10 @@ def offload_choice(choice: Any, cuda: bool, checkpoint_blocks: int, input_bytes:
     """(whether to offload, why) for `--train.offload_activations` `choice` (true, false or auto): a run on CUDA or
     not, with `checkpoint_blocks` checkpointed blocks whose inputs take `input_bytes` per micro-batch, on a host with
     `host_available` bytes free and a card of `device_total` bytes (None: not known, e.g. an estimate without
-    --device_memory). `true` where it cannot apply is a UserError (TrainArgs.require_valid_offload)."""
-    from lit_qlora.train.args import TrainArgs
+    --device_memory). `true` where it cannot apply is a UserError (lit_qlora.train.args.require_offload_applies)."""
+    from lit_qlora.train.args import require_offload_applies
 
-    TrainArgs(offload_activations=choice).require_valid_offload(cuda, checkpoint_blocks > 0)
+    require_offload_applies(choice, cuda, checkpoint_blocks > 0)
     if choice is True:
         return True, "--train.offload_activations true"
     if choice is False:

@@ -10,21 +10,23 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from lit_qlora.train.args import DataArgs, LoRAArgs, TrainArgs, data_source, flatten
+from lit_qlora.train.args import data_source, flatten
 
 
-def recipe(checkpoint_dir: Path, quantize: str, precision: str, seed: int, lora: LoRAArgs, train: TrainArgs,
-           data: DataArgs, ignore_modules: Optional[list[str]]) -> dict[str, Any]:
-    """The settings that define a run, as JSON (state.json's "run" holds them), with the sha256 of its dataset file:
-    the same path with edited rows is other data."""
+def recipe(spec: Any, precision: str) -> dict[str, Any]:
+    """The settings that define a run (a lit_qlora.train.spec.RunSpec, in its decided `precision`), as JSON
+    (state.json's "run" holds them), with the sha256 of its dataset file: the same path with edited rows is other
+    data."""
     from lit_qlora.model.config import Quantize
     from lit_qlora.data.formats import fingerprint
 
-    return {"checkpoint_dir": str(checkpoint_dir), "quantize": Quantize(quantize).value, "precision": precision,
-            "seed": seed, "lora": asdict(lora), "train": json.loads(json.dumps(asdict(train), default=str)),
+    data = spec.data
+    return {"checkpoint_dir": str(spec.checkpoint_dir), "quantize": Quantize(spec.quantize).value,
+            "precision": precision, "seed": spec.seed, "lora": asdict(spec.lora),
+            "train": json.loads(json.dumps(asdict(spec.train), default=str)),
             "data": json.loads(json.dumps(asdict(data), default=str)),
             "data_sha256": fingerprint([data_source(data), *([data.val_path] if data.val_path else [])]),
-            "ignore_modules": list(ignore_modules or [])}
+            "ignore_modules": list(spec.ignore_modules or [])}
 
 
 # What a resume may change: how often it logs and saves, how it spends memory and what it does on a non-finite

@@ -12,7 +12,7 @@ import time
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -21,22 +21,22 @@ from lit_qlora.checkpoint.files import atomic_write_text
 from lit_qlora.checkpoint.loading import load_model
 from lit_qlora.checkpoint.tokenizer import Tokenizer
 from lit_qlora.deploy.gguf_import import ensure_default_checkpoint
-from lit_qlora.guards import oom_advice
-from lit_qlora.hardware import choose_precision, uses_cuda
+from lit_qlora.train.guards import oom_advice
 from lit_qlora.lora.layer import apply_lora, resolve_targets, tied_head_note
 from lit_qlora.memory.accounting import peak_memory_stats, release_free_memory
 from lit_qlora.model.config import ADAPTER_DTYPES, DTYPE_NAMES, MIXED_PRECISIONS, PRECISION_DTYPES, Config, Quantize
 from lit_qlora.nf4 import count_linears
 from lit_qlora.parallel.distributed import build_strategy, keep_frozen_out_of_ddp, nf4_shards_for
 from lit_qlora.parallel.tensor_parallel import TensorParallelShard
-from lit_qlora.threads import threads_summary
-from lit_qlora.train.args import DataArgs, ExportArgs, LoRAArgs, TrainArgs, total_steps_for
+from lit_qlora.threads import govern_threads, threads_summary
+from lit_qlora.train.args import ExportArgs, total_steps_for
 from lit_qlora.train.compile import compile_seconds
 from lit_qlora.train.disk import output_sizes, require_disk_space
 from lit_qlora.train.final import export_final
 from lit_qlora.train.offload import offload_for_run, offload_summary
 from lit_qlora.train.report import print_report
-from lit_qlora.train.resume import recipe, resolve_resume
+from lit_qlora.train.resume import recipe
+from lit_qlora.train.spec import Decided, RunSpec, decide
 from lit_qlora.train.state import read_state
 
 
@@ -57,31 +57,36 @@ class RunHooks:
 
 @dataclass
 class RunConfig:
-    """A run's resolved settings."""
+    """A run's settings as it runs: the spec, what decide() made of its choices, and what follows from the data, the
+    base and the checkpoint it resumes."""
 
-    checkpoint_dir: Path
-    out_dir: Path
-    quantize: Quantize
-    precision: str
-    seed: int
-    lora: LoRAArgs
-    train: TrainArgs
-    data: DataArgs
-    ignore_modules: list[str]
+    spec: RunSpec
+    decided: Decided
     world_size: int
-    strategy: str
-    tensor_parallel: int
     nf4_shards: int  # the NF4 layout's shard count (nf4_shards_for)
     start_step: int
     total_steps: int
-    resume_from: Optional[Path]
     initial_val_loss: Optional[float] = None  # a resumed run's, from its checkpoint
-    compile: bool = False
-    precision_reason: str = "given with --precision"
     tied_head: bool = False  # the base's head is its embedding: `all` leaves it out (lit_qlora.lora.resolve_targets)
     prompt_style: Optional[str] = None  # the style rows were rendered in (--data.prompt_style, auto resolved)
     hooks: RunHooks = field(default_factory=lambda: RunHooks())  # what trains: SFT, or a verb's objective
     initial_val_metrics: dict[str, float] = field(default_factory=dict)  # a resumed run's, from its checkpoint
+
+    # The spec's settings and the decisions, by the names the run's parts read them.
+    checkpoint_dir = property(lambda self: Path(self.spec.checkpoint_dir))
+    out_dir = property(lambda self: Path(self.spec.out_dir))
+    quantize = property(lambda self: Quantize(self.spec.quantize))
+    seed = property(lambda self: self.spec.seed)
+    lora = property(lambda self: self.spec.lora)
+    train = property(lambda self: self.spec.train)
+    data = property(lambda self: self.spec.data)
+    ignore_modules = property(lambda self: list(self.spec.ignore_modules or []))
+    strategy = property(lambda self: self.spec.strategy)
+    tensor_parallel = property(lambda self: self.spec.tensor_parallel)
+    precision = property(lambda self: self.decided.precision)
+    precision_reason = property(lambda self: self.decided.precision_reason)
+    compile = property(lambda self: self.decided.compile)
+    resume_from = property(lambda self: self.decided.resume_from)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -100,8 +105,7 @@ class RunConfig:
 
     def as_json(self) -> dict[str, Any]:
         """What every checkpoint's state.json records as "run": the recipe and how it was laid out on devices."""
-        return {**recipe(self.checkpoint_dir, self.quantize, self.precision, self.seed, self.lora, self.train, self.data,
-                         self.ignore_modules), **self.hooks.recorded(),
+        return {**recipe(self.spec, self.precision), **self.hooks.recorded(),
                 "world_size": self.world_size, "strategy": self.strategy, "tensor_parallel": self.tensor_parallel,
                 "nf4_shards": self.nf4_shards, "compile": self.compile}
 
@@ -139,19 +143,17 @@ class Run:
     data: Any  # lit_qlora.train.datamodule.SFTDataModule
     train_loader: Any  # torch.utils.data.DataLoader
     started: float  # perf_counter() at the start: this process's part of summary.json's wall_seconds
-    export: ExportArgs = field(default_factory=ExportArgs)  # what final/ holds besides the adapter
+
+    @property
+    def export(self) -> ExportArgs:
+        """What final/ holds besides the adapter."""
+        return self.config.spec.export
 
 
-def setup(checkpoint_dir: Path, out_dir: Path, quantize: str, precision: str, seed: int, accelerator: str,
-          devices: int, num_nodes: int, strategy: str, tensor_parallel: int, nf4_shards: Optional[int],
-          resume: Union[bool, str, Path], lora: LoRAArgs, train: TrainArgs, data: DataArgs,
-          ignore_modules: Optional[list[str]], compile: bool = False, precision_reason: Optional[str] = None,
-          logger: Sequence[str] = ("tensorboard",), export: ExportArgs = ExportArgs(),
-          hooks: Optional[RunHooks] = None) -> Run:
+def setup(spec: RunSpec, decided: Optional[Decided] = None, hooks: Optional[RunHooks] = None) -> Run:
     """Check the settings, load the data and the base (NF4 unless quantize=none), add LoRA, build the Trainer.
-    `precision` may be auto (resolved here); `precision_reason` says why it is what it is (summary.json); `logger`
-    names the loggers besides metrics.jsonl (lit_qlora.train.loggers); `hooks`, what a verb other than finetune
-    trains (its data and module)."""
+    `decided`: what `lit_qlora.train.spec.decide` made of the spec's choices (decided here when not given); `hooks`,
+    what a verb other than finetune trains (its data and module)."""
     # Lightning (and what builds on it) loads here, without transformers, matplotlib and scipy, which torchmetrics
     # would import only because they are installed (lit_qlora.train.lean_imports).
     from lit_qlora.train.lean_imports import lean_imports
@@ -169,34 +171,31 @@ def setup(checkpoint_dir: Path, out_dir: Path, quantize: str, precision: str, se
                                                 sample_prompt_ids)
 
     started = time.perf_counter()
-    if precision == "auto" or precision_reason is None:
-        precision, precision_reason = choose_precision(precision, accelerator)
-    out_dir = Path(out_dir)
-    world_size = devices * num_nodes
-    strategy_arg = build_strategy(strategy, world_size, tensor_parallel)  # checks the sizes before any loading
+    decided = decided or decide(spec)
+    precision, lora, train, data = decided.precision, spec.lora, spec.train, spec.data
+    checkpoint_dir, out_dir, tensor_parallel = spec.checkpoint_dir, Path(spec.out_dir), spec.tensor_parallel
+    world_size = spec.devices * spec.num_nodes
+    strategy_arg = build_strategy(spec.strategy, world_size, tensor_parallel)  # checks the sizes before any loading
     train.accumulation(world_size // tensor_parallel)  # checks that the global batch divides
-    train.require_fixed_length()
-    train.require_valid_validation(data)
-    train.require_valid_offload(uses_cuda(accelerator))
-    L.seed_everything(seed, verbose=False)
+    L.seed_everything(spec.seed, verbose=False)
     ensure_default_checkpoint(checkpoint_dir)
     # Before anything heavy: a run that cannot write its exports should not train first.
-    require_disk_space(out_dir, output_sizes(checkpoint_dir, lora, train, export, ADAPTER_DTYPES[precision].itemsize,
-                                             quantize, tuple(ignore_modules or ())))
+    require_disk_space(out_dir, output_sizes(checkpoint_dir, lora, train, spec.export,
+                                             ADAPTER_DTYPES[precision].itemsize, spec.quantize,
+                                             tuple(spec.ignore_modules or ())))
     hooks = hooks or RunHooks()
     dm = (hooks.data_module or SFTDataModule)(data, Tokenizer(checkpoint_dir), train.max_seq_length,
-                                              train.micro_batch_size, seed)
+                                              train.micro_batch_size, spec.seed)
     dm.setup("fit")
     total_steps = total_steps_for(train, len(dm.train_set))
-    resume_from = resolve_resume(resume, out_dir)
+    resume_from = decided.resume_from
     resume_state = read_state(resume_from) if resume_from else {}
-    if resume_from and nf4_shards is None and strategy != "tp":  # keep the NF4 bits on another number of devices
+    nf4_shards = spec.nf4_shards
+    if resume_from and nf4_shards is None and spec.strategy != "tp":  # keep the NF4 bits on another number of devices
         saved = resume_state.get("run", {}).get("nf4_shards")
-        nf4_shards = saved if saved and (strategy != "fsdp" or saved % world_size == 0) else None
-    config = RunConfig(Path(checkpoint_dir), out_dir, Quantize(quantize), precision, seed, lora, train, data,
-                       list(ignore_modules or []), world_size, strategy, tensor_parallel,
-                       nf4_shards_for(strategy, world_size, nf4_shards), resume_state.get("step", 0), total_steps,
-                       resume_from, resume_state.get("initial_val_loss"), compile, precision_reason,
+        nf4_shards = saved if saved and (spec.strategy != "fsdp" or saved % world_size == 0) else None
+    config = RunConfig(spec, decided, world_size, nf4_shards_for(spec.strategy, world_size, nf4_shards),
+                       resume_state.get("step", 0), total_steps, resume_state.get("initial_val_loss"),
                        Config.from_checkpoint(checkpoint_dir).tie_embeddings, dm.style.name, hooks,
                        resume_state.get("initial_val_metrics") or {})
 
@@ -218,9 +217,9 @@ def setup(checkpoint_dir: Path, out_dir: Path, quantize: str, precision: str, se
     plugin = NF4Precision(precision, config.ignore_modules, config.nf4_shards, quantize=nf4) \
         if nf4 or precision in MIXED_PRECISIONS else None
     quiet_lightning()
-    loggers = build_loggers(logger, out_dir, config.start_step)
+    loggers = build_loggers(decided.loggers, out_dir, config.start_step)
     trainer = L.Trainer(
-        accelerator=accelerator, devices=devices, num_nodes=num_nodes, strategy=strategy_arg,
+        accelerator=spec.accelerator, devices=spec.devices, num_nodes=spec.num_nodes, strategy=strategy_arg,
         precision=None if plugin else precision, plugins=[plugin] if plugin else None, callbacks=callbacks,
         logger=loggers, log_every_n_steps=train.log_interval, max_epochs=1, enable_checkpointing=False,
         num_sanity_val_steps=0, use_distributed_sampler=False, enable_model_summary=False,
@@ -233,6 +232,7 @@ def setup(checkpoint_dir: Path, out_dir: Path, quantize: str, precision: str, se
         shard = TensorParallelShard(trainer.global_rank % tensor_parallel, tensor_parallel) if tensor_parallel > 1 else None
         model = load_model(config.checkpoint_dir, config.quantize, precision, shard=shard,
                            ignore_modules=config.ignore_modules, nf4_world_size=config.nf4_shards).train()
+    govern_threads(model)  # the run shares the CPU with other processes (lit_qlora.threads)
     apply_lora(model, lora.r, lora.alpha, lora.dropout, lora.targets, lora.rslora, dtype=config.lora_dtype)
     if train.init_adapter is not None:  # a finished run's adapter to go on from (a resume then restores its own)
         load_adapter(model, train.init_adapter)
@@ -248,7 +248,7 @@ def setup(checkpoint_dir: Path, out_dir: Path, quantize: str, precision: str, se
     if trainer.is_global_zero and trainer.strategy.root_device.type == "cuda":
         print(f"Offloaded activation checkpoints: {'on' if model.activation_offload else 'off'} ({offload_reason})")
     module = hooks.module(model, dm, config) if hooks.module else FinetuneModule(model, train, total_steps,
-                                                                                config.start_step, compile=compile)
+                                                                                config.start_step, compile=config.compile)
     periodic = periodic_validation(callbacks)
     module.validation_record = periodic.record if periodic else None
     keep_frozen_out_of_ddp(module)
@@ -256,7 +256,7 @@ def setup(checkpoint_dir: Path, out_dir: Path, quantize: str, precision: str, se
     # The ranks of one tensor-parallel group (consecutive global ranks) take the same samples.
     loader = dm.step_dataloader(train.global_batch_size, config.start_step, total_steps,
                                 trainer.global_rank // tensor_parallel, config.data_ranks)
-    return Run(config, trainer, module, dm, loader, started, export)
+    return Run(config, trainer, module, dm, loader, started)
 
 
 def fit(run: Run) -> dict[str, Any]:

@@ -13,6 +13,8 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils.data import Sampler
 
+from lit_qlora.errors import InvalidInput
+
 
 def epoch_order(num_samples: int, seed: int, epoch: int) -> list[int]:
     """All sample indices of one epoch, in training order."""
@@ -28,8 +30,8 @@ class StepSampler(Sampler[list[int]]):
                  rank: int = 0, world_size: int = 1) -> None:
         self.steps_per_epoch = num_samples // global_batch
         if self.steps_per_epoch == 0:
-            raise ValueError(f"The training split has {num_samples} samples, fewer than one global batch "
-                             f"({global_batch}). Lower train.global_batch_size or add data.")
+            raise InvalidInput(f"The training split has {num_samples} samples, fewer than one global batch "
+                               f"({global_batch}). Lower --train.global_batch_size or add data.")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, {world_size})")
         self.num_samples, self.global_batch, self.seed = num_samples, global_batch, seed

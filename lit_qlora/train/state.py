@@ -15,8 +15,10 @@ from typing import Any, Optional
 
 import torch
 
-from lit_qlora.checkpoint.files import TensorSpec, atomic_write_text, iter_safetensors, replace_dir, write_safetensors
-from lit_qlora.guards import require_finite
+from lit_qlora.checkpoint.files import (CheckpointError, TensorSpec, atomic_write_text, iter_safetensors, replace_dir,
+                                        write_safetensors)
+from lit_qlora.errors import MissingFile
+from lit_qlora.checkpoint.files import require_finite
 from lit_qlora.checkpoint.adapter import full_lora_state_dict, load_adapter
 from lit_qlora.parallel.distributed import full, shard_like
 
@@ -99,12 +101,12 @@ def save_training_state(out_dir: Path, step: int, model: Optional[torch.nn.Modul
 def read_state(path: Path) -> dict[str, Any]:
     file = Path(path) / STATE_FILE
     if not file.is_file():
-        raise FileNotFoundError(f"{file} does not exist: --resume needs a checkpoint directory written by "
-                                "`litqlora finetune` (out_dir/checkpoints/step-NNNNNN), or `auto`.")
+        raise MissingFile(f"{file} does not exist: --resume needs a checkpoint directory written by "
+                          "`litqlora finetune` (out_dir/checkpoints/step-NNNNNN), or `auto`.")
     try:
         return json.loads(file.read_text())
     except json.JSONDecodeError as e:
-        raise ValueError(f"{file} is not valid JSON ({e}); resume from an older checkpoint.") from None
+        raise CheckpointError(f"{file} is not valid JSON ({e}); resume from an older checkpoint.") from None
 
 
 def load_training_state(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:

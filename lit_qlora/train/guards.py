@@ -1,9 +1,10 @@
-"""Failures in the middle of a run turned into errors a user can act on: out of memory, non-finite numbers."""
+"""Out-of-memory failures in the middle of a run (or a command's loading) turned into errors a user can act on: the
+settings that lower memory. (Non-finite weights: lit_qlora.checkpoint.files.require_finite.)"""
 
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Callable, Iterator, Mapping
+from typing import Callable, Iterator
 
 import torch
 
@@ -37,18 +38,3 @@ def oom_advice(where: Callable[[], str], settings: str, quantized: bool) -> Iter
             "the same: more accumulation steps), lower --train.max_seq_length, or turn on "
             f"--train.activation_checkpointing true{offload}{nf4}; resume with --resume auto."
         ) from None
-
-
-def nonfinite_names(tensors: Mapping[str, torch.Tensor]) -> list[str]:
-    return [name for name, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
-
-
-def require_finite(tensors: Mapping[str, torch.Tensor], what: str) -> None:
-    """Raise FloatingPointError instead of writing NaN/inf weights."""
-    bad = nonfinite_names(tensors)
-    if bad:
-        raise FloatingPointError(
-            f"{len(bad)} adapter tensor(s) are not finite (e.g. {bad[0]}), so {what} was not written; the newest "
-            "checkpoint on disk is still good. Lower --train.lr or use --precision bf16-true, 16-mixed or 32-true, "
-            "then resume with --resume auto."
-        )

@@ -1,0 +1,61 @@
+"""What `litqlora estimate` accepts: a finetune or dpo recipe's run spec, read as it is, and the card to fit it on.
+Plain dataclasses: the CLI reads them for `--help` without torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ClassVar, Literal, Optional
+
+from lit_qlora.hardware import PrecisionChoice
+from lit_qlora.preference.args import DPOArgs
+from lit_qlora.train.args import DataArgs
+from lit_qlora.train.spec import RunSpec
+
+
+@dataclass
+class RecipeDataArgs(DataArgs):
+    format: Literal["auto", "alpaca", "messages", "sharegpt", "prompt_completion", "text",  # type: ignore[assignment]
+                    "explicit", "implicit"] = "auto"
+    """A finetune recipe's row format or a dpo recipe's pair format (read, not used: the estimate's sequences are
+    max_seq_length tokens)."""
+
+
+@dataclass
+class EstimateSpec(RunSpec):
+    """A recipe's settings as the estimate reads them (what sets the step's memory), and the card."""
+
+    # What changes no byte of the traced step is not an estimate option (a recipe's file may still not hold it).
+    cli_skip: ClassVar[frozenset[str]] = frozenset({"accelerator", "nf4_shards", "resume", "ignore_modules", "compile",
+                                                    "overwrite", "logger", "export"})
+
+    checkpoint_dir: str = "checkpoints/SmolLM2-135M-Instruct"  # type: ignore[assignment]
+    """A model directory (only its config.json is read), a preset name from lit_qlora/model/config.py (e.g.
+    Llama-2-7b), or a recipe's checkpoint directory that is not downloaded yet (its preset is used)."""
+    out_dir: Path = Path("out/estimate")
+    """Where estimate.json goes."""
+    quantize: Literal["nf4", "none"] = "nf4"
+    """nf4 (QLoRA) or none (LoRA), as for finetune."""
+    precision: PrecisionChoice = "auto"
+    """As for finetune; auto is what finetune's auto picks on the target --device: bf16-true for cuda (it assumes a
+    GPU with bf16, compute capability >= 8.0; for a T4 or V100 pass 16-mixed), and for cpu what this machine's CPU
+    would pick."""
+    seed: int = 1337
+    """Accepted so a finetune recipe reads as it is (an estimate has no randomness)."""
+    data: RecipeDataArgs = field(default_factory=RecipeDataArgs)
+    """Accepted so a finetune or dpo recipe reads as it is (the step runs on max_seq_length tokens per sequence)."""
+    device: Literal["cuda", "cpu"] = "cuda"
+    """cuda (predict torch.cuda.max_memory_allocated on a GPU) or cpu (allocated tensor bytes on a CPU)."""
+    device_memory: Optional[str] = None
+    """The card's memory, e.g. 24GiB: also find the largest micro-batch size that fits, with and without activation
+    checkpointing; with --train.max_seq_length auto, the longest sequence that fits at the given micro-batch instead
+    (and the host memory it needs for offloaded activations). Units as written: GiB (2^30 bytes), GB (10^9), a bare
+    G reads as GiB; the bytes are echoed."""
+    method: Optional[Literal["sft", "dpo"]] = None
+    """sft (`litqlora finetune`'s step) or dpo (`litqlora dpo`'s: micro_batch_size pairs, two sequences each, in one
+    forward and backward, and the reference's no-grad forward with --dpo.reference adapters_off). Default: dpo when
+    the recipe has a `dpo:` section or a --dpo.* flag is given (a config_hub/dpo/ preset), else sft."""
+    dpo: Optional[DPOArgs] = None
+    """The preference objective, as for `litqlora dpo` (--dpo.help lists its options): --dpo.loss and --dpo.reference
+    decide whether a reference forward runs in the step. Given (a recipe's `dpo:` section or a --dpo.* flag), the
+    method is dpo unless --method sft says otherwise."""
