@@ -1,4 +1,4 @@
-"""lit-qlora: QLoRA fine-tuning on Lightning (the `litqlora` command is lit_qlora/cli.py; how the packages fit:
+"""lit-qlora: QLoRA fine-tuning on Lightning (the `litqlora` command is lit_qlora/cli/; how the packages fit:
 docs/architecture.md).
 
 Here: the process settings that must precede torch, and `public_names`, with which each package names its public API."""

@@ -397,3 +397,13 @@ def test_the_package_root_holds_at_most_16_entries():
     entries = sorted(p.name for p in (REPO / "lit_qlora").iterdir()
                      if p.name not in ("__init__.py", "__pycache__") and not p.name.endswith(".egg-info"))
     assert len(entries) <= 16, entries
+
+
+def test_settings_travel_as_objects_not_long_parameter_lists():
+    """A run's ~20 settings travel as one run spec (lit_qlora.train.spec): no function of ours takes 15 parameters or
+    more (a Triton kernel's launch arguments may; one such function at most)."""
+    long = [f"{path.relative_to(REPO)}:{node.name}" for path in module_files().values()
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and len(node.args.posonlyargs) + len(node.args.args) + len(node.args.kwonlyargs) >= 15]
+    assert len(long) <= 1, long

@@ -6,7 +6,6 @@ Light at import, as `finetune` is: the CLI reads the signature for `--help`."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, Optional
@@ -43,7 +42,9 @@ def dpo(spec: Optional[DPOSpec] = None, **settings: Any) -> dict[str, Any]:
     print(f"Objective: {describe(spec.dpo, spec.train.init_adapter)}")
     summary = start_run(spec, hooks=preference_hooks(spec.dpo))
     if summary:
-        print_samples(Path(spec.out_dir))
+        from lit_qlora.train.report import print_sample_change
+
+        print_sample_change(Path(spec.out_dir))
     return summary
 
 
@@ -75,7 +76,7 @@ def build_module(model: Any, dm: Any, config: Any, dpo: DPOArgs) -> Any:
     """The run's PreferenceModule, with its reference: the base (adapters off) or the starting adapter."""
     from lit_qlora.preference.loss import Objective
     from lit_qlora.preference.module import PreferenceModule
-    from lit_qlora.preference.reference import Reference
+    from lit_qlora.preference.reference import Reference, cache_fingerprint, starting_adapter
 
     objective = Objective.from_args(dpo)
     reference = None
@@ -85,43 +86,3 @@ def build_module(model: Any, dm: Any, config: Any, dpo: DPOArgs) -> Any:
                               dm.collate, config.train.micro_batch_size, cache_fingerprint(config))
     return PreferenceModule(model, config.train, config.total_steps, config.start_step, compile=config.compile,
                             objective=objective, reference=reference)
-
-
-def starting_adapter(init_adapter: Optional[Path]) -> Optional[dict]:
-    """The full tensors of --train.init_adapter (the reference's adapter), or None (the reference is the base)."""
-    if init_adapter is None:
-        return None
-    from safetensors.torch import load_file
-
-    from lit_qlora.checkpoint.adapter import ADAPTER_WEIGHTS, find_adapter_dir
-
-    return load_file(str(find_adapter_dir(Path(init_adapter)) / ADAPTER_WEIGHTS))
-
-
-def cache_fingerprint(config: Any) -> dict[str, Any]:
-    """What the cached reference log-probabilities depend on: the base and how it is stored, the starting adapter,
-    the pairs (data, split, tokenization)."""
-    from lit_qlora.data.files import file_sha256
-
-    run = config.as_json()
-    init = config.train.init_adapter
-    if init is not None:
-        from lit_qlora.checkpoint.adapter import ADAPTER_WEIGHTS, find_adapter_dir
-
-        init = file_sha256(find_adapter_dir(Path(init)) / ADAPTER_WEIGHTS)
-    return {"base": run["checkpoint_dir"], "quantize": run["quantize"], "precision": run["precision"],
-            "ignore_modules": run["ignore_modules"], "nf4_shards": run["nf4_shards"], "seed": run["seed"],
-            "data": run["data"], "data_sha256": run["data_sha256"], "max_seq_length": config.train.max_seq_length,
-            "prompt_style": config.prompt_style, "init_adapter": init}
-
-
-def print_samples(out_dir: Path) -> None:
-    """With --train.eval_interval: the held-out prompt's greedy reply before training and after (samples.jsonl)."""
-    path = out_dir / "samples.jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
-    if len(rows) < 2:
-        return
-    first, last = rows[0], rows[-1]
-    print(f"\nA held-out prompt (validation): {first['prompt'].strip()!r}\n"
-          f"  before (step {first['step']}): {first['reply'].strip()!r}\n"
-          f"  after (step {last['step']}): {last['reply'].strip()!r}")

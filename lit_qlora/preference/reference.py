@@ -17,6 +17,7 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import nn
 
+from lit_qlora.checkpoint.adapter import ADAPTER_WEIGHTS, find_adapter_dir
 from lit_qlora.checkpoint.files import TensorSpec, write_safetensors
 from lit_qlora.lora.layer import adapters_disabled, lora_modules
 from lit_qlora.parallel.distributed import shard_like
@@ -128,3 +129,27 @@ class Reference:
             print(f"Reference log-probabilities: {sum(len(t) for t in table.values())} pairs, written to {self.path}")
         trainer.strategy.barrier()
         return table
+
+
+def starting_adapter(init_adapter: Optional[Path]) -> Optional[dict]:
+    """The full tensors of --train.init_adapter (the reference's adapter), or None (the reference is the base)."""
+    if init_adapter is None:
+        return None
+    from safetensors.torch import load_file
+
+    return load_file(str(find_adapter_dir(Path(init_adapter)) / ADAPTER_WEIGHTS))
+
+
+def cache_fingerprint(config: Any) -> dict[str, Any]:
+    """What the cached reference log-probabilities depend on: the base and how it is stored, the starting adapter,
+    the pairs (data, split, tokenization)."""
+    from lit_qlora.data.files import file_sha256
+
+    run = config.as_json()
+    init = config.train.init_adapter
+    if init is not None:
+        init = file_sha256(find_adapter_dir(Path(init)) / ADAPTER_WEIGHTS)
+    return {"base": run["checkpoint_dir"], "quantize": run["quantize"], "precision": run["precision"],
+            "ignore_modules": run["ignore_modules"], "nf4_shards": run["nf4_shards"], "seed": run["seed"],
+            "data": run["data"], "data_sha256": run["data_sha256"], "max_seq_length": config.train.max_seq_length,
+            "prompt_style": config.prompt_style, "init_adapter": init}

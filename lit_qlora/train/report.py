@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -74,3 +75,15 @@ def wall_time(summary: dict[str, Any]) -> str:
 def loss(value: Any) -> str:
     """A loss to 4 decimals; '-' where there is none (no validation split, no step trained)."""
     return "-" if value is None else f"{value:.4f}"
+
+
+def print_sample_change(out_dir: Path) -> None:
+    """With --train.eval_interval: the held-out prompt's greedy reply before training and after (samples.jsonl)."""
+    path = out_dir / "samples.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    if len(rows) < 2:
+        return
+    first, last = rows[0], rows[-1]
+    print(f"\nA held-out prompt (validation): {first['prompt'].strip()!r}\n"
+          f"  before (step {first['step']}): {first['reply'].strip()!r}\n"
+          f"  after (step {last['step']}): {last['reply'].strip()!r}")
