@@ -46,8 +46,10 @@ def test_no_other_module_keeps_its_own_dtype_table():
 def test_cli_verbs_offer_the_tables_values(verb):
     """The verbs keep their Literal flags (the CLI contract); their choices are the table's and the enum's."""
     from lit_qlora.cli import commands
+    from lit_qlora.cli.usage import spec_class
 
-    hints = typing.get_type_hints(commands()[verb])
+    command = commands()[verb]
+    hints = typing.get_type_hints(spec_class(command) or command)  # a run spec's fields are its verb's flags
     literals = {name: next((a for a in [hint, *typing.get_args(hint)] if typing.get_origin(a) is typing.Literal), None)
                 for name, hint in hints.items() if name in ("quantize", "precision")}
     assert typing.get_args(literals["quantize"]) == tuple(q.value for q in Quantize)

@@ -137,26 +137,50 @@ def test_set_openmp_spin_respects_the_users_choice():
         assert env == mine
 
 
-def test_a_real_competitor_takes_threads_away_and_gives_them_back(restore_threads):
-    """Busy processes on every CPU this process may use: the governor runs torch on one thread, and on the count
-    it started with once they are gone (each within a few windows: other work on the machine may blur one)."""
+@pytest.fixture(params=["quiet", "busy"])
+def machine(request):
+    """The machine as the test finds it, or with another process tree keeping one core busy throughout (users run
+    the suite beside other work): the tests below must hold either way."""
+    pids = [outsider("while True: pass")] if request.param == "busy" else []
+    time.sleep(0.3 if pids else 0)
+    yield request.param
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+
+
+def working(seconds: float) -> None:
+    """Keep this process busy, as a training process is (the governor skips windows in which it idles)."""
+    start = time.process_time()
+    while time.process_time() - start < seconds:
+        pass
+
+
+def test_a_real_competitor_takes_threads_away_and_gives_them_back(restore_threads, machine):
+    """Busy processes on every CPU this process may use: the governor runs torch on one thread; once they are gone it
+    gives the threads back as far as the other work on the machine leaves cores free (all of them on a quiet
+    machine), each within a few windows."""
     gov = ThreadGovernor(wanted=2, interval=0.5, environ={})
 
-    def settles_at(threads: int) -> bool:
+    def settles(expected) -> bool:
         deadline = time.monotonic() + 8
-        while gov() != threads and time.monotonic() < deadline:
-            busy = time.process_time()
-            while time.process_time() - busy < 0.25:  # working, as a training process is (idle windows are skipped)
-                pass
-        return gov.target == threads == torch.get_num_threads()
+        while time.monotonic() < deadline:
+            gov()
+            if gov.target == expected() == torch.get_num_threads():
+                return True
+            working(0.25)
+        return False
 
     competitors = [outsider("while True: pass") for _ in gov.cpus]
     try:
-        assert settles_at(1)
+        assert settles(lambda: 1)
+        during = gov.others
     finally:
         for pid in competitors:
             os.kill(pid, signal.SIGKILL)
-    assert settles_at(2)
+    # what its own measurement of the other processes asks for: every thread where the machine is otherwise quiet
+    assert settles(lambda: target_threads(2, len(gov.cpus), gov.others)), (during, gov.others)
+    if machine == "quiet" and gov.others < 0.5:
+        assert gov.target == 2
 
 
 def outsider(code: str) -> int:
@@ -167,15 +191,21 @@ def outsider(code: str) -> int:
     return int(started.stdout)
 
 
-def test_work_this_process_started_is_its_own_not_a_competitors(restore_threads):
+def test_work_this_process_started_is_its_own_not_a_competitors(restore_threads, machine):
     """Child processes (torch.compile's compiler workers, DataLoader workers, a child a test waits for) count as this
-    process: busy children on every CPU take no thread away, and their ticks stay counted after they exit."""
+    process: busy children on every CPU add nothing to what the governor counts as other processes' (whatever else
+    the machine is doing), and their ticks stay counted after they exit."""
     gov = ThreadGovernor(wanted=2, interval=0.5, environ={})
+    working(0.6)
+    gov()
+    outside = gov.others  # the other processes' load before the children: the machine's own
     before = tree_ticks()
     burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 1.0: pass"
     children = [subprocess.Popen([sys.executable, "-c", burn]) for _ in gov.cpus]
     time.sleep(0.7)
-    assert gov() == 2 and gov.others < 0.5 and torch.get_num_threads() == 2
+    gov()
+    # the children's ~2 cores would show here if they were counted as others'; the machine's own load may move a little
+    assert gov.others < outside + 0.5, (outside, gov.others)
     for p in children:
         p.wait()
     assert tree_ticks() - before >= 90 * len(children)  # ~1 s each at 100 Hz, now in this process's reaped count
