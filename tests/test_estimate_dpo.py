@@ -89,7 +89,8 @@ def test_a_pair_costs_more_than_a_sequence_and_the_reference_costs_no_weights(de
     traces = {name: trace_step(*args, device=device, preference=step) for name, step in steps.items()}
     assert traces["adapters_off"].peak > 1.5 * sft.peak
     assert traces["cached"].peak <= traces["adapters_off"].peak
-    assert traces["orpo"].peak == traces["cached"].peak
+    # (alike up to the two losses' own few temporaries, which can set the peak of so small a model)
+    assert traces["orpo"].peak == pytest.approx(traces["cached"].peak, rel=0.01)
     for name in ("frozen base", "embeddings and norms", "LoRA weights", "optimizer state"):
         assert {t.peak_by_category[name] for t in traces.values()} == {sft.peak_by_category[name]}, name
     # cached's one pass, before the first step, also makes the NF4 scratch buffers adapters_off's later passes reuse

@@ -297,7 +297,7 @@ def test_online_nf4_at_32_true_keeps_the_trained_nf4_codes(tiny_llama_dir, parit
             checked += 1
         else:
             assert param.dtype == torch.float32, name
-    assert checked == 15
+    assert checked == 14  # every linear but the tied head, which reads the embedding
     x = torch.randint(0, 1000, (2, 16))
     with torch.no_grad():
         assert torch.allclose(online(x), trained(x).float(), atol=0.05, rtol=0.05)

@@ -15,8 +15,6 @@ from lit_qlora.deploy.gguf_export import GGUFExportError, export_gguf, permute_r
 from lit_qlora.deploy.gguf_import import convert_gguf, unpermute_rope_rows
 from lit_qlora.checkpoint.loading import load_model
 from lit_qlora.checkpoint.tokenizer import Tokenizer
-from lit_qlora.lora.layer import LoRALinear
-from lit_qlora.model.attention import softcap
 from test_families import hf_checkpoint, random_adapter, tokens
 
 # Every family llama.cpp runs, in shapes it runs as we do (gguf_families.py): Gemma's query scale is head_dim, Gemma 2's
@@ -57,15 +55,6 @@ def logits(model, ids):
         return model(ids)
 
 
-def gguf_logits(model, ids):
-    """What the GGUF of `model` computes: its logits, but with an unadapted head of a tied checkpoint written tied,
-    the embedding W, where QLoRA computed with dequant(NF4(W)) (gguf_export.gguf_config)."""
-    if not getattr(model, "head_tied_in_checkpoint", False) or isinstance(model.lm_head, LoRALinear):
-        return logits(model, ids)
-    with torch.no_grad():
-        return softcap(model.forward_hidden(ids) @ model.model.embed_tokens.weight.T, model.config.final_softcap)
-
-
 def test_the_rope_permutation_is_the_inverse_of_the_imports():
     w = np.arange(64 * 3, dtype=np.float32).reshape(64, 3)
     assert not np.array_equal(permute_rope_rows(w, 4), w)
@@ -79,7 +68,7 @@ def test_f32_export_reads_back_to_the_merged_models_logits(family, quantize, smo
     back = load_model(convert_gguf(path, tmp_path / "back"), "none", "32-true")
     assert back.config.model_type == merged.config.model_type.replace("mistral", "llama")
     ids = tokens((2, 24))
-    want, got = gguf_logits(merged, ids), logits(back, ids)
+    want, got = logits(merged, ids), logits(back, ids)
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
     base = logits(load_model(tmp_path / "base", quantize, "32-true"), ids)
     assert (base - want).abs().max() > 100 * (got - want).abs().max()  # the adapter is in the file
@@ -255,7 +244,7 @@ def test_finetune_export_gguf_writes_the_trained_models_file_into_final(tiny_lla
     back = load_model(convert_gguf(final / "model-f32.gguf", tmp_path / "back"), "none", "32-true")
     trained = load_model(tiny_llama_dir, adapter_dir=final, precision="32-true")
     ids = tokens((1, 16))
-    want, got = gguf_logits(trained, ids), logits(back, ids)
+    want, got = logits(trained, ids), logits(back, ids)
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
 
 

@@ -17,14 +17,14 @@ from lit_qlora.deploy.export import hf_tensor_specs
 from lit_qlora.lora.layer import apply_lora, lora_state_dict, resolve_targets, tied_head
 from lit_qlora.model.config import Config, Quantize
 from lit_qlora.model.transformer import Transformer
-from lit_qlora.nf4 import FrozenNF4Linear, count_linears, dequantize_nf4, is_nf4, quantize_nf4
+from lit_qlora.nf4 import FrozenNF4Linear, base_linears, count_linears, dequantize_nf4, is_nf4, quantize_nf4
 from lit_qlora.parallel.tensor_parallel import TensorParallelShard, tp_layout_weight
 
 # Shapes that need non-default NF4 layouts: the MLP is 352 wide; the 320x256 head takes scaler blocks of 256 for
 # one shard but 320 for two (nf4_world_size=2). Two kv groups, so tensor parallelism of 2 divides everything.
 CONFIG = Config(vocab_size=320, n_layer=2, n_embd=256, n_head=4, n_query_groups=2, intermediate_size=352,
                 max_seq_length=64, tie_embeddings=True)
-LINEARS = 2 * 7 + 1  # seven projections per block, plus the head
+LINEARS = 2 * 7  # seven projections per block (the tied head is the embedding: not a linear of its own)
 
 
 @pytest.fixture(scope="module")
@@ -59,15 +59,14 @@ def test_nf4_base_quantizes_every_linear_from_the_precision_dtype(ckpt):
     model = load_model(ckpt, "nf4", "bf16-true")
     assert count_linears(model) == (LINEARS, LINEARS)
     weights = stored(ckpt)
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear):
-            assert type(module) is FrozenNF4Linear, name
-            want = quantize_nf4(weights[f"{name}.weight"].bfloat16())
-            assert torch.equal(module.weight.quantized_data, want.quantized_data), name
-            assert torch.equal(dequantize_nf4(module.weight), dequantize_nf4(want)), name
-    # Tied embeddings: the embedding stays bf16, the head gets its own NF4 copy and the config unties.
+    for name, module in base_linears(model).items():
+        assert type(module) is FrozenNF4Linear, name
+        want = quantize_nf4(weights[f"{name}.weight"].bfloat16())
+        assert torch.equal(module.weight.quantized_data, want.quantized_data), name
+        assert torch.equal(dequantize_nf4(module.weight), dequantize_nf4(want)), name
+    # Tied embeddings: the embedding stays bf16 and the head reads it (no NF4 copy); the config stays tied.
     assert torch.equal(model.model.embed_tokens.weight, weights["model.embed_tokens.weight"].bfloat16())
-    assert is_nf4(model.lm_head.weight) and not model.config.tie_embeddings
+    assert model.lm_head.weight is model.model.embed_tokens.weight and model.config.tie_embeddings
     # The save hook hands out dense weights (safetensors cannot store NF4).
     assert not is_nf4(model.state_dict()["model.layers.0.self_attn.q_proj.weight"])
 
@@ -119,9 +118,10 @@ def test_adapter_gives_the_outputs_of_the_model_that_trained(ckpt, tmp_path, qua
     assert not loaded.training
     assert count_linears(loaded) == (nf4_linears, LINEARS)
     if quantize == "nf4":
-        head, trained_head = loaded.lm_head.weight, trained.lm_head.weight
-        assert head.scaler_block_size == trained_head.scaler_block_size == {1: 256, 2: 320}[nf4_world_size]
-        assert torch.equal(head.quantized_data, trained_head.quantized_data)
+        name = "model.layers.0.mlp.up_proj.weight"
+        weight, trained_weight = loaded.get_parameter(name), trained.get_parameter(name)
+        assert weight.scaler_block_size == trained_weight.scaler_block_size
+        assert torch.equal(weight.quantized_data, trained_weight.quantized_data)
     idx = torch.randint(0, CONFIG.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert torch.equal(loaded(idx), trained(idx))
@@ -174,13 +174,13 @@ def test_shard_keeps_this_ranks_part_quantized_on_its_own(ckpt, quantize):
 
 
 def test_tensor_parallel_layout_in_one_process(ckpt):
-    """The base of a 2-rank tensor-parallel QLoRA run: split linears dense (each rank's shard's NF4 bits), the
-    head NF4 as usual."""
+    """The base of a 2-rank tensor-parallel QLoRA run: split linears dense (each rank's shard's NF4 bits), the tied
+    head the embedding as usual."""
     weights = stored(ckpt)
     model = load_model(ckpt, "nf4", "bf16-true", nf4_tensor_parallel=2)
     for name, style in (("model.layers.1.mlp.down_proj", "row"), ("model.layers.1.self_attn.k_proj", "column")):
         weight = model.get_parameter(f"{name}.weight")
         assert not is_nf4(weight)
         assert torch.equal(weight, tp_layout_weight(weights[f"{name}.weight"].bfloat16(), style, 2))
-    assert is_nf4(model.lm_head.weight)
-    assert count_linears(model) == (1, LINEARS)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert count_linears(model) == (0, LINEARS)

@@ -104,18 +104,18 @@ def our_numbers(model, batch, objective, tmp_path, reference="adapters_off", set
 
 def hf_peft_policy(tiny_llama_dir, ours, quantize):
     """transformers' Llama with the same weights (quantize none: read from the checkpoint; nf4: dequant(NF4(W)) of
-    our model, every weight including the NF4 copy of the tied head) and our adapter tensors in a peft LoRA model."""
+    our model's NF4 weights; the tied head is the embedding, as in the checkpoint) and our adapter tensors in a peft
+    LoRA model."""
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
     if quantize == "none":
         hf = transformers.LlamaForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
     else:
         config = transformers.AutoConfig.from_pretrained(tiny_llama_dir)
-        config.tie_word_embeddings = False  # QLoRA's head is an NF4 copy of the embedding: another weight
         hf = transformers.LlamaForCausalLM(config).to(torch.float32)
         state = {name: (dequantize_nf4(p) if is_nf4(p) else p.detach()).float()
                  for name, p in ours.named_parameters(remove_duplicate=False) if "lora_" not in name}
-        assert is_nf4(ours.lm_head.weight) and is_nf4(ours.model.layers[0].mlp.down_proj.weight)
+        assert ours.lm_head.weight is ours.model.embed_tokens.weight and is_nf4(ours.model.layers[0].mlp.down_proj.weight)
         hf.load_state_dict(state, strict=True)
     model = peft.get_peft_model(hf, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=TARGETS))
     copied = 0

@@ -15,7 +15,7 @@ from lit_qlora.lora.layer import LoRALinear, apply_lora, lora_state_dict
 from lit_qlora.checkpoint.adapter import save_adapter
 from lit_qlora.memory.accounting import tensor_bytes
 from lit_qlora.model.transformer import Transformer
-from lit_qlora.nf4 import count_linears, dequantize_nf4, is_nf4, quantize_nf4
+from lit_qlora.nf4 import base_linears, count_linears, dequantize_nf4, is_nf4, quantize_nf4
 from lit_qlora.train.precision import NF4Precision
 
 # Shapes chosen so layers need non-default NF4 layouts (k/v: 64x256 = 16384 / 64 = 256 blocks; up: 352 rows).
@@ -44,13 +44,12 @@ def test_fabric_setup_quantizes_every_linear():
     fabric = L.Fabric(accelerator="cpu", devices=1, plugins=plugin)
     model = fabric.setup(model)
     quantized, total = count_linears(model)
-    assert total == 2 * 7 + 1  # seven projections per block plus lm_head
+    assert total == 2 * 7  # seven projections per block; the tied lm_head is the embedding's weight
     assert quantized == total == plugin.quantized_linears == plugin.total_linears
     module = model.module if hasattr(model, "module") else model
-    assert is_nf4(module.lm_head.weight)
-    # Tied embeddings: the embedding stays high precision, the head gets its own NF4 copy.
+    # Tied embeddings: the embedding stays high precision and the head reads it (no NF4 copy).
     assert module.model.embed_tokens.weight.dtype == torch.bfloat16
-    assert not module.config.tie_embeddings
+    assert module.config.tie_embeddings and module.lm_head.weight is module.model.embed_tokens.weight
     for m in module.modules():
         if isinstance(m, LoRALinear):
             assert not is_nf4(m.lora_A) and m.lora_A.dtype == torch.bfloat16
@@ -60,7 +59,7 @@ def test_ignore_modules_keep_high_precision():
     model = tiny_model()
     plugin = NF4Precision("bf16-true", ignore_modules=["lm_head", "model.layers.1.mlp"])
     plugin.convert_module(model)
-    assert (plugin.quantized_linears, plugin.total_linears) == (15 - 1 - 3, 15)
+    assert (plugin.quantized_linears, plugin.total_linears) == (14 - 3, 14)  # (the tied head is the embedding)
     assert model.lm_head.weight.dtype == torch.bfloat16 and not is_nf4(model.lm_head.weight)
 
 
@@ -84,8 +83,8 @@ def test_trainer_fit_trains_lora_on_nf4():
     trainer = L.Trainer(accelerator="cpu", devices=1, plugins=[plugin], max_steps=3, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(module, data)
-    assert plugin.quantized_linears == plugin.total_linears == 15
-    assert all(is_nf4(m.weight) for m in module.model.modules() if isinstance(m, torch.nn.Linear))
+    assert plugin.quantized_linears == plugin.total_linears == 14  # the tied head reads the embedding
+    assert all(is_nf4(m.weight) for m in base_linears(module.model).values())
     after = lora_state_dict(module.model)
     assert all(not torch.equal(after[k], before[k]) for k in after if k.endswith("lora_B"))
 
@@ -94,7 +93,7 @@ def test_resident_bytes_per_quantized_parameter():
     config = TINY.replace(n_embd=512, intermediate_size=1376, vocab_size=2048, n_layer=1, n_query_groups=2)
     model = tiny_model(config)
     NF4Precision("bf16-true").convert_module(model)
-    linears = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    linears = [m.weight for m in base_linears(model).values()]
     assert all(is_nf4(w) for w in linears)
     per_param = sum(tensor_bytes(w) for w in linears) / sum(w.numel() for w in linears)
     assert per_param <= 0.52, per_param
@@ -153,7 +152,7 @@ def test_merged_export_equals_unmerged_model(tmp_path, quantize):
     merged_dir = merge(base_dir, adapter_dir, tmp_path / "merged")
     hf = transformers.AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.bfloat16).eval()
     cfg = json.loads((merged_dir / "config.json").read_text())
-    assert cfg["tie_word_embeddings"] is False  # the head was adapted (nf4: also its own NF4 copy)
+    assert cfg["tie_word_embeddings"] is False  # the head was adapted
     idx = torch.randint(0, 320, (2, 16))
     with torch.no_grad():
         ours, theirs = model(idx).float(), hf(idx).logits.float()

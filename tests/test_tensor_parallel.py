@@ -159,10 +159,14 @@ def assert_equals_one_process(results: dict) -> None:
         assert r["grad_rel_diff"] < 1e-5
         assert r["replicated_grad_spread"] == 0.0
         assert r["grad_norm"] == pytest.approx(r["ref_grad_norm"], rel=1e-5)
-        assert r["param_diff_after_step"] < 1e-4  # Adam: ~lr (1e-2) per element, tiny gradients amplified
+        # Adam: ~lr (1e-2) per element, tiny gradients amplified: an element whose gradient is near 0 moves by up to lr
+        # on a rounding difference (1.35e-4 measured, in layer 0's q_proj lora_A, since the tied head computes with the
+        # fp32 embedding instead of an NF4 copy; 1.4% of one step's update)
+        assert r["param_diff_after_step"] < 3e-4
         # fp32 rounding: the one-process model runs q/k/v and gate/up fused (fused_projections), the ranks each
         # projection on its own, so sums run in another order (Qwen3 tied: 1.6e-6 measured)
-        assert r["merged_diff"] < 1e-5
+        # (and the merged weights follow that element: 4.0e-5 measured in the same q_proj)
+        assert r["merged_diff"] < 1e-4
         # Without the tensor-parallel sum A's (and the inputs') gradients miss the other rank's share.
         assert r["unreduced_grad_rel_diff"] > 1e-2
     assert results[0]["loss"] == results[1]["loss"]
@@ -221,7 +225,7 @@ def test_qlora_tensor_parallel_export_is_the_one_process_merge(tiny_llama_dir, t
     config = json.loads((out / "final" / "adapter_config.json").read_text())
     assert config["quantize"] == "nf4" and config["nf4_tensor_parallel"] == 2
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["quantized_linears"] == summary["total_linears"] == 15  # every rank's shards are NF4
+    assert summary["quantized_linears"] == summary["total_linears"] == 14  # every rank's shards are NF4 (the tied head reads the embedding)
     merged = merge(tiny_llama_dir, out / "final", tmp_path / "merged")
     ma = load_file(str(merged / "model.safetensors"))
     mb = load_file(str(out / "final" / "merged" / "model.safetensors"))

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Iterable, Iterator, Optional
 
 import torch
-import torch.nn as nn
 
 from lit_qlora.checkpoint.hf import load_checkpoint
 from lit_qlora.model.config import DTYPES, PRECISION_DTYPES, Config, Precision, Quantize
@@ -125,17 +124,9 @@ def _load_base(checkpoint_dir: Path, quantize: Quantize, dtype: torch.dtype, ign
         return tp_layout_weight(tensor, style, tensor_parallel) if style else quantize_weight(tensor, world_size)
 
     model = load_checkpoint(checkpoint_dir, dtype=dtype, transform=transform, config=config)
-    if config.tie_embeddings and "lm_head.weight" in quantized:
-        _own_nf4_head(model, world_size)
     dense = [n for n in base_linears(model) if tp_style(n)] if tensor_parallel > 1 else []
     quantize_linears(model, ignore_modules + dense, world_size)  # marks, hooks and counts; nothing left to quantize
     return model
-
-
-def _own_nf4_head(model: Transformer, world_size: int) -> None:
-    """A tied head gets its own NF4 copy of the embedding (which stays in high precision: it is looked up)."""
-    model.lm_head.weight = nn.Parameter(quantize_weight(model.model.embed_tokens.weight, world_size),
-                                        requires_grad=False)
 
 
 @contextmanager
@@ -152,14 +143,11 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
 def random_base(config: Config, quantize: Quantize | str, dtype: torch.dtype, ignore_modules: Iterable[str] = (),
                 world_size: int = 1) -> Transformer:
     """The model `load_model` builds from a checkpoint of this config, with random weights in place of the
-    checkpoint's: the same modules, dtypes and NF4 layout (a tied head gets its own NF4 copy). For dry runs
+    checkpoint's: the same modules, dtypes and NF4 layout (a tied head reads the embedding). For dry runs
     (`litqlora estimate` builds it from fake tensors) and benchmarks."""
     with default_dtype(dtype):
         model = Transformer(config)
     if Quantize(quantize) is Quantize.NF4:
-        ignore_modules = list(ignore_modules)
-        if config.tie_embeddings and not is_ignored("lm_head", ignore_modules):
-            _own_nf4_head(model, world_size)
-        quantize_linears(model, ignore_modules, world_size)
+        quantize_linears(model, list(ignore_modules), world_size)
     model.share_projection_storage(trainable=True)  # (no optimizer holds the weights yet)
     return model.eval()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Literal, Optional
 
@@ -38,9 +39,14 @@ def hf_tensor_specs(model: nn.Module, dtype: torch.dtype, merge: bool = True) ->
     return specs
 
 
+def merged_bytes(model: nn.Module, dtype: torch.dtype) -> int:  # noqa: F821
+    """The bytes of the tensors `merge` writes for `model` (a meta-device model will do: nothing is computed)."""
+    return sum(math.prod(spec.shape) * spec.dtype.itemsize for spec in hf_tensor_specs(model, dtype))
+
+
 def export_config(model: nn.Module, merged: bool):  # noqa: F821
-    """The model config to write: a merged adapter on a tied head unties it (the head now differs). (A QLoRA model's
-    tied head is already a weight of its own, dequant(NF4(W)), which the merged model keeps: it is what trained.)"""
+    """The model config to write: a merged adapter on a tied head unties it (the head now differs); an unadapted tied
+    head stays tied (it computed with the embedding's own weight, in QLoRA too: lit_qlora.nf4.convert.base_linears)."""
     from lit_qlora.lora.layer import LoRALinear
 
     config = model.config
@@ -119,19 +125,32 @@ def export_peft(checkpoint_dir: Path, adapter_dir: Path, out_dir: Path, with_deq
 
 def write_peft_adapter(model: nn.Module, acfg: dict, out_dir: Path, base_name: str) -> Path:  # noqa: F821
     """adapter_model.safetensors (PEFT key names) + adapter_config.json for the LoRA layers of `model`."""
-    from lit_qlora.checkpoint.files import TensorSpec, atomic_write_text, write_safetensors
-    from lit_qlora.model.hf_layout import fuse_lora
-    from lit_qlora.lora.layer import lora_modules
+    from lit_qlora.checkpoint.files import atomic_write_text, write_safetensors
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    adapters = {name: (m.lora_A.detach(), m.lora_B.detach()) for name, m in lora_modules(model).items()}
-    # Phi-3's fused projections: one adapter per fused module, as peft sees the Hugging Face model.
-    adapters, ranks, alphas = fuse_lora(model.config, adapters, acfg["alpha"], acfg.get("rslora", False))
-    specs = [TensorSpec(f"base_model.model.{name}.{leaf}.weight", t.shape, t.dtype, lambda t=t: t)
-             for name, pair in adapters.items() for leaf, t in zip(("lora_A", "lora_B"), pair)]
+    specs, adapters, ranks, alphas = peft_tensor_specs(model, acfg["alpha"], acfg.get("rslora", False))
     write_safetensors(out_dir / "adapter_model.safetensors", specs, metadata={"format": "pt"})
     config = peft_config({**acfg, "module_names": list(adapters)}, base_name)
     config.update(rank_pattern=ranks, alpha_pattern=alphas)
     atomic_write_text(out_dir / "adapter_config.json", json.dumps(config, indent=2) + "\n")
     return out_dir
+
+
+def peft_tensor_specs(model: nn.Module, alpha: float, rslora: bool):  # noqa: F821
+    """(the PEFT adapter's tensor specs, its adapters by module, peft's rank and alpha overrides) for the LoRA layers
+    of `model`: Phi-3's fused projections get one adapter per fused module, as peft sees the Hugging Face model."""
+    from lit_qlora.checkpoint.files import TensorSpec
+    from lit_qlora.lora.layer import lora_modules
+    from lit_qlora.model.hf_layout import fuse_lora
+
+    adapters = {name: (m.lora_A.detach(), m.lora_B.detach()) for name, m in lora_modules(model).items()}
+    adapters, ranks, alphas = fuse_lora(model.config, adapters, alpha, rslora)
+    specs = [TensorSpec(f"base_model.model.{name}.{leaf}.weight", t.shape, t.dtype, lambda t=t: t)
+             for name, pair in adapters.items() for leaf, t in zip(("lora_A", "lora_B"), pair)]
+    return specs, adapters, ranks, alphas
+
+
+def peft_bytes(model: nn.Module, alpha: float = 16.0, rslora: bool = False) -> int:  # noqa: F821
+    """The bytes of the tensors `export_peft` writes for `model`'s adapters (a meta-device model will do)."""
+    return sum(math.prod(spec.shape) * spec.dtype.itemsize for spec in peft_tensor_specs(model, alpha, rslora)[0])

@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Callable, Literal, Optional
 
 from lit_qlora.deploy.gguf_families import (ARCHITECTURES, GGUFExportError, context_length, gguf_name, is_norm,
                                             norm_offset, permutes_rope_rows, refusals)
@@ -71,19 +71,10 @@ def export_gguf(checkpoint_dir: Path, out: Path, adapter_dir: Optional[Path] = N
 
 
 def gguf_config(model, merged: bool):
-    """The config written. An unadapted head of a checkpoint that ties it to the embedding is written tied, as the
-    embedding W: QLoRA computed it from an NF4 copy, dequant(NF4(W)), but a GGUF is quantized for llama.cpp anyway,
-    and tied it keeps the checkpoint's shape and size (one vocabulary-sized matrix; llama.cpp's gemma2 has no head of
-    its own at all). The merged Hugging Face model keeps QLoRA's head exactly (export.export_config)."""
+    """The config written: the model's, untied where a merged adapter changed a tied head (export.export_config)."""
     from lit_qlora.deploy.export import export_config
-    from lit_qlora.lora.layer import LoRALinear
 
-    config = export_config(model, merged=merged)
-    if getattr(model, "head_tied_in_checkpoint", False) and not isinstance(getattr(model, "lm_head", None), LoRALinear):
-        print("export_gguf: the head is tied to the embedding, as in the checkpoint: the embedding W (QLoRA computed "
-              "it from dequant(NF4(W))).", file=sys.stderr)
-        config = config.replace(tie_embeddings=True)
-    return config
+    return export_config(model, merged=merged)
 
 
 def require_exportable(checkpoint_dir: Path, head_adapted: bool = False) -> dict[str, Any]:
@@ -112,16 +103,7 @@ def write_gguf(model, checkpoint_dir: Path, out: Path, dtype: GGUFType = "f16", 
     if chat_template is not None:
         tokenizer = {**tokenizer, "chat_template": chat_template}
     tensors = gguf_tensors(model, config, arch, merged)
-    qtype = getattr(gguf.GGMLQuantizationType, dtype.upper())
-    block = gguf.GGML_QUANT_SIZES[qtype][0]
-
-    def storage(shape: tuple[int, ...]) -> Any:
-        if len(shape) == 1 or dtype == "f32":
-            return gguf.GGMLQuantizationType.F32
-        if shape[-1] % block:
-            return gguf.GGMLQuantizationType.F16  # the rows do not split into the quantization's blocks
-        return qtype
-
+    storage = storage_types(dtype)
     length, why = context_length(config)
     if why:
         print(f"export_gguf: {why}.", file=sys.stderr)
@@ -145,6 +127,32 @@ def write_gguf(model, checkpoint_dir: Path, out: Path, dtype: GGUFType = "f16", 
         raise
     write_modelfile(out, tokenizer)
     return out
+
+
+def storage_types(dtype: str) -> Callable[[tuple[int, ...]], Any]:
+    """Each tensor's GGUF storage type in a file of `dtype`, by its shape: vectors in f32, rows that do not split into
+    the quantization's blocks in f16, the rest in `dtype`."""
+    import gguf
+
+    qtype = getattr(gguf.GGMLQuantizationType, dtype.upper())
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+
+    def storage(shape: tuple[int, ...]) -> Any:
+        if len(shape) == 1 or dtype == "f32":
+            return gguf.GGMLQuantizationType.F32
+        if shape[-1] % block:
+            return gguf.GGMLQuantizationType.F16  # the rows do not split into the quantization's blocks
+        return qtype
+    return storage
+
+
+def gguf_data_bytes(model, dtype: str, merged: bool = True) -> int:
+    """The tensor data `write_gguf` writes for `model` (a meta-device model will do: nothing is computed): the file's
+    size but for its metadata (the tokenizer's vocabulary, a few MB)."""
+    config = gguf_config(model, merged)
+    arch = architecture(config)
+    storage = storage_types(dtype)
+    return sum(_nbytes(shape, storage(shape)) for _, shape, _ in gguf_tensors(model, config, arch, merged))
 
 
 def gguf_tensors(model, config, arch: str, merged: bool) -> list[tuple[str, tuple[int, ...], Any]]:

@@ -193,10 +193,9 @@ def apply_lora(model: nn.Module, r: int, alpha: float, dropout: float = 0.0, tar
 
 
 def tied_head(model: nn.Module) -> bool:
-    """Whether `model`'s checkpoint ties its head to the embedding (config.tie_embeddings; a QLoRA model's head is
-    an NF4 copy of it, lit_qlora.nf4.convert)."""
-    tied = getattr(getattr(model, "config", None), "tie_embeddings", False)
-    return bool(tied or getattr(model, "head_tied_in_checkpoint", False))
+    """Whether `model`'s checkpoint ties its head to the embedding (config.tie_embeddings: the head reads the
+    embedding's weight, in QLoRA too)."""
+    return bool(getattr(getattr(model, "config", None), "tie_embeddings", False))
 
 
 def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:

@@ -15,23 +15,28 @@ import torch.nn as nn
 
 def tensor_bytes(t: torch.Tensor) -> int:
     """Bytes a tensor keeps resident; tensor subclasses (torchao NF4Tensor) by their inner tensors."""
+    return sum(storage.nbytes() for storage in _storages(t))
+
+
+def _storages(t: torch.Tensor) -> list:
+    """The storages a tensor keeps alive: its own, or its inner tensors' (a tensor subclass); none on meta."""
     if type(t) not in (torch.Tensor, nn.Parameter) and hasattr(t, "__tensor_flatten__"):
         names, _ = t.__tensor_flatten__()
-        return sum(tensor_bytes(getattr(t, n)) for n in names)
-    if t.is_meta:
-        return 0
-    return t.untyped_storage().nbytes()
+        return [storage for n in names for storage in _storages(getattr(t, n))]
+    return [] if t.is_meta else [t.untyped_storage()]
 
 
 def module_bytes(module: nn.Module) -> int:
-    """Resident bytes of all parameters and buffers, each storage counted once (tied weights share one)."""
+    """Resident bytes of all parameters and buffers, each storage counted once: tied weights share one, and so do
+    the row slices of one tensor (dense q/k/v and gate/up, loaded as views of their fused weight)."""
     seen: set[int] = set()
     total = 0
     for t in list(module.parameters()) + list(module.buffers()):
-        if id(t) in seen:
-            continue
-        seen.add(id(t))
-        total += tensor_bytes(t)
+        for storage in _storages(t):
+            if storage.data_ptr() in seen and storage.nbytes():
+                continue
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
     return total
 
 

@@ -22,8 +22,11 @@ def is_ignored(name: str, ignore_modules: Iterable[str]) -> bool:
 
 
 def base_linears(model: nn.Module) -> dict[str, nn.Linear]:
-    """Every base linear, lm_head included; LoRA's A and B are Parameters of LoRALinear, never Linear modules."""
-    return {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    """Every base linear with a weight of its own, lm_head included unless it is tied to the embedding (then its
+    weight is the embedding's, which is looked up and stays in high precision: the head reads it as it is, no NF4
+    copy). LoRA's A and B are Parameters of LoRALinear, never Linear modules."""
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    return {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear) and id(m.weight) not in embeddings}
 
 
 def _dequantize_on_save(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
@@ -37,11 +40,10 @@ def _dequantize_on_save(module: nn.Module, state_dict: dict, prefix: str, local_
 def quantize_linears(model: nn.Module, ignore_modules: Iterable[str] = (), world_size: int = 1) -> int:
     """NF4-quantize every base linear still in high precision (in place); returns how many were quantized.
 
-    With tied embeddings the embedding stays in high precision and the head gets its own NF4 copy.
+    A head tied to the embedding stays tied: it reads the embedding's high-precision weight (base_linears).
     """
     ignore_modules = tuple(ignore_modules)
     count = 0
-    embedding = getattr(getattr(model, "model", None), "embed_tokens", None)
     for name, linear in base_linears(model).items():
         if is_ignored(name, ignore_modules):
             continue
@@ -53,12 +55,6 @@ def quantize_linears(model: nn.Module, ignore_modules: Iterable[str] = (), world
         if not getattr(linear, "_nf4_save_hook", False):
             linear._register_state_dict_hook(_dequantize_on_save)
             linear._nf4_save_hook = True
-    config = getattr(model, "config", None)
-    head = getattr(model, "lm_head", None)
-    if config is not None and config.tie_embeddings and head is not None and is_nf4(head.weight):
-        if embedding is not None and embedding.weight is not head.weight:
-            model.config = config.replace(tie_embeddings=False)  # the head is a weight of its own now
-            model.head_tied_in_checkpoint = True  # a GGUF writes it tied again while unadapted (gguf_export.gguf_config)
     return count
 
 

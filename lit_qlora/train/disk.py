@@ -1,7 +1,8 @@
 """Will a run's files fit on its disk? Checked before training, so that a run does not train for hours and then die
 writing its exports: a merged 8B model alone is 16 GB (an H200 run hit `No space left on device` there).
 
-What a run writes into out_dir, from the base's shapes on the meta device (no weights read):
+What a run writes into out_dir, asked of the exporters' own size functions on the base's shapes on the meta device
+(no weights read):
 - final/: the adapter, merged/ (the base with the adapter merged, bf16; `--export.merged false` skips it), peft/
   (the adapter again, in PEFT's format; `--export.peft false`) and, with `--export.gguf TYPE`, the GGUF file;
 - checkpoints/: up to `--train.keep_last` resumable checkpoints and the one being written, each the adapter and
@@ -52,43 +53,29 @@ def size_text(nbytes: float) -> str:
     return f"{int(nbytes)} B"
 
 
-def output_sizes(checkpoint_dir: Path, lora, train, export, lora_bytes: int, quantize: str = "nf4",
-                 ignore_modules: tuple[str, ...] = ()) -> OutputSizes:
-    """What a run with these settings writes (module doc). `lora`, `train`, `export`: the run's LoRAArgs, TrainArgs
-    and ExportArgs; `lora_bytes`: bytes per adapter value (its dtype's size); `quantize`, `ignore_modules`: as the
-    run's (a QLoRA head of its own is written apart from the embedding in the merged model)."""
+def output_sizes(checkpoint_dir: Path, lora, train, export, lora_bytes: int) -> OutputSizes:
+    """What a run with these settings writes (module doc), asked of the exporters themselves on the base's shapes (a
+    meta-device model: no weights read). `lora`, `train`, `export`: the run's LoRAArgs, TrainArgs and ExportArgs;
+    `lora_bytes`: bytes per adapter value (its dtype's size)."""
     import torch
 
-    from lit_qlora.model.config import Config
+    from lit_qlora.deploy.export import merged_bytes, peft_bytes
+    from lit_qlora.deploy.gguf_export import gguf_data_bytes
     from lit_qlora.lora.layer import apply_lora, lora_modules
+    from lit_qlora.model.config import Config
     from lit_qlora.model.transformer import Transformer
-    from lit_qlora.nf4 import is_ignored
 
-    config = Config.from_checkpoint(checkpoint_dir)
+    dtype = {2: torch.bfloat16, 4: torch.float32}[lora_bytes]  # (fp16 adapters take bf16's bytes)
     with torch.device("meta"):
-        model = apply_lora(Transformer(config), lora.r, lora.alpha, targets=lora.targets)
-    adapter = sum(m.lora_A.numel() + m.lora_B.numel() for m in lora_modules(model).values())
-    base = sum(p.numel() for name, p in model.named_parameters() if not name.endswith(("lora_A", "lora_B")))
-    # A tied head is written beside the embedding when adapted (either export), or in the merged model when QLoRA
-    # computed it from an NF4 copy (deploy.export.export_config; the GGUF writes it tied: gguf_export.gguf_config).
-    head = config.vocab_size * config.n_embd if config.tie_embeddings else 0
-    adapted = "lm_head" in lora_modules(model)
-    nf4_head = quantize == "nf4" and not is_ignored("lm_head", ignore_modules)
-    weights = base + (head if adapted else 0)
-    merged = base + (head if adapted or nf4_head else 0)
+        model = apply_lora(Transformer(Config.from_checkpoint(checkpoint_dir)), lora.r, lora.alpha,
+                           targets=lora.targets, rslora=lora.rslora, dtype=dtype)
+    adapter = sum(m.lora_A.numel() + m.lora_B.numel() for m in lora_modules(model).values()) * lora_bytes
     checkpoints = (train.keep_last or 0) + 1  # the ones kept and the next, written before the oldest goes
     copies = 1 + checkpoints * 3 + (train.eval_interval is not None)  # final/, (adapter + 2 AdamW moments) each, best/
-    return OutputSizes(merged=merged * 2 if export.merged else 0,
-                       gguf=int(weights * gguf_bytes_per_weight(export.gguf)) if export.gguf else 0,
-                       peft=adapter * lora_bytes if export.peft else 0, adapters=adapter * lora_bytes * copies)
-
-
-def gguf_bytes_per_weight(kind: str) -> float:
-    """Bytes a weight takes in a GGUF file of `kind` (q8_0: 34 bytes per 32 weights)."""
-    import gguf
-
-    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind.upper()]]
-    return size / block
+    return OutputSizes(merged=merged_bytes(model, torch.bfloat16) if export.merged else 0,
+                       gguf=gguf_data_bytes(model, export.gguf) if export.gguf else 0,
+                       peft=peft_bytes(model, lora.alpha, lora.rslora) if export.peft else 0,
+                       adapters=adapter * copies)
 
 
 def free_bytes(path: Path) -> tuple[Path, int]:

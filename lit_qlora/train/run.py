@@ -181,8 +181,7 @@ def setup(spec: RunSpec, decided: Optional[Decided] = None, hooks: Optional[RunH
     ensure_default_checkpoint(checkpoint_dir)
     # Before anything heavy: a run that cannot write its exports should not train first.
     require_disk_space(out_dir, output_sizes(checkpoint_dir, lora, train, spec.export,
-                                             ADAPTER_DTYPES[precision].itemsize, spec.quantize,
-                                             tuple(spec.ignore_modules or ())))
+                                             ADAPTER_DTYPES[precision].itemsize))
     hooks = hooks or RunHooks()
     dm = (hooks.data_module or SFTDataModule)(data, Tokenizer(checkpoint_dir), train.max_seq_length,
                                               train.micro_batch_size, spec.seed)
