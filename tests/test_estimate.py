@@ -116,14 +116,21 @@ def test_command_writes_estimate_json_and_finds_the_largest_micro_batch(tmp_path
 
 
 def test_device_memory_units_mean_what_they_say_and_the_bytes_are_echoed(tmp_path, capsys):
-    from lit_qlora.estimate.command import parse_bytes
+    from lit_qlora.estimate.cards import CARDS, device_memory, parse_bytes
 
     assert parse_bytes("24GB") == 24 * 10**9 and parse_bytes("24 GiB") == 24 << 30 and parse_bytes("24G") == 24 << 30
     assert parse_bytes("512MiB") == 512 << 20 and parse_bytes("1.5GB") == 1_500_000_000
     assert parse_bytes("1500000000") == parse_bytes("1500000000B") == 1_500_000_000
     estimate(checkpoint_dir=str(config_only_dir(tmp_path)), device="cpu", out_dir=tmp_path / "o", device_memory="1GB",
              train=TrainArgs(micro_batch_size=1, global_batch_size=1, max_seq_length=64))
-    assert "Device memory: 1GB = 1,000,000,000 bytes (0.93 GiB)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "Device memory: 1GB = 1,000,000,000 bytes (0.93 GiB); GB read as 10^9 bytes" in out and "rtx4090" in out
+    # a card by name: nvidia-smi's total (the fit leaves the CUDA context's share aside, as for any budget)
+    assert device_memory("rtx4090")[0] == 24_564 << 20 and device_memory("RTX4090")[0] == 24_564 << 20
+    assert device_memory("h200")[0] == CARDS["h200"] << 20 and "CUDA context" in device_memory("t4")[1]
+    assert device_memory("24GiB") == (24 << 30, "Device memory: 24GiB = 25,769,803,776 bytes (24.00 GiB)")
+    with pytest.raises(ValueError, match="is not a size or a card"):
+        device_memory("rtx9090")
 
 
 def test_the_length_searchs_offload_line_names_auto_not_a_flag_the_user_never_passed(tmp_path, capsys):

@@ -47,10 +47,12 @@ class EstimateSpec(RunSpec):
     device: Literal["cuda", "cpu"] = "cuda"
     """cuda (predict torch.cuda.max_memory_allocated on a GPU) or cpu (allocated tensor bytes on a CPU)."""
     device_memory: Optional[str] = None
-    """The card's memory, e.g. 24GiB: also find the largest micro-batch size that fits, with and without activation
-    checkpointing; with --train.max_seq_length auto, the longest sequence that fits at the given micro-batch instead
-    (and the host memory it needs for offloaded activations). Units as written: GiB (2^30 bytes), GB (10^9), a bare
-    G reads as GiB; the bytes are echoed."""
+    """The card: its name (t4, l4, a10g, rtx3090, rtx4090, a100-40gb, a100-80gb, h100-80gb, h200: its memory as
+    nvidia-smi reports it, of which the fit leaves 0.5 GiB to the CUDA context) or its memory, e.g. 24GiB: also find
+    the largest micro-batch size that fits, with and without activation checkpointing; with --train.max_seq_length
+    auto, the longest sequence that fits at the given micro-batch instead (and the host memory it needs for offloaded
+    activations). Units as written: GiB (2^30 bytes), GB (10^9: said so, as cards sold in "GB" have GiB), a bare G
+    reads as GiB; the bytes are echoed."""
     method: Optional[Literal["sft", "dpo"]] = None
     """sft (`litqlora finetune`'s step) or dpo (`litqlora dpo`'s: micro_batch_size pairs, two sequences each, in one
     forward and backward, and the reference's no-grad forward with --dpo.reference adapters_off). Default: dpo when

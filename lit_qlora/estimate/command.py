@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import functools
 import json
-import re
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
@@ -15,6 +14,7 @@ from typing import Any, Optional
 from lit_qlora.estimate.preference import SEQUENCES_PER_PAIR, PreferenceStep, reference_pass
 from lit_qlora.estimate.search import AUTO_LENGTH_TRACES, LENGTH_STEP, largest_batches, longest_context
 from lit_qlora.estimate.args import EstimateSpec
+from lit_qlora.estimate.cards import device_memory as card_memory
 from lit_qlora.estimate.step import offload_decision, other_temporaries, parallel_bytes, trace_step
 from lit_qlora.errors import InvalidInput
 from lit_qlora.hardware import choose_precision
@@ -25,17 +25,6 @@ from lit_qlora.train.args import TrainArgs
 # imports `estimate` to build `--help` (lit_qlora.cli.commands says why and how).
 
 GiB = 1 << 30
-
-
-def parse_bytes(text: str) -> int:
-    """A size as written: '24GiB' (2^30), '24GB' (10^9), '80G' (a bare prefix: binary, as cards are quoted),
-    '512MiB', '1500000000' or '1500000000B' (bytes)."""
-    found = re.fullmatch(r"\s*([\d.]+)\s*([KMGT]?)(i?B)?\s*", str(text), flags=re.IGNORECASE)
-    if not found:
-        raise InvalidInput(f"--device_memory {text!r} is not a size; write it like 24GiB, 80GB or 512MiB.")
-    power = " KMGT".index(found[2].upper() or " ")
-    decimal = bool(found[2]) and (found[3] or "").lower() == "b"  # GB: 10^9; GiB, G: 2^30
-    return int(float(found[1]) * (1000 if decimal else 1024) ** power)
 
 
 def resolve_config(checkpoint_dir: str | Path) -> tuple[Config, str]:  # noqa: F821
@@ -96,9 +85,10 @@ def estimate(spec: Optional[EstimateSpec] = None, **settings: Any) -> dict[str, 
         raise InvalidInput(f"--strategy tp needs --tensor_parallel >= 2 dividing devices x num_nodes ({world_size}).")
     train.accumulation(world_size // (tensor_parallel if strategy == "tp" else 1))  # checks the batch sizes
     train.require_valid_offload(device == "cuda")
-    budget = parse_bytes(device_memory) if device_memory is not None else None
-    if budget is not None:
-        print(f"Device memory: {device_memory} = {budget:,} bytes ({budget / GiB:.2f} GiB)")
+    budget = None
+    if device_memory is not None:
+        budget, said = card_memory(device_memory)
+        print(said)
     if auto_length and budget is None:
         raise InvalidInput("--train.max_seq_length auto asks for the longest sequence that fits a card: give the card's "
                          "memory too, e.g. --device_memory 24GiB.")
