@@ -22,7 +22,7 @@ demo: install
 	litqlora finetune --config config_hub/finetune/smollm2-135m/qlora.yaml --resume auto
 	@echo; echo "A question held out from training (a validation row of the demo set), before and after fine-tuning:"
 	@litqlora generate --checkpoint_dir $(SMOLLM2_DIR) --adapter_dir out/finetune/smollm2-135m-qlora \
-		--prompt "What is the capital of Austria?" --compare_base true
+		--prompt "Is 167 even or odd?" --compare_base true
 
 test: install-test
 	$(PYTHON) -m pytest -q tests

@@ -127,6 +127,7 @@ def evaluate(
     from lit_qlora.checkpoint.adapter import read_adapter_config
     from lit_qlora.memory.accounting import module_bytes, peak_rss_bytes
     from lit_qlora.checkpoint.tokenizer import Tokenizer
+    from lit_qlora.checkpoint.hf import require_checkpoint
     from lit_qlora.threads import govern_threads
 
     started = time.perf_counter()
@@ -135,6 +136,7 @@ def evaluate(
     if not (checkpoint_dir / "config.json").is_file():
         raise MissingFile(f"--checkpoint_dir {checkpoint_dir} has no config.json: it must be a Hugging Face "
                           "model directory (see `litqlora download` / `litqlora convert_gguf`).")
+    require_checkpoint(checkpoint_dir)  # its config's fields, weights and tokenizer, before lm-eval starts
     if data_file is not None:
         check_truthfulqa_file(Path(data_file))
     if limit is not None and limit <= 0:

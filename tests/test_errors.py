@@ -358,3 +358,54 @@ def test_user_input_checks_raise_user_errors_not_bare_builtins():
     over = {path: n for path, n in found.items() if n > BUILTIN_RAISES.get(path, 0)}
     assert not over, (f"raise a UserError subclass (lit_qlora.errors) for checks of user input; list internal "
                       f"invariants in BUILTIN_RAISES: {over}")
+
+
+BROKEN_CHECKPOINT_COMMANDS = {
+    "finetune": ["--out_dir", "{out}"],
+    "dpo": ["--out_dir", "{out}"],
+    "estimate": ["--out_dir", "{out}"],
+    "generate": ["--prompt", "hi"],
+    "chat": [],
+    "serve": [],
+    "merge": ["--adapter_dir", "{out}", "--out_dir", "{out}"],
+    "export_peft": ["--adapter_dir", "{out}", "--out_dir", "{out}"],
+    "export_gguf": ["--out", "{out}/m.gguf"],
+    "evaluate": ["--tasks", "truthfulqa_mc2"],
+}
+
+
+@pytest.mark.parametrize("command", list(BROKEN_CHECKPOINT_COMMANDS))
+def test_every_verb_checks_a_checkpoint_folder_before_reading_it(command, tmp_path, capsys):
+    """A config.json without the model's fields (and no weights): one paragraph naming the file and the fields, exit 1,
+    from every verb, before anything reads the folder (the disk check, the loader, a server's worker)."""
+    from lit_qlora.cli import main
+
+    broken = tmp_path / "ckpt"
+    broken.mkdir()
+    (broken / "config.json").write_text('{"model_type": "llama"}')
+    argv = [command, "--checkpoint_dir", str(broken),
+            *(a.format(out=tmp_path / "out") for a in BROKEN_CHECKPOINT_COMMANDS[command])]
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 1, err
+    assert err.count("\n") == 1 and err.startswith("litqlora: error: ") and "Traceback" not in err
+    assert f"{broken / 'config.json'} lacks vocab_size, hidden_size, num_hidden_layers" in err
+
+
+def test_a_checkpoint_without_weights_or_tokenizer_is_named_before_loading(tiny_llama_dir, tmp_path):
+    import shutil
+
+    from lit_qlora.checkpoint.hf import require_checkpoint
+    from lit_qlora.errors import UserError
+
+    require_checkpoint(tiny_llama_dir)
+    no_weights = tmp_path / "no-weights"
+    shutil.copytree(tiny_llama_dir, no_weights, ignore=shutil.ignore_patterns("*.safetensors*"))
+    with pytest.raises(UserError, match="has no weights"):
+        require_checkpoint(no_weights)
+    no_tokenizer = tmp_path / "no-tokenizer"
+    shutil.copytree(tiny_llama_dir, no_tokenizer, ignore=shutil.ignore_patterns("tokenizer.json"))
+    with pytest.raises(UserError, match="has no tokenizer.json"):
+        require_checkpoint(no_tokenizer)
+    require_checkpoint(no_tokenizer, tokenizer=False)  # merge and export_peft copy tokenizer files where they exist

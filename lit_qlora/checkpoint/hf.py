@@ -37,6 +37,18 @@ TOKENIZER_FILES = (
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
+def require_checkpoint(checkpoint_dir: Path, tokenizer: bool = True) -> None:
+    """A checkpoint folder a command can use, checked before anything reads it: config.json with the fields a model
+    needs, its weights and (for a command that tokenizes) tokenizer.json; each missing piece a one-paragraph error
+    naming the file and where a good one comes from."""
+    from lit_qlora.checkpoint.tokenizer import require_tokenizer
+
+    Config.from_checkpoint(checkpoint_dir)
+    weight_files(checkpoint_dir)
+    if tokenizer:
+        require_tokenizer(Path(checkpoint_dir))
+
+
 def weight_files(checkpoint_dir: Path) -> list[Path]:
     """The weight files of a HF directory: sharded or single safetensors first, then pytorch_model.bin."""
     checkpoint_dir = Path(checkpoint_dir)

@@ -31,19 +31,24 @@ def _ids(value: Any) -> list[int]:
     return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
 
 
+def require_tokenizer(checkpoint_dir: Path) -> Path:
+    """The checkpoint's tokenizer.json, or a MissingFile error saying where a usable one comes from."""
+    require_checkpoint_dir(checkpoint_dir)
+    path = Path(checkpoint_dir) / "tokenizer.json"
+    if not path.is_file():
+        raise MissingFile(
+            f"{checkpoint_dir} has no tokenizer.json; lit-qlora reads tokenizers in the Hugging Face tokenizers format "
+            "(download the checkpoint's tokenizer files, or convert a GGUF with `litqlora convert_gguf`)."
+        )
+    return path
+
+
 class Tokenizer:
     def __init__(self, checkpoint_dir: str | Path) -> None:
         from tokenizers import Tokenizer as Backend
 
         self.checkpoint_dir = Path(checkpoint_dir)
-        path = self.checkpoint_dir / "tokenizer.json"
-        require_checkpoint_dir(self.checkpoint_dir)
-        if not path.is_file():
-            raise MissingFile(
-                f"{self.checkpoint_dir} has no tokenizer.json; lit-qlora reads tokenizers in the Hugging Face "
-                "tokenizers format (download the checkpoint's tokenizer files, or convert a GGUF with "
-                "`litqlora convert_gguf`)."
-            )
+        path = require_tokenizer(self.checkpoint_dir)
         self.backend = Backend.from_file(str(path))
         config = _read_json(self.checkpoint_dir / "tokenizer_config.json")
         generation = _read_json(self.checkpoint_dir / "generation_config.json")

@@ -128,6 +128,7 @@ def chat_command(
         max_new_tokens: Longest reply, in tokens.
         seed: Seed of the sampler (a conversation repeats with the same inputs).
     """
+    from lit_qlora.checkpoint.hf import require_checkpoint
     from lit_qlora.checkpoint.loading import load_model
     from lit_qlora.data.inference import trained_tokenizer
     from lit_qlora.checkpoint.download import DEFAULT_CHECKPOINT
@@ -136,6 +137,7 @@ def chat_command(
 
     checkpoint_dir = Path(checkpoint_dir or DEFAULT_CHECKPOINT)
     ensure_default_checkpoint(checkpoint_dir)
+    require_checkpoint(checkpoint_dir)
     model = load_model(checkpoint_dir, quantize, precision, adapter_dir)
     govern_threads(model)  # a chat shares the CPU with other processes (lit_qlora.threads)
     # the conversation in the prompt format the adapter trained with (lit_qlora.data.inference)

@@ -69,10 +69,11 @@ def merge(checkpoint_dir: Path, adapter_dir: Path, out_dir: Path,
     """
     import torch
 
-    from lit_qlora.checkpoint.hf import save_hf_checkpoint
+    from lit_qlora.checkpoint.hf import require_checkpoint, save_hf_checkpoint
     from lit_qlora.checkpoint.loading import load_model
     from lit_qlora.data.inference import trained_chat_template
 
+    require_checkpoint(checkpoint_dir, tokenizer=False)  # (its tokenizer files are copied where they exist)
     model = load_model(checkpoint_dir, quantize, adapter_dir=adapter_dir)
     specs = hf_tensor_specs(model, torch.bfloat16, merge=True)
     return save_hf_checkpoint(out_dir, export_config(model, True), specs, tokenizer_dir=Path(checkpoint_dir),
@@ -109,10 +110,11 @@ def export_peft(checkpoint_dir: Path, adapter_dir: Path, out_dir: Path, with_deq
     """
     import torch
 
-    from lit_qlora.checkpoint.hf import save_hf_checkpoint
+    from lit_qlora.checkpoint.hf import require_checkpoint, save_hf_checkpoint
     from lit_qlora.checkpoint.loading import load_model
     from lit_qlora.checkpoint.adapter import read_adapter_config
 
+    require_checkpoint(checkpoint_dir, tokenizer=False)
     model = load_model(checkpoint_dir, adapter_dir=adapter_dir)
     acfg = read_adapter_config(adapter_dir)
     base_dir = Path(out_dir) / "base" if with_dequantized_base else Path(checkpoint_dir)

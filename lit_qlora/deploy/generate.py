@@ -50,12 +50,14 @@ def generate_command(
     if compare_base and adapter_dir is None:
         raise InvalidInput("--compare_base true compares the base with a fine-tune: give the fine-tune's "
                            "--adapter_dir.")
+    from lit_qlora.checkpoint.hf import require_checkpoint
     from lit_qlora.checkpoint.loading import load_model
     from lit_qlora.lora.layer import adapters_disabled
     from lit_qlora.nf4 import is_nf4
     from lit_qlora.data.inference import trained_tokenizer
     from lit_qlora.threads import govern_threads
 
+    require_checkpoint(checkpoint_dir)
     tokenizer = trained_tokenizer(checkpoint_dir, adapter_dir)
     model = load_model(checkpoint_dir, quantize, precision, adapter_dir)
     govern_threads(model)  # generation shares the CPU with other processes (lit_qlora.threads)

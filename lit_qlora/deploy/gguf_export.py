@@ -59,10 +59,12 @@ def export_gguf(checkpoint_dir: Path, out: Path, adapter_dir: Optional[Path] = N
                 quantize: Optional[Literal["nf4", "none"]] = None) -> Path:
     """Write `out` (GGUF) and a Modelfile beside it for the checkpoint, with the adapter merged when given; returns
     the GGUF path. See the module docstring."""
+    from lit_qlora.checkpoint.hf import require_checkpoint
     from lit_qlora.checkpoint.loading import load_model
     from lit_qlora.data.inference import trained_chat_template
 
     checkpoint_dir = Path(checkpoint_dir)
+    require_checkpoint(checkpoint_dir)  # (a GGUF file carries the tokenizer)
     tokenizer = require_exportable(checkpoint_dir)  # every refusal before anything loads or is written
     model = load_model(checkpoint_dir, quantize, "32-true" if quantize == "none" or adapter_dir is None else None,
                        adapter_dir=adapter_dir)

@@ -73,11 +73,13 @@ def serve_command(
     from lit_qlora.checkpoint.adapter import read_adapter_config
     from lit_qlora.data.inference import trained_tokenizer
     from lit_qlora.checkpoint.download import DEFAULT_CHECKPOINT
+    from lit_qlora.checkpoint.hf import require_checkpoint
     from lit_qlora.deploy.gguf_import import ensure_default_checkpoint
 
     checkpoint_dir = Path(checkpoint_dir or DEFAULT_CHECKPOINT)
     ensure_default_checkpoint(checkpoint_dir)
     # Checked here, where a bad path is a one-line error: in LitServe's worker it is a traceback and a failed start.
+    require_checkpoint(checkpoint_dir)
     if adapter_dir is not None:
         read_adapter_config(adapter_dir)
     tokenizer = trained_tokenizer(checkpoint_dir, adapter_dir)

@@ -75,6 +75,10 @@ def require_checkpoint_dir(checkpoint_dir: str | Path, error: type[Exception] = 
         )
 
 
+REQUIRED_HF_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+"""What every config.json must give (the rest has a family default, HF_DEFAULTS, or transformers' own)."""
+
+
 @dataclass
 class Config:
     """Shape and numerics of a Llama-family decoder (Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3, Gemma 2 and 3, Phi-3
@@ -259,6 +263,14 @@ class Config:
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise InvalidInput(f"{path} is not valid JSON ({e}); re-download the checkpoint or restore the "
                                "file.") from None
+        if not isinstance(hf, dict):
+            raise InvalidInput(f"{path} is not a Hugging Face model config (a JSON object); re-download the checkpoint "
+                               "or restore the file.")
+        missing = [key for key in REQUIRED_HF_FIELDS if key not in {**HF_DEFAULTS.get(hf.get("model_type"), {}), **hf}]
+        if missing:
+            raise InvalidInput(f"{path} lacks {', '.join(missing)}: a model's config.json gives its shape (vocabulary, "
+                               "width, layers, heads, MLP width). The file is incomplete or not a model's: re-download "
+                               "the checkpoint (`litqlora download REPO_ID`) or convert it again.")
         return cls.from_hf_config(hf, name=Path(checkpoint_dir).name)
 
     def to_hf_config(self, torch_dtype: str = "bfloat16") -> dict[str, Any]:

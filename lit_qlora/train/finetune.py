@@ -31,7 +31,7 @@ def start_run(spec: RunSpec, hooks: Optional[Any] = None) -> dict[str, Any]:
     """`finetune`'s checks, resume and run, for any objective: `hooks` (lit_qlora.train.run.RunHooks) is what a verb
     above train/ trains instead of SFT (`litqlora dpo`)."""
 
-    from lit_qlora.model.config import require_checkpoint_dir
+    from lit_qlora.checkpoint.hf import require_checkpoint
     from lit_qlora.data.formats import require_source
     from lit_qlora.data.files import require_data_file
     from lit_qlora.train.resume import claim_out_dir, finished_summary, recipe, require_same_recipe
@@ -40,8 +40,8 @@ def start_run(spec: RunSpec, hooks: Optional[Any] = None) -> dict[str, Any]:
 
     data, train, out_dir = spec.data, spec.train, Path(spec.out_dir)
     # Input a user can get wrong, checked before setup() spends seconds importing the training stack.
-    if Path(spec.checkpoint_dir) != DEFAULT_CHECKPOINT:
-        require_checkpoint_dir(spec.checkpoint_dir)
+    if Path(spec.checkpoint_dir) != DEFAULT_CHECKPOINT:  # (that one is converted from the bundled GGUF in setup)
+        require_checkpoint(spec.checkpoint_dir)  # config fields, weights, tokenizer: before the disk check reads it
     data_source(data)  # one dataset option at most
     if data.json_path is not None:
         require_data_file(data.json_path)
