@@ -43,7 +43,7 @@ def test_version_and_lightnings_names_and_misplaced_flags_are_understood():
     out = litqlora("--version")
     assert (out.returncode, out.stdout.strip()) == (0, f"litqlora {version('lit-qlora')}")
     out = litqlora("finetune", "--lr", "1e-3")
-    assert out.returncode == 2 and "unknown option `lr`; did you mean `train.lr`?" in out.stderr
+    assert out.returncode == 2 and "unknown option `--lr`; did you mean `--train.lr`?" in out.stderr
     for given, nearest in (("64-true", "32-true"), ("64", "32-true"), ("fp16", "16-mixed"), ("bf16-mixd", "bf16-mixed")):
         out = litqlora("finetune", "--precision", given)
         assert out.returncode == 2 and f"got '{given}'. The nearest lit-qlora takes: '{nearest}'." in out.stderr

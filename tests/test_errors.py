@@ -111,9 +111,9 @@ CASES = [
     ("yaml-typo", lambda c: ["finetune", "--config", c.dir / "typo.yaml"],
      ["unknown option `train.max_step`", "typo.yaml", "did you mean `train.max_steps`"], None),
     ("flag-typo", lambda c: finetune_args(c, "--lora.rnk", "4"),
-     ["unknown option `lora.rnk`", "did you mean `lora.r`"], None),
+     ["unknown option `--lora.rnk`", "did you mean `--lora.r`"], None),
     ("flag-abbreviation", lambda c: finetune_args(c, "--train.max_step", "3"),
-     ["unknown option `train.max_step`", "did you mean `train.max_steps`"], None),
+     ["unknown option `--train.max_step`", "did you mean `--train.max_steps`"], None),
     ("bad-value", lambda c: finetune_args(c, "--train.activation_checkpointing", "maybe"),
      ["--train.activation_checkpointing", "expected bool or int", "'maybe'"], None),
     ("unknown-command", lambda c: ["finetun"], ["unknown command 'finetun'", "Did you mean `finetune`"], None),
@@ -220,7 +220,7 @@ def test_debug_in_the_yaml_shows_the_traceback(ctx, tmp_path, capsys):
 
 USAGE = [  # argv from ctx, the message (same as in CASES)
     (lambda c: ["finetun"], "unknown command 'finetun'"),
-    (lambda c: finetune_args(c, "--lora.rnk", "4"), "unknown option `lora.rnk`; did you mean `lora.r`?"),
+    (lambda c: finetune_args(c, "--lora.rnk", "4"), "unknown option `--lora.rnk`; did you mean `--lora.r`?"),
     (lambda c: ["finetune", "--config", c.dir / "typo.yaml"], "did you mean `train.max_steps`?"),
     (lambda c: finetune_args(c, "--train.activation_checkpointing", "maybe"), "expected bool or int, got 'maybe'"),
     (lambda c: ["generate", "--checkpoint_dir", c.base], "--prompt is required"),

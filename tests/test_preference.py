@@ -517,6 +517,8 @@ def test_dpo_from_an_sft_adapter_uses_it_as_the_reference(tiny_llama_dir, pairs,
         summary = run_dpo(tiny_llama_dir, tmp_path / "dpo", pairs,
                           lora=LoRAArgs(r=2, alpha=3, dropout=0.0, targets=["q"]), init_adapter=sft)
     assert f"reference: the base with the adapter of {sft}" in printed.getvalue()
+    style = json.loads((sft / "final" / "adapter_config.json").read_text())["prompt_style"]
+    assert f"Prompt style: {style} (from the starting adapter, --train.init_adapter {sft})" in printed.getvalue()
     # Step 0: the policy is the SFT adapter and so is the reference: log 2, rewards 0...
     assert summary["initial_val_loss"] == pytest.approx(LOG2, abs=1e-6)
     assert summary["initial_eval_rewards/chosen"] == summary["initial_eval_rewards/rejected"] == 0.0

@@ -75,7 +75,7 @@ def test_a_verb_offers_its_own_group_and_not_what_it_skips(monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(["dpo", "--tensor_parallel", "2"])
     assert e.value.code == 2
-    assert "unknown option `tensor_parallel`" in capsys.readouterr().err
+    assert "unknown option `--tensor_parallel`" in capsys.readouterr().err
     options = Options.of(verb)
     assert "dpo.beta" in options.types and "tensor_parallel" not in options.types and "lora.r" in options.types
     assert Options.of(verb).groups == {"lora", "train", "data", "export", "dpo"}

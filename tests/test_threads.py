@@ -238,6 +238,7 @@ def test_loaded_models_blocks_consult_the_process_governor(monkeypatch, restore_
     assert summary == {"cpu_threads": 2, "cpu_threads_fewest": 1, "cpu_thread_changes": 2}
     assert threads_rows(summary) == [("CPU threads", "2, down to 1 beside other busy processes (2 changes)")]
     assert threads_rows({**summary, "cpu_thread_changes": 0}) == []  # a quiet run's table says nothing
+    assert threads_rows({**summary, "cpu_thread_changes": 1})[0][1].endswith("(1 change)")
     monkeypatch.setattr(threads, "_governor", None)
     assert threads_summary() == {}  # no CPU forward ran (a GPU run)
 

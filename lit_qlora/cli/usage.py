@@ -210,8 +210,9 @@ def usage_error(argv: list[str], table: dict[str, Command]) -> Optional[str]:
             in_group = [key for key in options.types if key.rpartition(".")[2] == option.key and "." in key]
             close = in_group or difflib.get_close_matches(option.key, options.names(), n=1, cutoff=0.6)
             where = f" in {option.source}" if option.source else ""
-            suggestion = f"; did you mean `{close[0]}`?" if close else "."
-            return f"{name}: unknown option `{option.key}`{where}{suggestion} {help_hint}"
+            dashes = "" if option.source else "--"  # written as given: a flag on the command line, a key in a file
+            suggestion = f"; did you mean `{dashes}{close[0]}`?" if close else "."
+            return f"{name}: unknown option `{dashes}{option.key}`{where}{suggestion} {help_hint}"
     for option in given:
         hint = options.types.get(option.key)
         if hint is not None and not accepts(hint, option.value, from_file=option.source is not None):

@@ -236,4 +236,6 @@ def with_init_adapter(lora: LoRAArgs, data: DataArgs, init_adapter: Optional[Pat
                    rslora=bool(config.get("rslora", False)))
     if data.prompt_style == "auto" and config.get("prompt_style"):
         data = replace(data, prompt_style=config["prompt_style"])
+        # Not a field (no flag): where the style came from, for the run's "Prompt style:" line.
+        data.prompt_style_source = f"the starting adapter, --train.init_adapter {init_adapter}"
     return lora, data

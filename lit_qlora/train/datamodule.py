@@ -65,6 +65,8 @@ class SFTDataModule(L.LightningDataModule):
         self.args, self.tokenizer = args, tokenizer
         self.max_seq_length, self.micro_batch_size, self.seed = max_seq_length, micro_batch_size, seed
         style, self.style_reason = resolve_prompt_style(args.prompt_style, tokenizer)
+        if getattr(args, "prompt_style_source", None):  # not the user's flag: train.args.with_init_adapter set it
+            self.style_reason = f"from {args.prompt_style_source}"
         self.style = get_prompt_style(style, tokenizer)
         use_prompt_style(tokenizer, style)  # the validation sample is prompted as inference will prompt it
         self.collate = Collate(pad_id_of(tokenizer))

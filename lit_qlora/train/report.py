@@ -60,7 +60,12 @@ def threads_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
     if not summary.get("cpu_thread_changes"):
         return []
     return [("CPU threads", f"{summary['cpu_threads']}, down to {summary['cpu_threads_fewest']} beside other busy "
-                            f"processes ({summary['cpu_thread_changes']} changes)")]
+                            f"processes ({plural(summary['cpu_thread_changes'], 'change')})")]
+
+
+def plural(count: int, noun: str) -> str:
+    """`1 change`, `2 changes`."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
 def wall_time(summary: dict[str, Any]) -> str:
