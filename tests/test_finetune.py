@@ -213,6 +213,43 @@ def test_a_run_prints_its_steps_losses_and_tokens_per_sec_and_nothing_of_lightni
         assert noise not in proc.stdout + proc.stderr, noise
 
 
+def test_piped_validations_follow_the_step_they_validate(tiny_llama_dir, tmp_path):
+    """Not a terminal, with --train.eval_interval: each step's line comes before the validation that follows it."""
+    data, out = small_data(tmp_path), tmp_path / "run"
+    args = ["finetune", "--checkpoint_dir", tiny_llama_dir, "--out_dir", out, "--data.json_path", data.json_path,
+            "--data.val_split", 0.25, "--train.max_steps", 4, "--train.eval_interval", 2, "--train.global_batch_size",
+            4, "--train.micro_batch_size", 2, "--train.max_seq_length", 64, "--lora.r", 4]
+    proc = subprocess.run([sys.executable, "-m", "lit_qlora.cli", *map(str, args)], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    lines = [line.split(":")[0].split(",")[0] for line in proc.stderr.splitlines()
+             if line.startswith(("Training", "Validation at"))]
+    steps = [line.replace(" steps", "") for line in lines]
+    for k in (2, 4):  # the periodic validations come after their step's line
+        assert steps.index(f"Training {k}/4") < steps.index(f"Validation at step {k}/4"), lines
+    assert steps[0] == "Validation at step 0/4" and steps[-1] == "Validation at step 4/4", lines
+
+
+def test_a_terminal_that_reports_no_size_gets_an_80_column_bar(monkeypatch):
+    """A 0x0 pty (`script`, some IDE consoles): tqdm, asked to follow its width, would draw nothing at all."""
+    import os
+
+    from lit_qlora.train.progress import FALLBACK_COLUMNS, StepProgressBar
+
+    class Pty(io.StringIO):
+        def isatty(self):
+            return True
+
+        def fileno(self):
+            return 99
+
+    bar = StepProgressBar(1, stream=Pty())
+    monkeypatch.setattr(os, "get_terminal_size", lambda fd: os.terminal_size((0, 0)))
+    assert bar._width() == {"ncols": FALLBACK_COLUMNS}
+    monkeypatch.setattr(os, "get_terminal_size", lambda fd: os.terminal_size((120, 40)))
+    assert bar._width() == {"dynamic_ncols": True}
+
+
 def test_the_progress_bar_is_ours_with_or_without_rich(tiny_llama_dir, tmp_path, monkeypatch):
     """Lightning adds RichProgressBar when `rich` is installed and TQDMProgressBar otherwise; a fine-tune shows its
     own bar either way. On a terminal it is a tqdm bar of optimizer steps with the loss and tokens/s."""

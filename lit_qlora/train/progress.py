@@ -4,6 +4,7 @@ is installed), and none of Lightning's status lines."""
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 import warnings
@@ -17,6 +18,7 @@ from tqdm import tqdm
 # this process only (`initial`: the steps before a resume).
 BAR_FORMAT = "Training {n_fmt}/{total_fmt} steps |{bar}| {elapsed}<{remaining}{postfix}"
 LINE_FORMAT = "Training {n_fmt}/{total_fmt} steps, {elapsed}<{remaining}{postfix}"
+FALLBACK_COLUMNS = 80
 
 
 class StepProgressBar(ProgressBar):
@@ -56,7 +58,7 @@ class StepProgressBar(ProgressBar):
         self._started, self._initial = time.perf_counter(), pl_module.step
         if self._enabled and self.interactive:
             self._train = tqdm(total=pl_module.total_steps, initial=self._initial, file=self.stream,
-                               dynamic_ncols=True, bar_format=BAR_FORMAT)
+                               bar_format=BAR_FORMAT, **self._width())
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -76,7 +78,7 @@ class StepProgressBar(ProgressBar):
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._enabled and self.interactive:
             self._val = tqdm(total=sum(trainer.num_val_batches), desc="Validation", unit="batch", leave=False,
-                             file=self.stream, dynamic_ncols=True)
+                             file=self.stream, **self._width())
 
     def on_validation_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                                 batch_idx: int, dataloader_idx: int = 0) -> None:
@@ -92,6 +94,15 @@ class StepProgressBar(ProgressBar):
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         self._close()  # the error's message starts on a line of its own
+
+    def _width(self) -> dict[str, Any]:
+        """tqdm's width: the terminal's, followed as it changes; 80 columns where the terminal reports no size (a
+        0x0 pty, as `script` or an IDE console can give), where tqdm would draw nothing at all."""
+        try:
+            columns = os.get_terminal_size(self.stream.fileno()).columns
+        except (AttributeError, OSError, ValueError):  # (not a real file descriptor: tqdm asks nothing of it either)
+            return {"dynamic_ncols": True}
+        return {"dynamic_ncols": True} if columns > 0 else {"ncols": FALLBACK_COLUMNS}
 
     def _close(self) -> None:
         for bar in (self._val, self._train):

@@ -202,13 +202,14 @@ def setup(spec: RunSpec, decided: Optional[Decided] = None, hooks: Optional[RunH
                                        resume_from, started)
     # StopOnSignal first: at a step's end after a signal, it saves (a periodic save of that step is then skipped)
     # before its grace runs out.
-    callbacks = [HeapRelease(), MetricsLog(out_dir, config.start_step, train.log_interval), StopOnSignal(checkpoints),
-                 checkpoints, StepProgressBar(train.log_interval)]
+    # The progress bar before the validation: a step's line comes before the validation that follows it.
+    callbacks = [HeapRelease(), MetricsLog(out_dir, config.start_step, train.log_interval),
+                 StepProgressBar(train.log_interval), StopOnSignal(checkpoints), checkpoints]
     if train.eval_interval is not None:  # before StopOnSignal and checkpoints: a step's checkpoint records its outcome
         # The sample reply decodes with the KV cache, which tensor-parallel attention (local heads) does not have.
         sample = None if tensor_parallel > 1 else (sample_prompt_ids(train.eval_prompt, dm.val_set, dm.tokenizer),
                                                    dm.tokenizer)
-        callbacks.insert(2, PeriodicValidation(out_dir, dm.val_dataloader(), train.eval_interval,
+        callbacks.insert(3, PeriodicValidation(out_dir, dm.val_dataloader(), train.eval_interval,
                                                train.early_stopping_patience, total_steps, config.adapter_config(),
                                                ValidationRecord.from_state(resume_state), checkpoints, sample))
     # Our plugin quantizes (QLoRA) and, under 16-mixed, keeps the base fp16 and scales the loss (QLoRA and LoRA).
