@@ -14,6 +14,7 @@ import sys
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import NamedTuple
 
 import pytest
@@ -262,3 +263,99 @@ def test_a_bad_checkpoint_or_adapter_is_a_one_line_error_before_serving(tmp_path
                               capture_output=True, text=True, timeout=300)
         assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
         assert str(tmp_path / "missing") in done.stderr
+
+
+def test_sixteen_concurrent_streamed_clients_each_get_their_whole_reply_and_usage(server, expected):
+    """16 clients streaming at once (a bounded loop each: every reply must end, none may hang): each gets the full
+    greedy reply for its question, its finish reason (stop, or length at max_tokens) and its own usage chunk."""
+    def streamed(i: int) -> tuple:
+        q = QUESTIONS[i % len(QUESTIONS)]
+        chunks = list(create(server, q, stream=True, stream_options={"include_usage": True}))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        return q, text, finish, chunks[-1].usage
+
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(streamed, range(16), timeout=600))
+    assert len(results) == 16
+    for q, text, finish, usage in results:
+        answer = expected[q]
+        assert text == answer.text and finish == ["stop" if len(answer.reply) < 32 else "length"], (q, text)
+        assert (usage.prompt_tokens, usage.completion_tokens) == (len(answer.prompt), len(answer.reply))
+
+
+@pytest.mark.parametrize("terminal", [True, False], ids=["terminal", "script"])
+@pytest.mark.parametrize("target", ["process", "group"])
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_sigint_and_sigterm_stop_the_server_in_3_s_with_one_line(tiny_llama_dir, terminal, target, signum):
+    """Ctrl-C in a terminal (SIGINT to the group), `kill -INT` / `kill` of the main process, a service manager's
+    SIGTERM to the group; and a script's background job, which inherits SIGINT ignored: each stops the server and its
+    worker processes within 3 s, with one line and no traceback."""
+    import pty
+
+    port = free_port()
+    argv = [sys.executable, "-m", "lit_qlora.cli", "serve", "--checkpoint_dir", str(tiny_llama_dir), "--port",
+            str(port), "--precision", "32-true"]
+    if terminal:
+        controller, pty_end = pty.openpty()
+        proc = subprocess.Popen(argv, stdin=pty_end, stdout=pty_end, stderr=pty_end, start_new_session=True)
+        os.close(pty_end)
+    else:  # as `litqlora serve &` in a script: no job control, so SIGINT arrives ignored
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, "the server did not come up"
+            time.sleep(0.5)
+        sent = time.monotonic()
+        (os.kill if target == "process" else os.killpg)(proc.pid, signum)
+        proc.wait(timeout=30)
+        took = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    output = read_all(controller) if terminal else proc.stdout.read()
+    assert took <= 3, (took, output)
+    assert proc.returncode == 0 and "Traceback" not in output, output
+    after = output.split("/v1\n", 1)[1] if "/v1\n" in output else output
+    assert after.strip().splitlines() == [f"Stopped serving ({signal.Signals(signum).name})."], output
+    for _ in range(20):  # the worker processes go too (an exited one may be a zombie for a moment, until init reaps it)
+        if not live_group_members(proc.pid):
+            break
+        time.sleep(0.25)
+    assert not live_group_members(proc.pid)
+
+
+def read_all(fd: int) -> str:
+    out = b""
+    while True:
+        try:
+            chunk = os.read(fd, 65536)
+        except OSError:  # the other end closed
+            break
+        if not chunk:
+            break
+        out += chunk
+    os.close(fd)
+    return out.decode(errors="replace").replace("\r\n", "\n")
+
+
+def live_group_members(pgid: int) -> list[int]:
+    """The processes of group `pgid` that are not zombies (from /proc)."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            members.append(int(stat.parent.name))
+    return members

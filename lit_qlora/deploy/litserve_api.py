@@ -142,10 +142,16 @@ class ChatAPI(ls.LitAPI):
         self.precision, self.max_new_tokens = precision, max_new_tokens
 
     def setup(self, device: str) -> None:
+        import signal
+
         from lit_qlora.checkpoint.loading import load_model
         from lit_qlora.data.inference import trained_tokenizer
         from lit_qlora.threads import govern_threads
 
+        # This is LitServe's inference worker (spawned: `litqlora serve`'s handlers are not inherited). Ctrl-C in a
+        # terminal reaches the whole group: the main process stops the server and then this worker, so the worker
+        # itself lets SIGINT pass instead of dying mid-reply with a KeyboardInterrupt traceback.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         self.model = load_model(self.checkpoint_dir, self.quantize, self.precision, self.adapter_dir)
         govern_threads(self.model)  # the server shares the CPU with other processes (lit_qlora.threads)
         # the prompt format the adapter trained with (lit_qlora.data.inference): the ids training saw

@@ -16,9 +16,9 @@ and its OpenAI spec.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
-import sys
 from pathlib import Path
 from typing import Literal, Optional
 
@@ -92,17 +92,29 @@ def serve_command(
                           api_key or os.environ.get("LIT_QLORA_API_KEY"), max_new_tokens, model_name)
     print(f"Serving {checkpoint_dir}{f' + {adapter_dir}' if adapter_dir else ''} on http://{host}:{port}/v1",
           flush=True)
-    # SIGTERM (kill, a service manager) shuts down as Ctrl-C does: LitServe stops its worker processes on
-    # KeyboardInterrupt, and on a bare SIGTERM would leave them running.
-    main_pid = os.getpid()
-    signal.signal(signal.SIGTERM, lambda signum, frame: _interrupt(main_pid))
+    # SIGINT and SIGTERM, sent to this process or its group, with or without a terminal, stop it as Ctrl-C does: the
+    # main process shuts LitServe down (it stops its worker processes on KeyboardInterrupt; on a bare SIGTERM it would
+    # leave them running), and the forked processes, which inherit these handlers, leave quietly (no traceback from a
+    # worker interrupted mid-reply). Installed explicitly because a process started in the background of a script
+    # inherits SIGINT ignored, and Python then keeps ignoring it.
+    main_pid, received = os.getpid(), []
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda signum, frame: _stop(main_pid, signum, received))
     try:
-        server.run(host=host, port=port, generate_client_file=False, num_api_servers=1)
+        # uvicorn's own lines (startup, each request, shutdown) at warning: the lines above and below say it
+        server.run(host=host, port=port, generate_client_file=False, num_api_servers=1, log_level="warning")
     except KeyboardInterrupt:
         pass
+    finally:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, signal.SIG_DFL)
+    print(f"Stopped serving ({signal.Signals(received[0]).name if received else 'the server exited'}).", flush=True)
 
 
-def _interrupt(main_pid: int) -> None:
-    if os.getpid() == main_pid:
+def _stop(main_pid: int, signum: int, received: list) -> None:
+    if os.getpid() != main_pid:
+        os._exit(0)  # a forked worker or server process: LitServe's main process tidies up; nothing to print
+    if not received:  # the first: shut down (a second, while shutting down, is not a reason for a traceback)
+        received.append(signum)
+        logging.getLogger("litserve").setLevel(logging.WARNING)  # its shutdown steps: the one line after says it
         raise KeyboardInterrupt
-    sys.exit(0)  # a forked server process (uvicorn re-raises the signal once it has shut down): quietly
