@@ -33,7 +33,7 @@ def test_fabric_tutorial_trains_nf4_lora_and_its_adapter_reloads_exactly(smollm2
     exec(compile(script, "fabric_qlora.py", "exec"), namespace)  # noqa: S102 (the tutorial, as written)
 
     precision, losses, model = namespace["precision"], namespace["losses"], namespace["model"]
-    assert (precision.quantized_linears, precision.total_linears) == (211, 211)
+    assert (precision.quantized_linears, precision.total_linears) == (210, 210)
     first, second = sum(losses[:8]) / 8, sum(losses[8:]) / 8
     assert second < first - 0.3, losses
 
@@ -49,7 +49,7 @@ def test_fabric_tutorial_trains_nf4_lora_and_its_adapter_reloads_exactly(smollm2
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     done = subprocess.run(["bash", "-c", command], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr
-    assert "Lima" in done.stdout
+    assert "× 9/5 + 32" in done.stdout  # the form of the rows it trained on (the base explains instead)
 
 
 def run_finetune_block(marker: str, smollm2_dir: Path, tmp_path: Path) -> subprocess.CompletedProcess:

@@ -32,6 +32,7 @@ def start_run(spec: RunSpec, hooks: Optional[Any] = None) -> dict[str, Any]:
     above train/ trains instead of SFT (`litqlora dpo`)."""
 
     from lit_qlora.checkpoint.hf import require_checkpoint
+    from lit_qlora.model.config import require_checkpoint_dir
     from lit_qlora.data.formats import require_source
     from lit_qlora.data.files import require_data_file
     from lit_qlora.train.resume import claim_out_dir, finished_summary, recipe, require_same_recipe
@@ -40,8 +41,9 @@ def start_run(spec: RunSpec, hooks: Optional[Any] = None) -> dict[str, Any]:
 
     data, train, out_dir = spec.data, spec.train, Path(spec.out_dir)
     # Input a user can get wrong, checked before setup() spends seconds importing the training stack.
-    if Path(spec.checkpoint_dir) != DEFAULT_CHECKPOINT:  # (that one is converted from the bundled GGUF in setup)
-        require_checkpoint(spec.checkpoint_dir)  # config fields, weights, tokenizer: before the disk check reads it
+    default = Path(spec.checkpoint_dir) == DEFAULT_CHECKPOINT  # (converted from the bundled GGUF in setup)
+    if not default:
+        require_checkpoint_dir(spec.checkpoint_dir)
     data_source(data)  # one dataset option at most
     if data.json_path is not None:
         require_data_file(data.json_path)
@@ -54,7 +56,7 @@ def start_run(spec: RunSpec, hooks: Optional[Any] = None) -> dict[str, Any]:
         read_adapter_config(Path(train.init_adapter))  # it exists and is an adapter: a clear error now, not after loading
     lora, data = with_init_adapter(spec.lora, data, train.init_adapter)
     spec = replace(spec, lora=lora, data=data)
-    if spec.export.gguf and Path(spec.checkpoint_dir).is_dir():  # (the default checkpoint, not yet converted: later)
+    if spec.export.gguf and not default:
         from lit_qlora.deploy.gguf_export import require_exportable
         from lit_qlora.lora.layer import resolve_targets
 
@@ -63,6 +65,8 @@ def start_run(spec: RunSpec, hooks: Optional[Any] = None) -> dict[str, Any]:
         tied = Config.from_checkpoint(spec.checkpoint_dir).tie_embeddings
         require_exportable(Path(spec.checkpoint_dir), head_adapted="lm_head" in resolve_targets(lora.targets, tied))
     decided = decide(spec)  # (a refusal of --compile comes before claim_out_dir deletes anything of --overwrite's)
+    if not default:
+        require_checkpoint(spec.checkpoint_dir)  # config fields, weights, tokenizer: before the disk check reads it
     claim_out_dir(out_dir, spec.resume, spec.overwrite)
     if decided.resume_from is not None:
         state = read_state(decided.resume_from)
