@@ -118,9 +118,10 @@ def test_deploy_tutorial_runs_as_written(smollm2_dir, tmp_path):
     assert "Paris" in gguf.stdout.splitlines()[-1]
     assert chat.returncode == 0 and "(new conversation)" in chat.stdout, chat.stderr
     assert serve.returncode == 0, serve.stderr
-    replies = [line for line in serve.stdout.splitlines() if not line.startswith(("INFO", "20"))]
+    replies = [line for line in serve.stdout.splitlines()
+               if line.strip() and not line.startswith(("INFO", "20", "Serving ", "Stopped serving"))]
     assert "Paris" in replies[-2] and replies[-1].strip()  # the first reply, then the streamed one
-    assert serve.stdout.count('"POST /v1/chat/completions HTTP/1.1" 200 OK') == 2
+    assert "Stopped serving (SIGTERM)." in serve.stdout  # `kill $!`: one line, the server's last
 
 
 @pytest.mark.slow

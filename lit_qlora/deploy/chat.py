@@ -13,6 +13,7 @@ cache needs no repair: it is only trusted up to the tokens recorded as fed, and 
 
 from __future__ import annotations
 
+import signal
 import sys
 from pathlib import Path
 from typing import Iterator, Literal, Optional
@@ -135,6 +136,9 @@ def chat_command(
     from lit_qlora.deploy.gguf_import import ensure_default_checkpoint
     from lit_qlora.threads import govern_threads
 
+    # Ctrl-C stops a reply (and, at the prompt, leaves) even where the chat was started with SIGINT ignored, as a
+    # script's background job or a parent that ignores it passes it on: Python would keep ignoring it.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     checkpoint_dir = Path(checkpoint_dir or DEFAULT_CHECKPOINT)
     ensure_default_checkpoint(checkpoint_dir)
     require_checkpoint(checkpoint_dir)
