@@ -14,7 +14,7 @@ from typing import Any, Optional
 from lit_qlora.estimate.preference import SEQUENCES_PER_PAIR, PreferenceStep, reference_pass
 from lit_qlora.estimate.search import AUTO_LENGTH_TRACES, LENGTH_STEP, largest_batches, longest_context
 from lit_qlora.estimate.args import EstimateSpec
-from lit_qlora.estimate.cards import device_memory as card_memory
+from lit_qlora.estimate.cards import GiB, device_memory as card_memory
 from lit_qlora.estimate.step import offload_decision, other_temporaries, parallel_bytes, trace_step
 from lit_qlora.errors import InvalidInput
 from lit_qlora.hardware import choose_precision
@@ -23,8 +23,6 @@ from lit_qlora.train.args import TrainArgs
 
 # torch and the model stack are imported inside the functions, and annotations name their types as text: the CLI
 # imports `estimate` to build `--help` (lit_qlora.cli.commands says why and how).
-
-GiB = 1 << 30
 
 
 def resolve_config(checkpoint_dir: str | Path) -> tuple[Config, str]:  # noqa: F821
