@@ -16,7 +16,7 @@ import torch
 
 from lit_qlora.data.errors import DataError
 from lit_qlora.train.datamodule import DataArgs, SFTDataModule, split_rows
-from lit_qlora.data.prompts import get_prompt_style
+from lit_qlora.data.prompts import get_prompt_style, prompt_text
 from lit_qlora.data.files import DEMO_DATASET
 from lit_qlora.data.sft import (
     IGNORE_INDEX, Collate, Sample, load_hf_rows, load_json_rows, pack, tokenize_rows,
@@ -152,6 +152,22 @@ def test_alpaca_multi_turn_messages(tok: Tokenizer) -> None:
 
 
 # ------------------------------------------------------------------------------ truncation, packing, padding
+
+def test_prompt_text_is_what_the_user_wrote_for_each_kind_of_row() -> None:
+    """What a report quotes as a held-out prompt: the user's words, not the template rendered around them."""
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                {"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "Red."},
+                {"role": "user", "content": "Another?"}, {"role": "assistant", "content": "Blue."}]
+    assert prompt_text({"instruction": "Add 2 and 3.", "input": "", "output": "5"}) == "Add 2 and 3."
+    assert prompt_text({"instruction": "Translate.", "input": "chat", "output": "cat"}) == "Translate.\n\nchat"
+    assert prompt_text({"messages": messages}) == "Name a color."  # training's sample prompt stops at the 1st reply
+    assert prompt_text({"messages": messages[:1] + messages[3:4]}) is None  # no user turn before the reply
+    assert prompt_text({"prompt": "2 + 2 =", "completion": " 4"}) == "2 + 2 ="
+    assert prompt_text({"text": "Once upon a time"}) is None
+    # preference pairs: an explicit prompt holds every turn before the answers; a raw-text pair its shared start
+    assert prompt_text({"prompt": messages[:5], "chosen": "Green.", "rejected": "No."}) == "Another?"
+    assert prompt_text({"prompt_text": "The sky is", "chosen": " blue", "rejected": " green"}) == "The sky is"
+
 
 def test_truncation_keeps_the_start_and_counts_untrained(tok: Tokenizer) -> None:
     style = get_prompt_style("alpaca", tok)

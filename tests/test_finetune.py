@@ -230,6 +230,72 @@ def test_piped_validations_follow_the_step_they_validate(tiny_llama_dir, tmp_pat
     assert steps[0] == "Validation at step 0/4" and steps[-1] == "Validation at step 4/4", lines
 
 
+def terminal_screen(output: bytes, width: int) -> list[str]:
+    """The lines a terminal of `width` columns shows after `output`: carriage returns, line feeds, cursor-up, erase
+    to end of line and wrapping, the control sequences tqdm and Python's printing use."""
+    lines, row, col = [[]], 0, 0
+    for count, command, cr, lf, char in re.findall(r"\x1b\[(\d*)([A-Za-z])|(\r)|(\n)|(.)",
+                                                   output.decode(errors="replace"), re.S):
+        if command == "A":
+            row = max(0, row - int(count or 1))
+        elif command == "K":
+            del lines[row][col:]
+        elif cr:
+            col = 0
+        elif lf:
+            row += 1
+        elif char:
+            if col == width:  # the cursor sits past the last column until the next character wraps it
+                row, col = row + 1, 0
+            lines.extend([] for _ in range(row + 1 - len(lines)))
+            line = lines[row]
+            line.extend(" " for _ in range(col + 1 - len(line)))
+            line[col] = char
+            col += 1
+        lines.extend([] for _ in range(row + 1 - len(lines)))
+    return ["".join(line).rstrip() for line in lines if "".join(line).strip()]
+
+
+def test_a_terminal_shows_the_bar_once_and_lines_in_step_order(tiny_llama_dir, tmp_path):
+    """On a terminal (a real pty, 100 columns): the finished bar's line stays once, the validations' lines sit in
+    step order around it, and nothing else redraws a line that stays."""
+    import fcntl
+    import os
+    import pty
+    import struct
+    import termios
+
+    data, out = small_data(tmp_path), tmp_path / "run"
+    args = ["finetune", "--checkpoint_dir", tiny_llama_dir, "--out_dir", out, "--data.json_path", data.json_path,
+            "--data.val_split", 0.25, "--train.max_steps", 4, "--train.eval_interval", 2, "--train.global_batch_size",
+            4, "--train.micro_batch_size", 2, "--train.max_seq_length", 64, "--lora.r", 4, "--export.merged", "false",
+            "--export.peft", "false"]
+    controller, terminal = pty.openpty()
+    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 100, 0, 0))
+    proc = subprocess.Popen([sys.executable, "-m", "lit_qlora.cli", *map(str, args)], stdin=terminal,
+                            stdout=terminal, stderr=terminal, close_fds=True)
+    os.close(terminal)
+    output = b""
+    while True:
+        try:
+            chunk = os.read(controller, 65536)
+        except OSError:  # EIO: every holder of the terminal's end has closed it
+            break
+        if not chunk:
+            break
+        output += chunk
+    os.close(controller)
+    assert proc.wait(timeout=600) == 0, output.decode(errors="replace")[-3000:]
+    screen = terminal_screen(output, 100)
+    steps = [line.split(":")[0].split(" |")[0].replace(" steps", "") for line in screen
+             if line.startswith(("Training", "Validation at"))]
+    assert steps == ["Validation at step 0/4", "Validation at step 2/4", "Training 4/4",
+                     "Validation at step 4/4"], screen
+    assert re.fullmatch(r"Training 4/4 steps \|█+\| \d\d:\d\d<00:00, loss \d+\.\d{4}, [\d,]+ tokens/s", screen[
+        [i for i, line in enumerate(screen) if line.startswith("Training")][0]]), screen
+    assert len(screen) == len(set(screen)), screen  # no line left behind twice by a redraw
+
+
 def test_a_terminal_that_reports_no_size_gets_an_80_column_bar(monkeypatch):
     """A 0x0 pty (`script`, some IDE consoles): tqdm, asked to follow its width, would draw nothing at all."""
     import os

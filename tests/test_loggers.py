@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import struct
 from pathlib import Path
 
@@ -122,6 +123,9 @@ def test_a_reply_is_logged_at_each_validation_and_is_the_adapters(logged, tiny_l
     rows = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 5, 10, 15, 20]
     assert len({r["prompt"] for r in rows}) == 1 and rows[0]["prompt"]  # the first validation row's prompt
+    # as the user wrote it (one of small_data's instructions), and as the model read it: the template around it
+    assert re.fullmatch(r"Add (\d+) and (\d+)\.", rows[0]["prompt_text"]), rows[0]
+    assert rows[0]["prompt"] != rows[0]["prompt_text"] and rows[0]["prompt_text"] in rows[0]["prompt"]
     tokenizer = Tokenizer(tiny_llama_dir)
     model = load_model(tiny_llama_dir, "nf4", "32-true", out / "final")
     ids = tokenizer.encode(rows[0]["prompt"], bos=False)
@@ -135,6 +139,7 @@ def test_an_explicit_eval_prompt_is_answered_and_bad_logger_input_is_refused(tin
         eval_prompt="What is two plus two?")
     rows = [json.loads(line) for line in (tmp_path / "p" / "samples.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 2, 4] and "What is two plus two?" in rows[0]["prompt"]
+    assert {r["prompt_text"] for r in rows} == {"What is two plus two?"}
     assert not (tmp_path / "p" / "logs").exists() and (tmp_path / "p" / "csv" / "metrics.csv").is_file()
     with pytest.raises(UserError, match="--logger tensorboards"):
         require_loggers(["tensorboards"])

@@ -221,6 +221,7 @@ def test_long_prompts_are_left_out_and_long_answers_truncated(tok: Tokenizer) ->
     assert messages[1].startswith("1 of 4 sequences (a prompt with its chosen or rejected answer) are longer than "
                                   "max_seq_length=40 tokens and were truncated")
     assert [s.index for s in samples] == [0, 1]  # positions in the returned list: what cached log-probs key on
+    assert [s.row for s in samples] == [1, 2]  # and the rows they came from: a report quotes the kept pair's prompt
     assert len(samples[0].chosen) == 40 and samples[0].chosen.labels[-1] != IGNORE_INDEX
     with pytest.raises(DataError, match="Every one of the 1 pairs has a prompt of max_seq_length=40 tokens or more.*"
                                         "--train.max_seq_length"):

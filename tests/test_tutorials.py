@@ -148,7 +148,8 @@ def test_preference_tutorial_runs_as_written(smollm2_dir, tmp_path):
     assert summary["initial_eval_rewards/accuracies"] == 0 and summary["initial_eval_rewards/margins"] == 0
     assert summary["eval_rewards/accuracies"] > 0.6, summary  # chance is 0.5; the full preset: benchmarks/preference
     assert summary["val_loss"] < summary["initial_val_loss"]
-    assert "A held-out prompt (validation)" in dpo.stdout
+    held_out = dpo.stdout.split("A held-out prompt (validation): ")[1].splitlines()[0]
+    assert "<|im_start|>" not in held_out and len(held_out) > 10, held_out  # the user's text, not the template's
     assert evaluate.returncode == 0, evaluate.stderr[-3000:]
     results = json.loads((tmp_path / "out/tutorial/preference/eval/results.json").read_text())
     assert 0 < results["results"]["truthfulqa_mc2"]["acc,none"] < 1

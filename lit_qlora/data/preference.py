@@ -196,6 +196,7 @@ class PairSample:
     chosen: Sample  # labels IGNORE_INDEX on the prompt: only the final answer and its stop token train
     rejected: Sample
     index: int  # the pair's position in its split (cached reference log-probs are looked up by it)
+    row: Optional[int] = None  # its row in the split's pairs (they count the pairs left out too)
 
     @property
     def input_ids(self) -> torch.Tensor:  # code written for SFT samples (the validation sample's prompt) works
@@ -230,7 +231,7 @@ def tokenize_pairs(pairs: Sequence[dict], style: PromptStyle, tokenizer: Any, ma
     prompt alone fills it (chosen or rejected keeps no trained token) is left out. One counted warning for each."""
     samples: list[PairSample] = []
     truncated = dropped = 0
-    for pair in pairs:
+    for row, pair in enumerate(pairs):
         sides, cut = [], 0
         for segments in render_pair(pair, style, tokenizer):
             sample = tokenize_segments(segments, tokenizer)
@@ -242,7 +243,7 @@ def tokenize_pairs(pairs: Sequence[dict], style: PromptStyle, tokenizer: Any, ma
             dropped += 1
             continue
         truncated += cut
-        samples.append(PairSample(sides[0], sides[1], index=len(samples)))
+        samples.append(PairSample(sides[0], sides[1], index=len(samples), row=row))
     if pairs and not samples:
         raise DataError(f"Every one of the {len(pairs)} pairs has a prompt of max_seq_length={max_seq_length} tokens "
                         "or more, leaving no answer token to compare. Raise --train.max_seq_length or shorten the "

@@ -38,6 +38,23 @@ def row_messages(row: Row) -> list[dict[str, str]]:
     return [{"role": "user", "content": user}, {"role": "assistant", "content": row.get("output", "")}]
 
 
+def prompt_text(row: Row) -> Optional[str]:
+    """What the user wrote as a row's prompt, for reports to show instead of the template around it: the instruction
+    (and input), the last user turn before the first reply (a preference pair: before its answers), an explicit
+    prompt; None for plain text, whose prompt is just its first tokens."""
+    if "text" in row:
+        return None
+    if isinstance(row.get("prompt_text", row.get("prompt")), str):  # prompt/completion rows, raw-text pairs
+        return row.get("prompt_text", row.get("prompt"))
+    if "prompt" in row:  # a pair's (or a GRPO row's) prompt: every turn before the answers
+        messages = row["prompt"]
+    else:  # a training row: its sample prompt stops at the first reply
+        messages = row_messages(row)
+        messages = messages[:next((i for i, m in enumerate(messages) if m["role"] == "assistant"), len(messages))]
+    users = [m["content"] for m in messages if m["role"] == "user"]
+    return users[-1] if users else None
+
+
 def _tidy(segments: list[Segment]) -> list[Segment]:
     """Drop empty masked pieces, merge neighbours with the same flag, drop masked text after the last reply."""
     out: list[Segment] = []

@@ -3,9 +3,10 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from lit_qlora.data.preference import PairCollate, read_pairs, tokenize_pairs
+from lit_qlora.data.prompts import prompt_text
 from lit_qlora.train.datamodule import SFTDataModule, pad_id_of
 
 
@@ -21,3 +22,8 @@ class PreferenceDataModule(SFTDataModule):
 
     def tokenize(self, rows: list[dict]) -> list:
         return tokenize_pairs(rows, self.style, self.tokenizer, self.max_seq_length)
+
+    def val_prompt_text(self) -> Optional[str]:
+        """The first kept validation pair's prompt as the user wrote it (pairs whose prompt fills max_seq_length are
+        left out, so it need not be the first row's)."""
+        return prompt_text(self.val_rows[self.val_set[0].row])

@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader
 
 from lit_qlora.data.errors import DataError
 from lit_qlora.data.inference import use_prompt_style
-from lit_qlora.data.prompts import get_prompt_style, resolve_prompt_style
+from lit_qlora.data.prompts import get_prompt_style, prompt_text, resolve_prompt_style
 from lit_qlora.data.formats import read_source, rename_columns, to_rows
 from lit_qlora.data.files import DEMO_DATASET
 from lit_qlora.data.sft import Collate, SFTDataset, pack, tokenize_rows, validate_rows
@@ -111,6 +111,15 @@ class SFTDataModule(L.LightningDataModule):
             train = pack(train, self.max_seq_length)
         self.train_set = SFTDataset(train)
         self.val_set = SFTDataset(self.tokenize(val_rows))
+        self.val_rows = val_rows
+
+    def samples_per_epoch(self) -> int:
+        """What one pass over the training split holds in --train.global_batch_size's unit (samples here)."""
+        return len(self._require_setup())
+
+    def val_prompt_text(self) -> Optional[str]:
+        """The user's text of the first validation sample's prompt (None for plain text rows)."""
+        return prompt_text(self.val_rows[0])
 
     def tokenize(self, rows: list[dict]) -> list:
         """Samples of validated rows (what `read` returns)."""

@@ -13,7 +13,9 @@ def print_report(summary: dict[str, Any], out_dir: Path) -> None:
         ("steps", summary["steps"]),
         *([("precision", summary["precision"])] if summary.get("precision") else []),
         ("train loss (last step)", loss(summary["train_loss"])),
-        ("val loss (before -> after)", f"{loss(summary['initial_val_loss'])} -> {loss(summary['val_loss'])}"),
+        # (litqlora grpo validates by reward: its loss is minus the held-out reward, so that lower is better)
+        ("val loss = -reward (before -> after)" if "eval_reward" in summary else "val loss (before -> after)",
+         f"{loss(summary['initial_val_loss'])} -> {loss(summary['val_loss'])}"),
         *objective_rows(summary),
         (f"tokens/s (after {warmup(summary)})", f"{summary['tokens_per_sec']:.1f}" if summary["tokens_per_sec"] else "-"),
         *compile_rows(summary),
@@ -89,6 +91,7 @@ def print_sample_change(out_dir: Path) -> None:
     if len(rows) < 2:
         return
     first, last = rows[0], rows[-1]
-    print(f"\nA held-out prompt (validation): {first['prompt'].strip()!r}\n"
+    prompt = first.get("prompt_text") or first["prompt"]  # runs before prompt_text was recorded: the model's input
+    print(f"\nA held-out prompt (validation): {prompt.strip()!r}\n"
           f"  before (step {first['step']}): {first['reply'].strip()!r}\n"
           f"  after (step {last['step']}): {last['reply'].strip()!r}")

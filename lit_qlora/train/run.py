@@ -167,8 +167,7 @@ def setup(spec: RunSpec, decided: Optional[Decided] = None, hooks: Optional[RunH
         from lit_qlora.train.module import FinetuneModule
         from lit_qlora.train.progress import StepProgressBar, quiet_lightning
         from lit_qlora.train.loggers import build_loggers, log_settings
-        from lit_qlora.train.validation import (PeriodicValidation, ValidationRecord, drop_samples_after,
-                                                sample_prompt_ids)
+        from lit_qlora.train.validation import PeriodicValidation, ValidationRecord, drop_samples_after, sample_prompt
 
     started = time.perf_counter()
     decided = decided or decide(spec)
@@ -186,7 +185,7 @@ def setup(spec: RunSpec, decided: Optional[Decided] = None, hooks: Optional[RunH
     dm = (hooks.data_module or SFTDataModule)(data, Tokenizer(checkpoint_dir), train.max_seq_length,
                                               train.micro_batch_size, spec.seed)
     dm.setup("fit")
-    total_steps = total_steps_for(train, len(dm.train_set))
+    total_steps = total_steps_for(train, dm.samples_per_epoch())
     resume_from = decided.resume_from
     resume_state = read_state(resume_from) if resume_from else {}
     nf4_shards = spec.nf4_shards
@@ -207,8 +206,7 @@ def setup(spec: RunSpec, decided: Optional[Decided] = None, hooks: Optional[RunH
                  StepProgressBar(train.log_interval), StopOnSignal(checkpoints), checkpoints]
     if train.eval_interval is not None:  # before StopOnSignal and checkpoints: a step's checkpoint records its outcome
         # The sample reply decodes with the KV cache, which tensor-parallel attention (local heads) does not have.
-        sample = None if tensor_parallel > 1 else (sample_prompt_ids(train.eval_prompt, dm.val_set, dm.tokenizer),
-                                                   dm.tokenizer)
+        sample = None if tensor_parallel > 1 else sample_prompt(train.eval_prompt, dm)
         callbacks.insert(3, PeriodicValidation(out_dir, dm.val_dataloader(), train.eval_interval,
                                                train.early_stopping_patience, total_steps, config.adapter_config(),
                                                ValidationRecord.from_state(resume_state), checkpoints, sample))

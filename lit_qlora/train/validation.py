@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import lightning as L
 import torch
@@ -91,11 +91,11 @@ class PeriodicValidation(Callback):
 
     def __init__(self, out_dir: Path, val_loader: Any, interval: int, patience: Optional[int], total_steps: int,
                  adapter_config: dict[str, Any], record: ValidationRecord, checkpoints: Any,
-                 sample_prompt: Optional[tuple[list[int], Any]] = None) -> None:
+                 sample_prompt: Optional[SamplePrompt] = None) -> None:
         self.out_dir, self.val_loader, self.interval, self.patience = Path(out_dir), val_loader, interval, patience
         self.total_steps, self.adapter_config, self.record = total_steps, adapter_config, record
         self.checkpoints = checkpoints  # ResumableCheckpoints
-        self.sample_prompt = sample_prompt  # (prompt ids, tokenizer): a reply logged at each validation
+        self.sample_prompt = sample_prompt  # a reply to it is logged at each validation
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -141,7 +141,7 @@ class PeriodicValidation(Callback):
             return
         from lit_qlora.model.sampling import generate
 
-        ids, tokenizer = self.sample_prompt
+        ids, tokenizer = self.sample_prompt.ids, self.sample_prompt.tokenizer
         model = pl_module.model
         modes = {m: m.training for m in model.modules()}
         devices = [pl_module.device] if pl_module.device.type == "cuda" else []
@@ -156,20 +156,23 @@ class PeriodicValidation(Callback):
         if not trainer.is_global_zero:
             return
         pl_module.print(f"Sample at step {step}: {reply.strip()!r}")
-        append_sample(self.out_dir, step, tokenizer.decode(ids), reply)
+        append_sample(self.out_dir, step, tokenizer.decode(ids), reply, self.sample_prompt.text)
         for logger in trainer.loggers:
             if hasattr(logger.experiment, "add_text"):  # TensorBoard
                 logger.experiment.add_text("val/sample", reply, global_step=step)
 
 
-def append_sample(out_dir: Path, step: int, prompt: str, reply: str) -> None:
-    """samples.jsonl's row; a step already there (a resumed run validating it again) is written once."""
+def append_sample(out_dir: Path, step: int, prompt: str, reply: str, text: Optional[str] = None) -> None:
+    """samples.jsonl's row: `prompt` as the model read it (the template around it included), `prompt_text` as the
+    user wrote it (where there is such a text). A step already there (a resumed run validating it again) is
+    written once."""
     path = Path(out_dir) / SAMPLES_FILE
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
     if any(r["step"] == step for r in rows):
         return
     with open(path, "a") as f:
-        f.write(json.dumps({"step": step, "prompt": prompt, "reply": reply}) + "\n")
+        row = {"step": step, "prompt": prompt, **({"prompt_text": text} if text is not None else {}), "reply": reply}
+        f.write(json.dumps(row) + "\n")
 
 
 def drop_samples_after(out_dir: Path, step: int) -> None:
@@ -179,18 +182,25 @@ def drop_samples_after(out_dir: Path, step: int) -> None:
         atomic_write_text(path, "".join(line + "\n" for line in jsonl_rows_through(path, step)))
 
 
-def sample_prompt_ids(prompt: Optional[str], val_set: Any, tokenizer: Any) -> list[int]:
+class SamplePrompt(NamedTuple):
+    ids: list[int]  # what the model reads
+    tokenizer: Any
+    text: Optional[str]  # what the user wrote (reports show it); None for plain text, whose prompt is its first tokens
+
+
+def sample_prompt(prompt: Optional[str], dm: Any) -> SamplePrompt:
     """--train.eval_prompt through the chat template (as `litqlora generate` formats a prompt), else the first
     validation row up to its reply: the tokens before its first trained one (plain text trains on every token:
     its first 32 tokens, half of it at most)."""
     from lit_qlora.data.sft import IGNORE_INDEX
 
     if prompt is not None:
-        return tokenizer.encode_prompt(prompt)
-    sample = val_set[0]
+        return SamplePrompt(dm.tokenizer.encode_prompt(prompt), dm.tokenizer, prompt)
+    sample = dm.val_set[0]
     trained = (sample.labels != IGNORE_INDEX).nonzero()
     start = int(trained[0]) if len(trained) else len(sample.input_ids)
-    return sample.input_ids[: start or max(1, min(32, len(sample.input_ids) // 2))].tolist()
+    ids = sample.input_ids[: start or max(1, min(32, len(sample.input_ids) // 2))].tolist()
+    return SamplePrompt(ids, dm.tokenizer, dm.val_prompt_text())
 
 
 def write_val_row(out_dir: Path, step: int, val_loss: float, global_zero: bool,
