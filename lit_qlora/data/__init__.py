@@ -10,6 +10,6 @@ from lit_qlora import public_names
 
 __getattr__, __all__ = public_names(
     __name__, errors="DataError", prompts="Segment PromptStyle PROMPT_STYLES get_prompt_style",
-    files="DEMO_DATASET PREFERENCE_DEMO_DATASET",
+    files="DEMO_DATASET PREFERENCE_DEMO_DATASET GRPO_DEMO_DATASET",
     sft="IGNORE_INDEX Sample Collate load_json_rows load_hf_rows tokenize_rows pack",
     preference="PairSample PairCollate to_pairs tokenize_pairs read_pairs PREFERENCE_FORMATS")

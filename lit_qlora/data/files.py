@@ -16,6 +16,8 @@ from lit_qlora.data.errors import DataError
 DEMO_DATASET = Path(str(files("lit_qlora.data").joinpath("demo.jsonl")))
 # Its preference pairs (see scripts/make_preference_demo.py): each demo prompt with a right and a wrong answer.
 PREFERENCE_DEMO_DATASET = Path(str(files("lit_qlora.data").joinpath("preference_demo.jsonl")))
+# The verifiable task of `litqlora grpo` (see scripts/make_grpo_demo.py): small sums with an `answer` column.
+GRPO_DEMO_DATASET = Path(str(files("lit_qlora.data").joinpath("grpo_demo.jsonl")))
 
 FORMAT_HELP = (
     "Each row must hold `instruction` and `output` strings (optional `input`), or `messages`: a list of "

@@ -6,13 +6,12 @@ Light at import, as `finetune` is: the CLI reads the signature for `--help`."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Optional
 
 from lit_qlora.errors import UserError
 from lit_qlora.preference.args import DPOArgs, DPOSpec
-from lit_qlora.train.args import data_source
 
 
 def dpo(spec: Optional[DPOSpec] = None, **settings: Any) -> dict[str, Any]:
@@ -27,7 +26,7 @@ def dpo(spec: Optional[DPOSpec] = None, **settings: Any) -> dict[str, Any]:
             for data and --dpo.*), or its fields as keywords.
     """
     from lit_qlora.data.files import PREFERENCE_DEMO_DATASET
-    from lit_qlora.train.finetune import start_run
+    from lit_qlora.train.finetune import run_objective
 
     spec = DPOSpec.of(spec, settings)
     spec.dpo.require_valid()
@@ -37,15 +36,8 @@ def dpo(spec: Optional[DPOSpec] = None, **settings: Any) -> dict[str, Any]:
         raise UserError("--data.packing true packs several samples into one sequence, and a preference pair is scored "
                         "as a whole (its chosen and rejected answers side by side in one batch): leave packing out "
                         "for `litqlora dpo`.")
-    if data_source(spec.data) is None:
-        spec = replace(spec, data=replace(spec.data, path=str(PREFERENCE_DEMO_DATASET)))
-    print(f"Objective: {describe(spec.dpo, spec.train.init_adapter)}")
-    summary = start_run(spec, hooks=preference_hooks(spec.dpo))
-    if summary:
-        from lit_qlora.train.report import print_sample_change
-
-        print_sample_change(Path(spec.out_dir))
-    return summary
+    return run_objective(spec, preference_hooks(spec.dpo), PREFERENCE_DEMO_DATASET,
+                         describe(spec.dpo, spec.train.init_adapter))
 
 
 def describe(dpo: DPOArgs, init_adapter: Optional[Path]) -> str:
@@ -76,7 +68,8 @@ def build_module(model: Any, dm: Any, config: Any, dpo: DPOArgs) -> Any:
     """The run's PreferenceModule, with its reference: the base (adapters off) or the starting adapter."""
     from lit_qlora.preference.loss import Objective
     from lit_qlora.preference.module import PreferenceModule
-    from lit_qlora.preference.reference import Reference, cache_fingerprint, starting_adapter
+    from lit_qlora.preference.reference import Reference, cache_fingerprint
+    from lit_qlora.train.policy import starting_adapter
 
     objective = Objective.from_args(dpo)
     reference = None

@@ -19,14 +19,10 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from lit_qlora.preference.args import DPO_LOSSES, DPOArgs
+from lit_qlora.train.policy import token_logps
 
-
-# Head logits are made for this many answer tokens at a time and recomputed in backward: a batch's answers never
-# hold vocab-sized logits for more than one chunk.
-LOGP_CHUNK_ELEMS = 1 << 24
 
 # metrics.jsonl's keys, TRL's names (and logps/accuracies: the share of pairs whose chosen answer the policy itself
 # finds likelier, which, unlike the rewards, means something before the first step): summed over pairs, then divided
@@ -64,29 +60,16 @@ class Objective:
         return METRICS + (ORPO_METRICS if self.loss == "orpo" else ())
 
 
-def _token_logps(logits_of, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    logits = logits_of(hidden).float()
-    return logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-
-
 def answer_logps(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Per answer of a PairCollate batch (B pairs: chosen answers 0..B-1, rejected B..2B-1): the summed
     log-probability (fp32) of its trained tokens, and how many there are. One forward of the B rows (each prompt once,
     its two answers as branches); only the trained tokens' hidden states go through the head, a chunk at a time."""
     hidden = model.forward_hidden(batch["input_ids"], positions=batch.get("positions"))
     hidden = hidden.reshape(-1, hidden.size(-1))[batch["src"]]
-    targets = batch["tgt"]
-    chunk = max(1, LOGP_CHUNK_ELEMS // model.config.vocab_size)
-    # Checkpointed only where there is more than one chunk: one chunk's logits are kept for backward (at most
-    # LOGP_CHUNK_ELEMS), rather than made twice.
-    again = torch.is_grad_enabled() and len(targets) > chunk
-    pieces = [checkpoint(_token_logps, model.logits, hidden[i : i + chunk], targets[i : i + chunk], use_reentrant=False)
-              if again else _token_logps(model.logits, hidden[i : i + chunk], targets[i : i + chunk])
-              for i in range(0, len(targets), chunk)]
-    token_logps = torch.cat(pieces) if pieces else hidden.new_zeros(0, dtype=torch.float32)
+    logps = token_logps(model, hidden, batch["tgt"])
     answers = 2 * batch["index"].numel()
     zeros = torch.zeros(answers, device=hidden.device, dtype=torch.float32)
-    return zeros.index_add(0, batch["seq"], token_logps), zeros.index_add(0, batch["seq"], torch.ones_like(token_logps))
+    return zeros.index_add(0, batch["seq"], logps), zeros.index_add(0, batch["seq"], torch.ones_like(logps))
 
 
 @dataclass

@@ -10,48 +10,19 @@ resumed run reads back when it was made for the same data, base and starting ada
 from __future__ import annotations
 
 import json
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
 from lit_qlora.checkpoint.adapter import ADAPTER_WEIGHTS, find_adapter_dir
 from lit_qlora.checkpoint.files import TensorSpec, write_safetensors
-from lit_qlora.lora.layer import adapters_disabled, lora_modules
-from lit_qlora.parallel.distributed import shard_like
 from lit_qlora.preference.loss import answer_logps
+from lit_qlora.train.policy import reference_policy
 
 CACHE_FILE = "reference_logps.safetensors"
 SPLITS = ("train", "val")
-
-
-@contextmanager
-def reference_policy(model: nn.Module, start: Optional[dict[str, torch.Tensor]]) -> Iterator[None]:
-    """Inside, `model` computes the reference: eval mode (no adapter dropout), no gradients, and its adapters off
-    (`start` None) or holding `start` (the full adapter tensors the run started from, by lora_state_dict name).
-    The training adapter, the modes and the random number generators are as they were afterwards."""
-    modes = {m: m.training for m in model.modules()}
-    saved: dict[str, torch.Tensor] = {}
-    params = {f"{name}.{leaf}": getattr(layer, leaf) for name, layer in lora_modules(model).items()
-              for leaf in ("lora_A", "lora_B")}
-    with torch.no_grad():
-        model.eval()
-        try:
-            if start is None:
-                with adapters_disabled(model):
-                    yield
-            else:
-                for name, param in params.items():
-                    saved[name] = param.detach().clone()
-                    param.copy_(shard_like(start[name].to(param.device, param.dtype), param))
-                yield
-        finally:
-            for name, value in saved.items():
-                params[name].copy_(value)
-            for m, training in modes.items():
-                m.train(training)
 
 
 def reference_logps(model: nn.Module, batch: dict[str, torch.Tensor],
@@ -129,15 +100,6 @@ class Reference:
             print(f"Reference log-probabilities: {sum(len(t) for t in table.values())} pairs, written to {self.path}")
         trainer.strategy.barrier()
         return table
-
-
-def starting_adapter(init_adapter: Optional[Path]) -> Optional[dict]:
-    """The full tensors of --train.init_adapter (the reference's adapter), or None (the reference is the base)."""
-    if init_adapter is None:
-        return None
-    from safetensors.torch import load_file
-
-    return load_file(str(find_adapter_dir(Path(init_adapter)) / ADAPTER_WEIGHTS))
 
 
 def cache_fingerprint(config: Any) -> dict[str, Any]:

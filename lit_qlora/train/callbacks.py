@@ -17,8 +17,8 @@ from torch.utils.hooks import RemovableHandle
 from lit_qlora.train.heap import HeapTrimmer
 from lit_qlora.train.loggers import jsonl_rows_through
 from lit_qlora.train.signals import StopRequested, StopSignals
-from lit_qlora.train.state import (collect_training_state, latest_checkpoint, load_training_state, read_state,
-                                   run_totals, save_training_state, step_dir)
+from lit_qlora.train.state import (collect_training_state, latest_checkpoint, load_training_state, module_tensors,
+                                   read_state, run_totals, save_training_state, step_dir)
 
 
 class MetricsLog(Callback):
@@ -74,6 +74,7 @@ class ResumableCheckpoints(Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.resume_from is not None:
             state = load_training_state(self.resume_from, pl_module.model, trainer.optimizers[0])
+            pl_module.restore_checkpoint_tensors(module_tensors(self.resume_from))
             if hasattr(trainer.precision_plugin, "load_state_dict") and state.get("loss_scale"):
                 trainer.precision_plugin.load_state_dict(state["loss_scale"])  # 16-mixed: the same scale goes on
 
@@ -86,6 +87,7 @@ class ResumableCheckpoints(Callback):
 
     def save(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
         collected = collect_training_state(pl_module.model, trainer.optimizers[0])  # FSDP: every rank gathers
+        collected["module"] = pl_module.checkpoint_tensors()
         if trainer.is_global_zero:
             state = {"total_steps": self.total_steps, "run": self.run, "initial_val_loss": pl_module.initial_val_loss,
                      "totals": self.totals(pl_module.history)}

@@ -27,6 +27,20 @@ def finetune(spec: Optional[RunSpec] = None, **settings: Any) -> dict[str, Any]:
     return start_run(RunSpec.of(spec, settings))
 
 
+def run_objective(spec: RunSpec, hooks: Any, demo_data: Path, objective: str) -> dict[str, Any]:
+    """A verb's run of its own objective (`litqlora dpo`, `litqlora grpo`): its demo data where none is given, a line
+    saying what it optimizes, `start_run`, and at the end a held-out prompt's reply before training and after."""
+    if data_source(spec.data) is None:
+        spec = replace(spec, data=replace(spec.data, path=str(demo_data)))
+    print(f"Objective: {objective}")
+    summary = start_run(spec, hooks=hooks)
+    if summary:
+        from lit_qlora.train.report import print_sample_change
+
+        print_sample_change(Path(spec.out_dir))
+    return summary
+
+
 def start_run(spec: RunSpec, hooks: Optional[Any] = None) -> dict[str, Any]:
     """`finetune`'s checks, resume and run, for any objective: `hooks` (lit_qlora.train.run.RunHooks) is what a verb
     above train/ trains instead of SFT (`litqlora dpo`)."""

@@ -97,6 +97,14 @@ class FinetuneModule(L.LightningModule):
     def _all_on(self, device: torch.device) -> bool:
         return all(t.device == device for t in itertools.chain(self.parameters(), self.buffers()))
 
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """What an objective keeps between steps beyond the adapter and optimizer, for a checkpoint (rank 0's is
+        written); SFT keeps nothing."""
+        return {}
+
+    def restore_checkpoint_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Take back what `checkpoint_tensors` gave, as a resumed run starts."""
+
     def configure_model(self) -> None:
         # Lightning's ModelParallelStrategy hands over a device mesh: --strategy tp splits the blocks over its
         # tensor-parallel dimension, --strategy fsdp shards with FSDP2 over the data-parallel one.

@@ -24,6 +24,8 @@ from lit_qlora.parallel.distributed import full, shard_like
 
 STEP_DIR = re.compile(r"^step-(\d{6,})$")
 STATE_FILE = "state.json"
+# What an objective keeps between steps beyond the adapter and optimizer (GRPO: the rollouts its next steps train on).
+MODULE_FILE = "module.safetensors"
 
 
 def step_dir(out_dir: Path, step: int) -> Path:
@@ -90,6 +92,8 @@ def save_training_state(out_dir: Path, step: int, model: Optional[torch.nn.Modul
     write_safetensors(tmp / "adapter.safetensors", _specs(collected["adapter"]))
     write_safetensors(tmp / "optimizer.safetensors", _specs(collected["optimizer"]))
     write_safetensors(tmp / "rng.safetensors", _specs(rng_tensors()))
+    if collected.get("module"):
+        write_safetensors(tmp / MODULE_FILE, _specs(collected["module"]))
     atomic_write_text(tmp / STATE_FILE, json.dumps({**state, "step": step, "param_groups": collected["param_groups"]},
                                                    indent=2))
     replace_dir(tmp, final)  # a re-run that reached the same step replaces it as a whole
@@ -107,6 +111,12 @@ def read_state(path: Path) -> dict[str, Any]:
         return json.loads(file.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{file} is not valid JSON ({e}); resume from an older checkpoint.") from None
+
+
+def module_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """What the objective kept in checkpoint `path` (MODULE_FILE; empty where it kept nothing)."""
+    file = Path(path) / MODULE_FILE
+    return dict(iter_safetensors(file)) if file.is_file() else {}
 
 
 def load_training_state(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
