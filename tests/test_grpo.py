@@ -314,3 +314,53 @@ def test_bad_options_are_refused_before_anything_loads(flags, message, tiny_llam
     with pytest.raises(UserError, match=re.escape(message)):
         run_grpo(tiny_llama_dir, tmp_path / "bad", grpo_data, **flags)
     assert not (tmp_path / "bad").exists()
+
+
+# ---------------------------------------------------------------------------------------------- 5. DDP
+
+def cli_grpo(tiny_llama_dir, out_dir, data_dir, *extra):
+    """`litqlora grpo` in a child process on two CPU ranks (gloo): Lightning launches the second rank itself."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "lit_qlora.cli", "grpo", "--checkpoint_dir", str(tiny_llama_dir),
+           "--out_dir", str(out_dir), "--accelerator", "cpu", "--precision", "32-true", "--lora.r", "4",
+           "--lora.alpha", "8", "--lora.dropout", "0", "--data.path", str(data_dir / "prompts.jsonl"),
+           "--data.val_split", "0.25", "--train.micro_batch_size", "2", "--train.global_batch_size", "8",
+           "--train.max_seq_length", "64", "--train.lr", "0.02", "--train.warmup_steps", "1", "--train.max_steps", "2",
+           "--grpo.num_generations", "4", "--grpo.max_completion_length", "8", "--grpo.beta", "0.04",
+           "--grpo.rewards", f"[{data_dir}/rewards.py:first_token, {data_dir}/rewards.py:answer_seen]", *extra]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss_type", ["dapo", "bnpo"])
+def test_two_ranks_each_sample_their_share_and_train_what_one_process_trains(loss_type, tiny_llama_dir, grpo_data,
+                                                                            tmp_path):
+    """Each rank samples its half of the step's prompts (seeded by their place in the global batch, so the same
+    completions as one process), and the reduced loss, metrics and adapter equal one process's."""
+    import torch.distributed as dist
+
+    if not dist.is_gloo_available():
+        pytest.skip("needs torch.distributed with gloo")
+    one, two = tmp_path / "one", tmp_path / "two"
+    cli_grpo(tiny_llama_dir, one, grpo_data, "--grpo.loss_type", loss_type, "--devices", "1")
+    cli_grpo(tiny_llama_dir, two, grpo_data, "--grpo.loss_type", loss_type, "--devices", "2", "--strategy", "ddp")
+    want, got = (([r for r in rows_of(out) if "loss" in r]) for out in (one, two))
+    assert [r["step"] for r in got] == [1, 2]  # written once (rank 0)
+    for key in ("reward", "reward_std", "rewards/first_token/mean", "completions/mean_length",
+                "completions/max_length", "frac_reward_zero_std"):  # the same completions, reduced over both ranks
+        assert [r[key] for r in got] == pytest.approx([r[key] for r in want], rel=1e-6, abs=1e-9), key
+    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in want], rel=1e-5, abs=1e-7)
+    assert [r["kl"] for r in got] == pytest.approx([r["kl"] for r in want], rel=1e-4, abs=1e-8)
+    assert [r["grad_norm"] for r in got] == pytest.approx([r["grad_norm"] for r in want], rel=1e-4)
+    assert got[0]["grad_norm"] > 0
+    from safetensors.torch import load_file
+
+    a, b = (load_file(str(out / "final" / "adapter.safetensors")) for out in (one, two))
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-4
