@@ -271,7 +271,19 @@ def test_a_run_logs_trls_metric_names_and_validates_with_the_rewards(grpo_run):
     assert re.search(rf"\n  reward \(val, before -> after\) +{vals[0]['eval_reward']:.4f} -> "
                      rf"{vals[-1]['eval_reward']:.4f}\n", printed), printed
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
-    assert [s["step"] for s in samples] == [0, 2, 4] and samples[0]["prompt_text"].startswith("What is ")
+    replies = [s for s in samples if "reply" in s]  # the validations' greedy replies
+    assert [s["step"] for s in replies] == [0, 2, 4] and replies[0]["prompt_text"].startswith("What is ")
+    # the training steps' completions (log_interval 1; num_iterations 2: logged when sampled, at steps 1 and 3)
+    groups = [s for s in samples if "completions" in s]
+    assert [s["step"] for s in groups] == [1, 1, 3, 3]
+    for group in groups:
+        assert len(group["completions"]) == 4 and group["prompt_text"].startswith("What is ")
+        for c in group["completions"]:
+            assert c["reward"] == pytest.approx(c["rewards"]["first_token"] + c["rewards"]["answer_seen"]
+                                                + 0.5 * c["rewards"]["format"], abs=1e-5)
+    step1 = [r for r in train if r["step"] == 1][0]  # two prompts per step on one rank: both logged
+    logged = [c["reward"] for g in groups[:2] for c in g["completions"]]
+    assert sum(logged) / len(logged) == pytest.approx(step1["reward"], abs=1e-5)
     assert (out / "final" / "adapter.safetensors").is_file()
     assert json.loads((out / "final" / "adapter_config.json").read_text())["method"] == "grpo"
 

@@ -80,4 +80,5 @@ def build_module(model: Any, dm: Any, config: Any, g: GRPOArgs) -> Any:
     start = starting_adapter(config.train.init_adapter) if g.beta else None
     return GRPOModule(model, config.train, config.total_steps, config.start_step, compile=config.compile, grpo=g,
                       rewards=load_rewards(g.rewards, g.reward_weights, g.format_pattern), tokenizer=dm.tokenizer,
-                      reference_start=start, seed=config.seed, source=dm.source, pad_id=pad_id_of(dm.tokenizer))
+                      reference_start=start, seed=config.seed, source=dm.source, pad_id=pad_id_of(dm.tokenizer),
+                      out_dir=config.out_dir)

@@ -10,12 +10,15 @@ its "loss" is minus the mean reward, so best/ and early stopping keep the most r
 from __future__ import annotations
 
 import hashlib
+import json
 from contextlib import nullcontext
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
 
+from lit_qlora.data.prompts import prompt_text
 from lit_qlora.grpo.args import GRPOArgs
 from lit_qlora.grpo.loss import StepCounts, advantages, micro_loss, token_terms
 from lit_qlora.grpo.rewards import Reward, score, total
@@ -23,8 +26,10 @@ from lit_qlora.grpo.rollout import sample_group
 from lit_qlora.parallel.distributed import no_gradient_sync, reshard
 from lit_qlora.train.module import FinetuneModule
 from lit_qlora.train.policy import reference_policy, token_logps
+from lit_qlora.train.validation import SAMPLES_FILE
 
 EVAL_PREFIX = "eval_"  # TRL's names for an evaluation: eval_ + the training name
+LOGGED_PROMPTS = 2  # prompts (with their whole group) samples.jsonl keeps at each logging step
 
 
 def rollout_seed(seed: int, step: int, position: int) -> int:
@@ -83,10 +88,11 @@ class GRPOModule(FinetuneModule):
 
     def __init__(self, model, train, total_steps: int, start_step: int = 0, compile: bool = False, *, grpo: GRPOArgs,
                  rewards: list[Reward], tokenizer: Any, reference_start: Optional[dict[str, torch.Tensor]], seed: int,
-                 source: str, pad_id: int) -> None:
+                 source: str, pad_id: int, out_dir: Optional[Path] = None) -> None:
         super().__init__(model, train, total_steps, start_step, compile=compile)
         self.grpo, self.reward_fns, self.tokenizer = grpo, rewards, tokenizer
         self.reference_start, self.seed, self.source, self.pad_id = reference_start, seed, source, pad_id
+        self.out_dir = out_dir  # samples.jsonl gets a few prompts' completions at each logging step
         self.rollouts: Optional[Rollouts] = None
         self._val_rows: list[torch.Tensor] = []
 
@@ -140,11 +146,32 @@ class GRPOModule(FinetuneModule):
         rollouts = Rollouts(sequences, [len(p) for p in owners], [len(c) for c in completions],
                             torch.tensor(stopped, device=self.device), per_function, rewards,
                             advantages(rewards, g.num_generations, g.scaling, batch_std), step=step)
+        self.log_completions(owners, completions, per_function, rewards, step + 1)
         if g.num_iterations > 1:
             rollouts.old_logps = self.fixed_logps(rollouts, None)
         if g.beta:
             rollouts.ref_logps = self.fixed_logps(rollouts, self.reference_start, reference=True)
         return rollouts
+
+    def log_completions(self, owners: list[Any], completions: list[list[int]], per_function: torch.Tensor,
+                        rewards: torch.Tensor, step: int) -> None:
+        """At a logging step, rank 0's first LOGGED_PROMPTS prompts with every completion of their group and its
+        rewards, appended to samples.jsonl (beside the validations' replies, which have `reply` instead)."""
+        if self.out_dir is None or not self.trainer.is_global_zero or step % self.train_args.log_interval:
+            return
+        g = self.grpo.num_generations
+        rows = []
+        for first in range(0, min(len(owners), LOGGED_PROMPTS * g), g):
+            prompt = owners[first]
+            rows.append({"step": step, "prompt": self.tokenizer.decode(prompt.input_ids),
+                         "prompt_text": prompt_text({"prompt": prompt.row["prompt"]}), "completions": [
+                             {"text": self.tokenizer.decode(completions[i], skip_special_tokens=True),
+                              "reward": round(float(rewards[i]), 6),
+                              "rewards": {fn.name: None if torch.isnan(per_function[i, k]) else
+                                          round(float(per_function[i, k]), 6) for k, fn in enumerate(self.reward_fns)}}
+                             for i in range(first, first + g)]})
+        with open(Path(self.out_dir) / SAMPLES_FILE, "a") as f:
+            f.writelines(json.dumps(row) + "\n" for row in rows)
 
     def fixed_logps(self, rollouts: Rollouts, start: Any, reference: bool = False) -> list[torch.Tensor]:
         """Per row, its completion's log-probabilities without gradients: the reference's, or (eval mode) the

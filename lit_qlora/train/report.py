@@ -88,6 +88,7 @@ def print_sample_change(out_dir: Path) -> None:
     """With --train.eval_interval: the held-out prompt's greedy reply before training and after (samples.jsonl)."""
     path = out_dir / "samples.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    rows = [row for row in rows if "reply" in row]  # the validations' (litqlora grpo logs training completions too)
     if len(rows) < 2:
         return
     first, last = rows[0], rows[-1]

@@ -168,7 +168,7 @@ def append_sample(out_dir: Path, step: int, prompt: str, reply: str, text: Optio
     written once."""
     path = Path(out_dir) / SAMPLES_FILE
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
-    if any(r["step"] == step for r in rows):
+    if any(r["step"] == step and "reply" in r for r in rows):  # (litqlora grpo's training rows have none)
         return
     with open(path, "a") as f:
         row = {"step": step, "prompt": prompt, **({"prompt_text": text} if text is not None else {}), "reply": reply}
