@@ -53,7 +53,9 @@ def sample_group(model: Transformer, prompt: Sequence[int], n: int, max_new_toke
     model.set_kv_cache(batch_size=n, max_len=max_len, device=device)
     try:
         positions = torch.arange(len(prompt), device=device)
-        logits = model(torch.tensor([list(prompt)], device=device), input_pos=positions)[:, -1]
+        # the head on the last position only: a long prompt's logits would be prompt x vocab
+        hidden = model.forward_hidden(torch.tensor([list(prompt)], device=device), input_pos=positions)
+        logits = model.logits(hidden[:, -1])
         for block in model.model.layers:  # the prompt's keys and values, once, for every row
             cache = block.self_attn.kv_cache
             cache.k[1:, :, : len(prompt)] = cache.k[:1, :, : len(prompt)]
