@@ -220,11 +220,12 @@ def run_grpo(tiny_llama_dir, out_dir, data_dir, resume=False, **overrides):
     g.update(overrides.pop("grpo", {}))
     train = dict(micro_batch_size=4, global_batch_size=8, max_seq_length=64, lr=2e-2, warmup_steps=1, max_steps=4,
                  save_interval=1, eval_interval=2)
+    compile_ = overrides.pop("compile", False)
     train.update(overrides)
     return grpo(checkpoint_dir=tiny_llama_dir, out_dir=out_dir, quantize="nf4", precision="32-true",
                 accelerator="cpu", resume=resume, lora=LoRAArgs(r=4, alpha=8, dropout=0.1),
                 data=GRPODataArgs(path=str(data_dir / "prompts.jsonl"), val_split=0.25),
-                train=TrainArgs(**train), grpo=GRPOArgs(**g), logger="csv")
+                train=TrainArgs(**train), grpo=GRPOArgs(**g), logger="csv", compile=compile_)
 
 
 def rows_of(out_dir: Path) -> list[dict]:
@@ -319,6 +320,7 @@ def test_resume_after_a_kill_mid_batch_of_rollouts_is_exact(tiny_llama_dir, grpo
     (dict(grpo=dict(rewards=["no_such_reward"])), "no_such_reward"),
     (dict(grpo=dict(reward_weights=[1.0])), "--grpo.reward_weights"),
     (dict(grpo=dict(max_completion_length=64)), "--grpo.max_completion_length"),
+    (dict(compile=True), "--compile is not offered by `litqlora grpo` yet"),
 ])
 def test_bad_options_are_refused_before_anything_loads(flags, message, tiny_llama_dir, grpo_data, tmp_path):
     from lit_qlora.errors import UserError

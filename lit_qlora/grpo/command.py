@@ -34,6 +34,10 @@ def grpo(spec: Optional[GRPOSpec] = None, **settings: Any) -> dict[str, Any]:
     if spec.strategy == "fsdp" or spec.tensor_parallel != 1:
         raise UserError("`litqlora grpo` runs with --strategy auto or ddp: under FSDP every rank must run the same "
                         "forwards, and the ranks' rollouts stop at different lengths.")
+    if spec.compile:
+        raise UserError("--compile is not offered by `litqlora grpo` yet: its rollouts decode one token at a time "
+                        "through the same blocks, each decode a new shape that a compiled block would compile again. "
+                        "Leave --compile off.")
     if spec.data.packing:
         raise UserError("--data.packing true packs samples into one sequence, and GRPO samples completions of each "
                         "prompt on its own: leave packing out for `litqlora grpo`.")
