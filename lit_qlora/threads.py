@@ -39,6 +39,12 @@ BUSY_OWN_CORES = 0.5
 process, waiting for a request or for a child process to finish): what the others did then says nothing about
 contention, so it is skipped (a test process resuming a run after a child trained it had dropped to one thread)."""
 
+STARVED_OWN_CORES = 0.1
+"""On a machine with more busy processes than cores a working process gets less than BUSY_OWN_CORES (beside four
+spinning processes on two cores: about 0.4): a window in which the CPUs were full and this process still used this
+much counts too (it was working, and starved), where skipping it left the count where it was (issue 47: `make test`
+beside a 2-thread busy loop)."""
+
 
 def set_openmp_spin(environ: Optional[dict] = None) -> None:
     """GOMP_SPINCOUNT=SPIN_COUNT in `environ` (os.environ), unless GOMP_SPINCOUNT or OMP_WAIT_POLICY is set there.
@@ -136,6 +142,12 @@ def own_cores(before: CpuTimes, after: CpuTimes, ticks_per_second: float) -> flo
     return (after.own_ticks - before.own_ticks) / ticks_per_second / seconds if seconds > 0 else 0.0
 
 
+def worked(own: float, others: float, cpus: int) -> bool:
+    """Whether this process was working in a window (what the others did then tells contention): it used
+    BUSY_OWN_CORES, or STARVED_OWN_CORES while the CPUs were full (within a tenth of a core)."""
+    return own >= BUSY_OWN_CORES or (own >= STARVED_OWN_CORES and own + others >= cpus - 0.1)
+
+
 def target_threads(wanted: int, cpus: int, others: float) -> int:
     """Threads for torch when the other processes keep `others` of `cpus` cores busy: the free cores, rounded to
     the nearest (background noise under half a core takes none away), between 1 and `wanted`."""
@@ -203,8 +215,9 @@ class ThreadGovernor:
         if self.enabled and self._clock() - self._last.seconds >= self.interval:
             now = self._read(self.cpus)
             if now is not None:
-                if own_cores(self._last, now, self._ticks) >= BUSY_OWN_CORES:
-                    self.others = others_cores(self._last, now, self._ticks)
+                others = others_cores(self._last, now, self._ticks)
+                if worked(own_cores(self._last, now, self._ticks), others, len(self.cpus)):
+                    self.others = others
                     self._propose(target_threads(self.wanted, len(self.cpus), self.others))
                 self._last = now
         if torch.get_num_threads() != self.target:

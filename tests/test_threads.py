@@ -95,6 +95,23 @@ def test_governor_drops_to_the_free_cores_and_comes_back(restore_threads):
     assert gov.changes == 2 and gov.fewest == 1
 
 
+def test_a_starved_process_on_a_full_machine_still_counts_as_working(restore_threads):
+    """More busy processes than cores: a working process gets well under half a core, and the CPUs are full; its
+    windows count (it drops to one thread). Idle on the same full machine, it does not."""
+    proc = FakeProc()
+    gov = ThreadGovernor(wanted=2, cpus=frozenset({0, 1}), interval=0.95, read=proc.read, ticks_per_second=100,
+                         environ={}, clock=lambda: proc.now.seconds)
+    for _ in range(2):
+        proc.advance(1.0, others=1.95, own=0.02)  # idle here while the others fill the CPUs: says nothing
+        assert gov() == 2 and gov.others == 0.0
+    proc.advance(1.0, others=1.6, own=0.4)  # working, starved: four spinners beside it on two cores
+    assert gov() == 2 and gov.others == pytest.approx(1.6)  # one window: maybe a burst
+    proc.advance(1.0, others=1.6, own=0.4)
+    assert gov() == 1 and torch.get_num_threads() == 1
+    proc.advance(1.0, others=1.0, own=0.3)  # under half a core on a machine with a core free: idle time, skipped
+    assert gov() == 1 and gov.others == pytest.approx(1.6)
+
+
 def test_governor_leaves_a_fixed_count_alone(restore_threads):
     proc = FakeProc()
     torch.set_num_threads(2)
