@@ -15,6 +15,7 @@ import yaml
 from lit_qlora.cli.usage import Options
 from lit_qlora.errors import UserError
 from lit_qlora.estimate.args import EstimateSpec
+from lit_qlora.grpo.args import GRPOSpec
 from lit_qlora.hardware import choose_precision
 from lit_qlora.preference.args import DPOArgs, DPOSpec
 from lit_qlora.train.args import LoRAArgs, TrainArgs
@@ -91,7 +92,8 @@ def test_the_verbs_share_one_spec_and_repeat_no_parameter_list():
     shared = {f.name for f in fields(RunSpec)}
     assert shared <= {f.name for f in fields(DPOSpec)} and shared <= {f.name for f in fields(EstimateSpec)}
     assert {f.name for f in fields(DPOSpec)} - shared == {"dpo"}
-    assert {f.name for f in fields(EstimateSpec)} - shared == {"device", "device_memory", "method", "dpo"}
+    assert shared <= {f.name for f in fields(GRPOSpec)} and {f.name for f in fields(GRPOSpec)} - shared == {"grpo"}
+    assert {f.name for f in fields(EstimateSpec)} - shared == {"device", "device_memory", "method", "dpo", "grpo"}
 
 
 def test_a_spec_comes_from_keywords_or_as_itself_not_both():

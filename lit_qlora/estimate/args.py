@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar, Literal, Optional
 
+from lit_qlora.grpo.args import GRPOArgs
 from lit_qlora.hardware import PrecisionChoice
 from lit_qlora.preference.args import DPOArgs
 from lit_qlora.train.args import DataArgs
@@ -16,9 +17,9 @@ from lit_qlora.train.spec import RunSpec
 @dataclass
 class RecipeDataArgs(DataArgs):
     format: Literal["auto", "alpaca", "messages", "sharegpt", "prompt_completion", "text",  # type: ignore[assignment]
-                    "explicit", "implicit"] = "auto"
-    """A finetune recipe's row format or a dpo recipe's pair format (read, not used: the estimate's sequences are
-    max_seq_length tokens)."""
+                    "explicit", "implicit", "prompt"] = "auto"
+    """A finetune recipe's row format, a dpo recipe's pair format or a grpo recipe's (read, not used: the estimate's
+    sequences are max_seq_length tokens)."""
 
 
 @dataclass
@@ -53,11 +54,16 @@ class EstimateSpec(RunSpec):
     auto, the longest sequence that fits at the given micro-batch instead (and the host memory it needs for offloaded
     activations). Units as written: GiB (2^30 bytes), GB (10^9: said so, as cards sold in "GB" have GiB), a bare G
     reads as GiB; the bytes are echoed."""
-    method: Optional[Literal["sft", "dpo"]] = None
-    """sft (`litqlora finetune`'s step) or dpo (`litqlora dpo`'s: micro_batch_size pairs, two sequences each, in one
-    forward and backward, and the reference's no-grad forward with --dpo.reference adapters_off). Default: dpo when
-    the recipe has a `dpo:` section or a --dpo.* flag is given (a config_hub/dpo/ preset), else sft."""
+    method: Optional[Literal["sft", "dpo", "grpo"]] = None
+    """sft (`litqlora finetune`'s step), dpo (`litqlora dpo`'s: micro_batch_size pairs, two sequences each, in one
+    forward and backward, and the reference's no-grad forward with --dpo.reference adapters_off) or grpo (`litqlora
+    grpo`'s: the training step on micro_batch_size completions, and the sampling of num_generations rows with the KV
+    cache; the peak is the larger). Default: dpo or grpo when the recipe has that section or a --dpo.* / --grpo.*
+    flag is given (a config_hub/dpo/ or grpo/ preset), else sft."""
     dpo: Optional[DPOArgs] = None
     """The preference objective, as for `litqlora dpo` (--dpo.help lists its options): --dpo.loss and --dpo.reference
     decide whether a reference forward runs in the step. Given (a recipe's `dpo:` section or a --dpo.* flag), the
     method is dpo unless --method sft says otherwise."""
+    grpo: Optional[GRPOArgs] = None
+    """The GRPO settings, as for `litqlora grpo` (--grpo.help lists them): num_generations and the sequence length
+    size the rollouts' KV cache."""

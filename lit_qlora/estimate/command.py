@@ -11,6 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
 
+from lit_qlora.estimate.grpo import render_grpo, sampling_phase
 from lit_qlora.estimate.preference import SEQUENCES_PER_PAIR, PreferenceStep, reference_pass
 from lit_qlora.estimate.search import AUTO_LENGTH_TRACES, LENGTH_STEP, largest_batches, longest_context
 from lit_qlora.estimate.args import EstimateSpec
@@ -60,6 +61,7 @@ def estimate(spec: Optional[EstimateSpec] = None, **settings: Any) -> dict[str, 
     devices, num_nodes, strategy, tensor_parallel = spec.devices, spec.num_nodes, spec.strategy, spec.tensor_parallel
     lora, train, device, device_memory, method, dpo = (spec.lora, spec.train, spec.device, spec.device_memory,
                                                        spec.method, spec.dpo)
+    grpo = spec.grpo
     auto_length = train.max_seq_length == "auto"
     for flag, value, least in (("--devices", devices, 1), ("--num_nodes", num_nodes, 1),
                                ("--train.micro_batch_size", train.micro_batch_size, 1),
@@ -69,7 +71,13 @@ def estimate(spec: Optional[EstimateSpec] = None, **settings: Any) -> dict[str, 
             raise InvalidInput(f"{flag} takes a whole number, got {value!r}.")
         if value < least:
             raise InvalidInput(f"{flag} must be at least {least}, got {value}.")
-    method = method or ("dpo" if dpo is not None else "sft")
+    method = method or ("dpo" if dpo is not None else "grpo" if grpo is not None else "sft")
+    if method == "grpo":
+        from lit_qlora.grpo.args import GRPOArgs
+
+        grpo = grpo or GRPOArgs()
+        if strategy in ("tp", "fsdp"):
+            raise InvalidInput("--method grpo: `litqlora grpo` runs with --strategy auto or ddp.")
     if method == "dpo":
         dpo = dpo or DPOArgs()
         dpo.require_valid()
@@ -110,7 +118,17 @@ def estimate(spec: Optional[EstimateSpec] = None, **settings: Any) -> dict[str, 
         peak = {"peak_operation": trace.peak_op, "other_temporaries_by_op": other_temporaries(trace, parts)}
         if preference is not None:
             peak["dpo"] = preference_report(preference, train, micro_batch_size, trace.peak_op)
-        return sum(parts.values()), parts, trace.host_peak, peak
+        total = sum(parts.values())
+        if method == "grpo":  # the larger of the training step and the rollouts' sampling
+            from lit_qlora.model.config import PRECISION_DTYPES
+
+            sampling = sampling_phase(config, grpo, parts, length or train.max_seq_length,
+                                      PRECISION_DTYPES[precision].itemsize)
+            peak["grpo"] = {"num_generations": grpo.num_generations, "training_peak_bytes": total,
+                            "reference_pass": bool(grpo.beta), **sampling,
+                            "sets_the_peak": "sampling" if sampling["sampling_peak_bytes"] > total else "training"}
+            total = max(total, sampling["sampling_peak_bytes"])
+        return total, parts, trace.host_peak, peak
 
     searched: dict[str, Any] = {}
     searched_with_offload = False
@@ -222,6 +240,8 @@ def render(result: dict[str, Any]) -> str:
         lines += ["", f"The peak is reached at: {result['peak_operation']}"]
     if result.get("dpo"):
         lines += render_preference(result)
+    if result.get("grpo"):
+        lines += render_grpo(result)
     if result.get("offload_activations"):
         lines += ["", f"Host memory for offloaded activations: {result['offload_host_bytes'] / GiB:.2f} GiB (not in "
                       f"the peak above; {result['offload_pinned_bytes'] / GiB:.2f} GiB of pinned buffers)"]
