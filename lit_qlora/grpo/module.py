@@ -25,7 +25,7 @@ from lit_qlora.grpo.rewards import Reward, score, total
 from lit_qlora.grpo.rollout import sample_group
 from lit_qlora.parallel.distributed import no_gradient_sync, reshard
 from lit_qlora.train.module import FinetuneModule
-from lit_qlora.train.policy import reference_policy, token_logps
+from lit_qlora.train.policy import evaluating, reference_policy, token_logps
 from lit_qlora.train.validation import SAMPLES_FILE
 
 EVAL_PREFIX = "eval_"  # TRL's names for an evaluation: eval_ + the training name
@@ -103,21 +103,19 @@ class GRPOModule(FinetuneModule):
         """n completions of each prompt, on this rank (the prompt at local index i is the step's i * ranks + rank):
         (the prompt samples, one per completion), the completions' ids, whether each stopped."""
         g = self.grpo
-        modes = {m: m.training for m in self.model.modules()}
         owners, completions, stopped = [], [], []
         device = self.model.model.embed_tokens.weight.device
-        self.model.eval()
         try:
-            for i, prompt in enumerate(prompts):
-                generator = torch.Generator(device=device).manual_seed(rollout_seed(self.seed, step, i * ranks + rank))
-                group = sample_group(self.model, prompt.input_ids.tolist(), n, g.max_completion_length, temperature,
-                                     g.top_k, g.top_p, self.tokenizer.eos_ids, generator)
-                owners += [prompt] * n
-                completions += group.completions
-                stopped += group.stopped
+            with evaluating(self.model):
+                for i, prompt in enumerate(prompts):
+                    seed = rollout_seed(self.seed, step, i * ranks + rank)
+                    group = sample_group(self.model, prompt.input_ids.tolist(), n, g.max_completion_length,
+                                         temperature, g.top_k, g.top_p, self.tokenizer.eos_ids,
+                                         torch.Generator(device=device).manual_seed(seed))
+                    owners += [prompt] * n
+                    completions += group.completions
+                    stopped += group.stopped
         finally:
-            for m, training in modes.items():
-                m.train(training)
             reshard(self.model)
         return owners, completions, stopped
 
@@ -177,18 +175,13 @@ class GRPOModule(FinetuneModule):
         """Per row, its completion's log-probabilities without gradients: the reference's, or (eval mode) the
         policy's as it sampled them."""
         out = []
-        context = reference_policy(self.model, start) if reference else self.eval_no_grad()
-        with context:
-            for first in range(0, len(rollouts.sequences), self.train_args.micro_batch_size):
-                rows = range(first, min(first + self.train_args.micro_batch_size, len(rollouts.sequences)))
+        with reference_policy(self.model, start) if reference else evaluating(self.model), torch.no_grad():
+            for rows in micro_batches_of(len(rollouts.sequences), self.train_args.micro_batch_size):
                 batch = completion_batch(rollouts, rows, self.pad_id, self.device)
                 logps = completion_logps(self.model, batch, self.grpo.temperature)
                 out += [logps[b, : rollouts.completion_lengths[i]].detach() for b, i in enumerate(rows)]
         reshard(self.model)
         return out
-
-    def eval_no_grad(self) -> _EvalNoGrad:
-        return _EvalNoGrad(self.model)
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """With num_iterations > 1, the batch of rollouts the next steps still train on (a resume mid-batch cannot
@@ -286,24 +279,6 @@ class GRPOModule(FinetuneModule):
     def validation_scalars(self) -> dict[str, float]:
         return {**super().validation_scalars(),
                 **{f"eval/{k[len(EVAL_PREFIX):]}": v for k, v in self.val_metrics.items()}}
-
-
-class _EvalNoGrad:
-    """Eval mode (no adapter dropout) and no gradients inside; the modes come back after."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.model, self.modes, self.grad = model, {}, None
-
-    def __enter__(self) -> None:
-        self.modes = {m: m.training for m in self.model.modules()}
-        self.grad = torch.no_grad()
-        self.grad.__enter__()
-        self.model.eval()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.grad.__exit__(*exc)
-        for m, training in self.modes.items():
-            m.train(training)
 
 
 def micro_batches_of(n: int, size: int) -> list[range]:

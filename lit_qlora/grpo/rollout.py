@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from lit_qlora.model.sampling import sample_rows
 from lit_qlora.model.transformer import Transformer
 
 
@@ -24,24 +25,6 @@ class Group:
 
     completions: list[list[int]]
     stopped: list[bool]
-
-
-def sample_rows(logits: torch.Tensor, temperature: float, top_k: Optional[int], top_p: float,
-                generator: torch.Generator) -> torch.Tensor:
-    """One token per row of (rows, vocab) logits: greedy at temperature 0; else among the top_k likeliest and the
-    smallest set of likeliest whose probabilities sum to at least top_p (the likeliest always stays)."""
-    if temperature <= 0:
-        return logits.argmax(-1)
-    logits = logits.float() / temperature
-    if top_k and top_k < logits.size(-1):
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if top_p < 1:
-        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
-        outside = sorted_probs.cumsum(-1) - sorted_probs >= top_p  # the mass before a token already reaches top_p
-        probs = probs.scatter(-1, order, sorted_probs.masked_fill(outside, 0.0))
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
 @torch.inference_mode()

@@ -10,22 +10,29 @@ from lit_qlora.errors import InvalidInput
 from lit_qlora.model.transformer import Transformer
 
 
-def sample(logits: torch.Tensor, temperature: float, top_k: Optional[int], generator: torch.Generator,
-           top_p: Optional[float] = None) -> int:
-    """Greedy at temperature 0; else a draw among the top_k most likely tokens and, with top_p, the smallest set of
-    most likely tokens whose probabilities sum to at least top_p (nucleus sampling; the most likely always stays)."""
+def sample_rows(logits: torch.Tensor, temperature: float, top_k: Optional[int], top_p: float,
+                generator: torch.Generator) -> torch.Tensor:
+    """One token per row of (rows, vocab) logits: greedy at temperature 0; else a draw among the top_k most likely
+    tokens (None or 0: all) and, below top_p 1, the smallest set of most likely tokens whose probabilities sum to at
+    least top_p (nucleus sampling; the most likely always stays)."""
     if temperature <= 0:
-        return int(torch.argmax(logits).item())
+        return logits.argmax(-1)
     logits = logits.float() / temperature
-    if top_k is not None and top_k < logits.size(-1):
-        kth = torch.topk(logits, top_k).values[-1]
+    if top_k and top_k < logits.size(-1):
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
-    if top_p is not None and top_p < 1:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        outside = sorted_probs.cumsum(0) - sorted_probs >= top_p  # the mass before a token already reaches top_p
-        probs = probs.scatter(0, order[outside], 0.0)
-    return int(torch.multinomial(probs, 1, generator=generator).item())
+    if top_p < 1:
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+        outside = sorted_probs.cumsum(-1) - sorted_probs >= top_p  # the mass before a token already reaches top_p
+        probs = probs.scatter(-1, order, sorted_probs.masked_fill(outside, 0.0))
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def sample(logits: torch.Tensor, temperature: float, top_k: Optional[int], generator: torch.Generator,
+           top_p: Optional[float] = None) -> int:
+    """One token of (vocab,) logits, as `sample_rows` draws a row's (the same draw from the same generator)."""
+    return int(sample_rows(logits[None], temperature, top_k, 1.0 if top_p is None else top_p, generator)[0])
 
 
 @torch.inference_mode()

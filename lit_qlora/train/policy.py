@@ -43,16 +43,26 @@ def token_logps(model: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, t
 
 
 @contextmanager
+def evaluating(model: nn.Module) -> Iterator[None]:
+    """Inside, `model` in eval mode (no dropout); afterwards each module's train/eval mode as it was."""
+    modes = {m: m.training for m in model.modules()}
+    model.eval()
+    try:
+        yield
+    finally:
+        for m, training in modes.items():
+            m.train(training)
+
+
+@contextmanager
 def reference_policy(model: nn.Module, start: Optional[dict[str, torch.Tensor]]) -> Iterator[None]:
     """Inside, `model` computes the reference: eval mode (no adapter dropout), no gradients, and its adapters off
     (`start` None) or holding `start` (the full adapter tensors the run started from, by lora_state_dict name).
     The training adapter, the modes and the random number generators are as they were afterwards."""
-    modes = {m: m.training for m in model.modules()}
     saved: dict[str, torch.Tensor] = {}
     params = {f"{name}.{leaf}": getattr(layer, leaf) for name, layer in lora_modules(model).items()
               for leaf in ("lora_A", "lora_B")}
-    with torch.no_grad():
-        model.eval()
+    with torch.no_grad(), evaluating(model):
         try:
             if start is None:
                 with adapters_disabled(model):
@@ -65,8 +75,6 @@ def reference_policy(model: nn.Module, start: Optional[dict[str, torch.Tensor]])
         finally:
             for name, value in saved.items():
                 params[name].copy_(value)
-            for m, training in modes.items():
-                m.train(training)
 
 
 def starting_adapter(init_adapter: Optional[Path]) -> Optional[dict]:

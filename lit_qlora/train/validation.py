@@ -20,6 +20,7 @@ from lit_qlora.checkpoint.files import atomic_write_text, remove_path, replace_d
 from lit_qlora.checkpoint.adapter import full_lora_state_dict, save_adapter
 from lit_qlora.parallel.distributed import reshard
 from lit_qlora.train.loggers import jsonl_rows_through, log_scalars
+from lit_qlora.train.policy import evaluating
 
 BEST_DIR, BEST_FILE, SAMPLES_FILE = "best", "best.json", "samples.jsonl"
 SAMPLE_TOKENS = 48  # a reply's length at most: a glance at what the adapter does, seconds on a CPU
@@ -62,10 +63,8 @@ def validation_loss(trainer: L.Trainer, module: L.LightningModule, loader: Any,
     Nothing a training step depends on changes: each module's train/eval mode comes back as it was, and the random
     number generators are restored (an iterator over a DataLoader draws its base seed from torch's generator, which
     dropout then draws from), so a run with validations trains the same steps as one without."""
-    modes = {m: m.training for m in module.modules()}
     devices = [module.device] if module.device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices), torch.no_grad():
-        module.eval()
+    with torch.random.fork_rng(devices=devices), torch.no_grad(), evaluating(module):
         try:
             module.on_validation_epoch_start()
             for i, batch in enumerate(loader):
@@ -74,8 +73,6 @@ def validation_loss(trainer: L.Trainer, module: L.LightningModule, loader: Any,
                 after_batch(batch, i)
             loss = module.reduced_val_loss()
         finally:
-            for m, training in modes.items():
-                m.train(training)
             reshard(module.model)  # FSDP2: the root keeps its parameters gathered after a forward
     return loss
 
@@ -143,15 +140,11 @@ class PeriodicValidation(Callback):
 
         ids, tokenizer = self.sample_prompt.ids, self.sample_prompt.tokenizer
         model = pl_module.model
-        modes = {m: m.training for m in model.modules()}
         devices = [pl_module.device] if pl_module.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices), torch.compiler.set_stance("force_eager"):
-            model.eval()
+        with torch.random.fork_rng(devices=devices), torch.compiler.set_stance("force_eager"), evaluating(model):
             try:
                 reply = tokenizer.decode(list(generate(model, ids, SAMPLE_TOKENS, stop_ids=tokenizer.eos_ids)))
             finally:
-                for m, training in modes.items():
-                    m.train(training)
                 reshard(model)
         if not trainer.is_global_zero:
             return
