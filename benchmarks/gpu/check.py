@@ -4,6 +4,7 @@ without internet, from the carry folder that build_carry.py makes.
     python3 benchmarks/gpu/check.py main      # call 1 (at most 9 minutes): the CUDA tests, the 8B suite, long context
     python3 benchmarks/gpu/check.py peers     # call 2: torchtune and peft + bitsandbytes beside ours, same GPU
     python3 benchmarks/gpu/check.py profile   # call 3 (optional): the NF4 kernel per weight shape, one-step profiles
+    python3 benchmarks/gpu/check.py ab --variant A "SPEC" --variant B "SPEC" [--rounds 3]   # an A/B question
     python3 benchmarks/gpu/check.py main --dry-run   # (or DRY_RUN=1) the whole call on a CPU, GPU steps skipped
 
 Every call first installs the carry (--carry, default .devcarry/kit) into --work/site: its wheels, then this working
@@ -34,11 +35,13 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 from build_carry import image_packages, normalize
+import gpu_ab
 
 HERE = Path(__file__).resolve().parent
 BENCH = HERE.parent
@@ -247,7 +250,7 @@ def run_steps(kit: Kit, steps: list[Step]) -> None:
         started = time.monotonic()
         if step.gpu and kit.dry:
             row.update(step.dry_fn(kit) if step.dry_fn else {})
-            row["status"] = "skipped: dry run (no GPU)"
+            row.setdefault("status", "skipped: dry run (no GPU)")  # (a dry run's own error stays)
         elif missing:
             row["status"] = f"not run: needs {', '.join(missing)}"
         elif left < step.need:
@@ -387,7 +390,7 @@ def clean_outputs(kit: Kit) -> None:
 
 SUITE_KEYS = ("steady_tokens_per_sec", "first_step_tokens_per_sec", "peak_allocated_train_bytes",
               "peak_reserved_bytes", "peak_allocated_bytes", "compile_seconds", "offload_activations",
-              "offload_host_bytes", "wall_seconds", "rc")
+              "offload_host_bytes", "wall_seconds", "rc", "timed_steps", "tokens_per_sec_spread", "step_seconds")
 
 
 def suite_step(quantize: str, compile_: bool, offload: str) -> Step:
@@ -403,7 +406,8 @@ def suite_step(quantize: str, compile_: bool, offload: str) -> Step:
                          str(compile_).lower(), "--offload", offload, "--tokenizer_dir", str(kit.carry / "smol"),
                          "--work", str(kit.work), "--out", str(out), "--finetune_args", shlex.join(kit.merged_off))
         try:
-            rc, text = kit.run(name, cmd, cap)
+            with quiet_cpus(kit) as paused:
+                rc, text = kit.run(name, cmd, cap)
         finally:
             clean_outputs(kit)
         runs = json.loads(out.read_text())["runs"] if out.is_file() else []
@@ -412,7 +416,7 @@ def suite_step(quantize: str, compile_: bool, offload: str) -> Step:
         if not runs:
             return {"status": "error: stopped at its cap" if rc is None else f"error: {tail_lines(text)}"}
         run = runs[0]
-        row = {k: run[k] for k in SUITE_KEYS if k in run}
+        row = {k: run[k] for k in SUITE_KEYS if k in run} | ({"paused_estimates": paused} if paused else {})
         if run.get("rc"):
             row["status"] = f"error: {tail_lines(run.get('error', ''))}"
         return row
@@ -479,6 +483,23 @@ def start_estimates(kit: Kit) -> None:
         kit.estimates[name] = (proc, out)
 
 
+@contextmanager
+def quiet_cpus(kit: Kit) -> Iterator[list[str]]:
+    """Nothing else on the machine's CPUs while a step is timed (issue 48 item 1): the background estimates still
+    running are stopped (SIGSTOP) for the step and continued after it. Yields their names (the row records them)."""
+    paused = [name for name, (proc, _) in kit.estimates.items() if proc.poll() is None]
+    for name in paused:
+        os.killpg(kit.estimates[name][0].pid, signal.SIGSTOP)
+    try:
+        yield paused
+    finally:
+        for name in paused:
+            try:
+                os.killpg(kit.estimates[name][0].pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+
+
 def estimate(kit: Kit, name: str, wait: float) -> dict:
     """The estimate's estimate.json (waiting up to `wait` s for it), or {"error": ...}."""
     if name not in kit.estimates:
@@ -535,9 +556,11 @@ def long_step(name: str, what: str, estimate_name: str, memory_gib: Optional[int
                          str(steps), "--finetune_args", shlex.join(kit.merged_off),
                          *(["--memory_gib", str(memory_gib)] if memory_gib else []))
         try:
-            rc, text = kit.run(name, cmd, end - time.monotonic())
+            with quiet_cpus(kit) as paused:
+                rc, text = kit.run(name, cmd, end - time.monotonic())
         finally:
             clean_outputs(kit)
+        row.update({"paused_estimates": paused} if paused else {})
         run = last_json(text)
         if run is None:
             return row | {"status": "error: stopped at its cap" if rc is None else f"error: {tail_lines(text)}"}
@@ -639,25 +662,76 @@ def peers_steps() -> list[Step]:
     ]
 
 
-# ---- steps: the profile call -------------------------------------------------------------------------------------
-PROFILES = ["--quantize nf4 --rows 12", "--quantize none --no_profile", "--quantize nf4 --no_replay --no_profile",
-            "--quantize nf4 --save_dense --no_profile", "--quantize nf4 --compile --rows 12",
-            "--quantize none --compile --no_profile"]
+# ---- steps: the profile call (issue 48 item 2) -----------------------------------------------------------------------
+PROFILE_ARGS = ["--preset", PRESET, "--quantize", "nf4", "--batch", "2", "--seq", "2048", "--steps", "3", "--rows", "12"]
+DRY_PROFILE_ARGS = ["--device", "cpu", "--tiny", "--quantize", "nf4", "--batch", "2", "--seq", "64", "--steps", "1",
+                    "--rows", "5"]
 
 
-def profile_step(i: int, args: str) -> Step:
-    def fn(kit: Kit, cap: float) -> dict:
-        cmd = kit.python(str(HERE / "gpu_profile.py"), "--preset", PRESET, "--batch", "2", "--seq", "2048",
-                         "--steps", "3", *args.split())
-        rc, text = kit.run(f"profile{i}", cmd, cap)
-        with open(kit.result("profiles.txt"), "a") as f:
-            f.write(f"== gpu_profile.py {args}\n{text[-20000:]}\n")
+def traces(kit: Kit) -> Path:
+    folder = kit.work / "traces"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def ours_profile_step(compiled: bool) -> Step:
+    """gpu_profile.py: one 8B 2x2048 QLoRA step of ours (FinetuneModule's loss, backward, clipping, fused AdamW,
+    dropout 0.05, checkpointing), traced for kernel_table.py."""
+    label = f"ours-{'compiled' if compiled else 'eager'}"
+
+    def run(kit: Kit, cap: float, args: list[str]) -> dict:
+        trace = traces(kit) / f"{label}.json"
+        trace.unlink(missing_ok=True)
+        cmd = kit.python(str(HERE / "gpu_profile.py"), *args, *(["--compile"] if compiled else []), "--trace",
+                         str(trace))
+        with quiet_cpus(kit):
+            rc, text = kit.run(label, cmd, cap)
         row = last_json(text) or {}
-        status = {} if rc == 0 else {"status": "error: stopped at its cap" if rc is None else
-                                     f"error: {tail_lines(text)}"}
-        return {k: row[k] for k in ("tokens_per_sec", "peak_allocated_bytes") if k in row} | status
+        status = {} if rc == 0 and trace.is_file() else {
+            "status": "error: stopped at its cap" if rc is None else f"error: {tail_lines(text)}"}
+        return {k: row[k] for k in ("tokens_per_sec", "warmup_seconds") if k in row} | status
 
-    return Step(f"profile{i}", f"gpu_profile.py {args}", cap=60, need=30, fn=fn)
+    def dry_fn(kit: Kit) -> dict:  # the compiled one is the same script with --compile: the eager one suffices
+        return {} if compiled else run(kit, 300, DRY_PROFILE_ARGS)
+
+    return Step(f"profile_{label}", f"gpu_profile.py: 8B 2x2048 QLoRA, {label}, one step traced", cap=150, need=60,
+                fn=lambda kit, cap: run(kit, cap, PROFILE_ARGS), dry_fn=dry_fn)
+
+
+def torchtune_profile(kit: Kit, cap: float) -> dict:
+    """gpu_peers.py's torchtune child (lora_finetune_single_device's steps, qlora_llama3_1_8b, compiled, its builders'
+    random weights: no checkpoint to write), 3 steps then one traced."""
+    out = kit.work / "peers-profile.json"
+    out.unlink(missing_ok=True)
+    if kit.dry:  # its CPU smoke test: the tiny model, eager (where the torchtune venv exists here)
+        args = ["--device", "cpu", "--preset", "tiny", "--seq", "64", "--steps", "2", "--runs", "torchtune:qlora-eager"]
+    else:
+        args = ["--steps", "3", "--runs", "torchtune:qlora-compile"]
+    cmd = kit.python(str(HERE / "gpu_peers.py"), "--random_init", "--profile_dir", str(traces(kit)), "--work",
+                     str(kit.work), "--out", str(out), "--tokenizer_dir", str(kit.carry / "smol"), "--time_budget",
+                     str(round(max(cap - 15, 10))), "--child_timeout", str(round(max(cap - 15, 10))), *args)
+    with quiet_cpus(kit):
+        rc, text = kit.run("torchtune-profile", cmd, cap)
+    if not out.is_file():
+        return {"status": "error: stopped at its cap" if rc is None else f"error: {tail_lines(text)}"}
+    row = json.loads(out.read_text())["rows"][0]
+    result = {"steady_tokens_per_sec": row.get("tokens_per_sec")}
+    if row.get("status"):
+        result["status"] = row["status"].split("\n")[0][:160]
+    return result
+
+
+def step_kernel_table(kit: Kit, cap: float) -> dict:
+    """kernel_table.py over the traces the call made: profile.md (the grouped table), profile.json."""
+    found = [f"{p.stem}={p}" for p in sorted(traces(kit).glob("*.json"), key=lambda p: ("torchtune" in p.stem, p.stem))]
+    if not found:
+        return {"status": "not run: no trace was made"}
+    cmd = kit.python(str(HERE / "kernel_table.py"), *found, "--out", str(kit.result("profile.json")), "--md",
+                     str(kit.result("profile.md")))
+    rc, text = kit.run("kernel_table", cmd, cap)
+    if rc != 0:
+        return {"status": f"error: {tail_lines(text)}"}
+    return {"result": f"{len(found)} traces: {', '.join(f.split('=')[0] for f in found)}"}
 
 
 def step_dequant(kit: Kit, cap: float) -> dict:
@@ -667,11 +741,82 @@ def step_dequant(kit: Kit, cap: float) -> dict:
 
 
 def profile_steps() -> list[Step]:
-    return [Step("dequant", "gpu_dequant.py: the NF4 kernel per 8B weight shape", cap=70, need=30,
-                 fn=step_dequant)] + [profile_step(i, args) for i, args in enumerate(PROFILES)]
+    return [Step("dequant", "gpu_dequant.py: the NF4 kernels per 8B weight shape", cap=70, need=30, fn=step_dequant),
+            ours_profile_step(False), ours_profile_step(True),
+            Step("peer_envs", "torchtune and bitsandbytes venvs from the carry", cap=150, need=30, fn=step_peer_envs,
+                 requires=("install",)),
+            Step("profile_torchtune", "gpu_peers.py: torchtune QLoRA compiled, 8B 2x2048, one step traced", cap=200,
+                 need=90, fn=torchtune_profile, gpu=False, requires=("install",)),
+            Step("kernel_table", "kernel_table.py: the traces' kernels grouped, side by side", cap=120, need=10,
+                 fn=step_kernel_table, gpu=False)]
 
 
-CALLS = {"main": main_steps, "peers": peers_steps, "profile": profile_steps}
+# ---- steps: the A/B call (issue 48 item 1) -----------------------------------------------------------------------
+AB_VARIANTS = [["qlora", "--quantize nf4"], ["lora", "--quantize none"]]  # the goal ratio (>= 0.92), eager
+TINY = dict(name="tiny", n_layer=2, n_embd=128, n_head=4, n_query_groups=2, head_dim=32, intermediate_size=256)
+
+
+def ab_step(variants: list[list[str]], rounds: int) -> Step:
+    """gpu_ab.py: the variants interleaved over `rounds` on the 8B at 2x2048 (its table in ab.md, every run in
+    ab.json); the dry run asks the same of a tiny random checkpoint on the CPU (2 rounds of 5 steps)."""
+    spec = [x for name, what in variants for x in ("--variant", name, what)]
+
+    def run_ab(kit: Kit, cap: float, ckpt: Path, extra: list[str], rounds: int) -> dict:
+        out = kit.work / "ab.json"
+        out.unlink(missing_ok=True)
+        cmd = kit.python(str(HERE / "gpu_ab.py"), "--ckpt", str(ckpt), "--work", str(kit.work), "--out", str(out),
+                         "--rounds", str(rounds), "--time_budget", str(round(max(cap - 15, 10))),
+                         "--finetune_args", shlex.join(kit.merged_off), *spec, *extra)
+        try:
+            with quiet_cpus(kit):
+                rc, text = kit.run("ab", cmd, cap)
+        finally:
+            clean_outputs(kit)
+        if not out.is_file():
+            return {"status": "error: stopped at its cap" if rc is None else f"error: {tail_lines(text)}"}
+        result = json.loads(out.read_text())
+        kit.result("ab.json").write_text(json.dumps(result, indent=2) + "\n")
+        kit.result("ab.md").write_text(gpu_ab.table(result) + "\n")
+        summary = result["summary"]
+        subrows = [{"step": f"ab:{name}", "what": " ".join([*(f"{k}={v}" for k, v in v["env"].items()), *v["args"]]),
+                    "status": "ok" if v["median_tokens_per_sec"] else "error: " + (v["failed"] or ["no run"])[0][-100:],
+                    "steady_tokens_per_sec": v["median_tokens_per_sec"],
+                    "peak_allocated_train_bytes": v["peak_allocated_train_bytes"]}
+                   for name, v in summary["variants"].items()]
+        ratios = "; ".join(f"{name}/{summary['baseline']} {r['median']:.3f} [{r['min']:.3f}, {r['max']:.3f}]"
+                           for name, r in summary["ratios"].items())
+        row = {"result": f"{summary['complete_rounds']} rounds: {ratios or 'no ratio'}", "subrows": subrows,
+               "ab_ratios": summary["ratios"]}
+        if not summary["ratios"]:
+            row["status"] = f"error: no complete round ({result.get('stopped') or tail_lines(text)})"
+        return row
+
+    def fn(kit: Kit, cap: float) -> dict:
+        if refused := finetune_disk(kit):
+            return {"status": f"not run: {refused}"}
+        return run_ab(kit, cap, kit.ckpt, [], rounds)
+
+    def dry_fn(kit: Kit) -> dict:
+        tiny = kit.work / "tiny-ckpt"
+        rc, text = kit.run("tiny-checkpoint", kit.python(str(HERE / "check.py"), "_checkpoint", "--dir", str(tiny),
+                                                         "--tokenizer", str(kit.carry / "smol"), "--tiny"), 120)
+        if rc != 0:
+            return {"status": f"error: tiny checkpoint: {tail_lines(text)}"}
+        return run_ab(kit, 300, tiny, ["--accelerator", "cpu", "--micro", "2", "--seq", "64", "--steps", "5",
+                                       "--warmup", "2"], 2)
+
+    what = f"gpu_ab.py: {' vs '.join(name for name, _ in variants)}, 8B 2x2048, {rounds} rounds interleaved"
+    return Step("ab", what, cap=600, need=200, fn=fn, requires=("install", "checkpoint"), dry_fn=dry_fn)
+
+
+def ab_steps(args: argparse.Namespace) -> list[Step]:
+    return [Step("checkpoint", "random 8B bf16 checkpoint (disk checked)", cap=150, need=60, fn=step_checkpoint,
+                 gpu=False, requires=("install",)),
+            ab_step(args.variant or AB_VARIANTS, args.rounds)]
+
+
+CALLS = {"main": lambda args: main_steps(), "peers": lambda args: peers_steps(),
+         "profile": lambda args: profile_steps(), "ab": ab_steps}
 
 
 # ---- the table ------------------------------------------------------------------------------------------------------
@@ -680,8 +825,8 @@ def gib(n) -> str:
 
 
 def table(kit: Kit) -> str:
-    lines = ["| step | what | status | tok/s | peak allocated GiB | predicted GiB | seconds (cap) |",
-             "|---|---|---|---:|---:|---:|---:|"]
+    lines = ["| step | what | status | tok/s | [min, max] | peak allocated GiB | predicted GiB | seconds (cap) |",
+             "|---|---|---|---:|---:|---:|---:|---:|"]
     for r in kit.rows:
         status = r["status"] if r["status"] != "ok" else f"ok{': ' + r['result'] if r.get('result') else ''}"
         rate = r.get("steady_tokens_per_sec") or r.get("first_step_tokens_per_sec") or r.get("tokens_per_sec")
@@ -689,9 +834,15 @@ def table(kit: Kit) -> str:
             rate = f"{rate} (step 1)"
         seconds = f"{r['seconds']:.0f} ({r['cap_seconds']})" if "seconds" in r else "-"
         what = r["what"] + (f" ({r['seq']:,} tokens)" if r.get("seq") else "")
-        lines.append(f"| {r['step']} | {what} | {status[:160]} | {rate or '-'} | "
+        spread = r.get("tokens_per_sec_spread")
+        spread = f"[{spread['min']}, {spread['max']}]" if spread else "-"
+        lines.append(f"| {r['step']} | {what} | {status[:160]} | {rate or '-'} | {spread} | "
                      f"{gib(r.get('peak_allocated_train_bytes') or r.get('peak_allocated_bytes'))} | "
                      f"{gib(r.get('predicted_peak_bytes'))} | {seconds} |")
+    steps = [f"- {r['step']}: {' '.join(f'{x:.3f}' for x in r['step_seconds'])}" for r in kit.rows
+             if isinstance(r.get("step_seconds"), list)]
+    if steps:  # a slow first step or a stall shows here
+        lines += ["", "Seconds of every step (the first ones are warm-up):", *steps]
     return "\n".join(lines)
 
 
@@ -714,6 +865,9 @@ def derived(kit: Kit) -> list[str]:
                        f"tok/s x{auto['steady_tokens_per_sec'] / off['steady_tokens_per_sec']:.3f}, peak allocated "
                        f"{gib(off.get('peak_allocated_train_bytes'))} -> {gib(auto.get('peak_allocated_train_bytes'))}"
                        " GiB")
+    for name, r in (rows.get("ab", {}).get("ab_ratios") or {}).items():
+        out.append(f"A/B {name}: median of {r['rounds']} per-round ratios {r['median']:.3f} "
+                   f"[{r['min']:.3f}, {r['max']:.3f}]")
     for name in ("long_on", "long_off", "long_card"):
         r = rows.get(name, {})
         if r.get("measured_over_predicted"):
@@ -728,14 +882,16 @@ def sub_checkpoint(argv: list[str]) -> None:
     p.add_argument("--tokenizer", type=Path, required=True)
     p.add_argument("--preset", default=PRESET)
     p.add_argument("--dry", action="store_true")
+    p.add_argument("--tiny", action="store_true", help="a tiny random checkpoint (the A/B call's dry run), written")
     args = p.parse_args(argv)
     import torch
 
     from lit_qlora.model.config import Config
     from lit_qlora.model import Transformer
 
+    config = Config.from_name("SmolLM2-135M").replace(**TINY) if args.tiny else Config.from_name(args.preset)
     with torch.device("meta"):
-        model = Transformer(Config.from_name(args.preset))
+        model = Transformer(config)
     need = sum(t.numel() for t in model.state_dict().values()) * 2  # bf16
     reused = (args.dir / "model.safetensors").is_file()
     info = disk_check(args.dir.parent, 0 if reused else need) | {"need_bytes": need, "reused": reused}
@@ -744,7 +900,7 @@ def sub_checkpoint(argv: list[str]) -> None:
         return
     import gpu_suite
 
-    gpu_suite.write_random_checkpoint(args.preset, args.dir, args.tokenizer)
+    gpu_suite.write_random_checkpoint(config, args.dir, args.tokenizer)
     print(json.dumps(info), flush=True)
 
 
@@ -806,6 +962,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--work", type=Path, default=Path("/tmp/gpu_kit/work"))
     parser.add_argument("--budget", type=float, default=530, help="seconds for the whole call (default: 530)")
     parser.add_argument("--steps", help="comma-separated step names to run (default: all of the call's, in order)")
+    parser.add_argument("--variant", nargs=2, action="append", metavar=("NAME", "SPEC"),
+                        help="ab: a variant, its NAME=VALUE settings then finetune options (gpu_ab.py); the first is "
+                             "the baseline (default: qlora '--quantize nf4' vs lora '--quantize none')")
+    parser.add_argument("--rounds", type=int, default=3, help="ab: rounds of interleaved runs (default 3)")
     args = parser.parse_args(argv)
     if not (args.carry / "manifest.json").is_file():
         parser.error(f"{args.carry} holds no carry: build it with `python benchmarks/gpu/build_carry.py` (README.md)")
@@ -819,7 +979,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if kit.dry:
         first = (write_image_sim(kit.work / "image-sim", kit.site, hidden_modules(image_packages())),)
     kit.env = kit_env(kit.site, first)
-    steps = CALLS[args.call]()
+    steps = CALLS[args.call](args)
     if args.steps:
         chosen = set(args.steps.split(","))
         if unknown := chosen - {s.name for s in steps}:

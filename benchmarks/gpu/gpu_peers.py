@@ -109,10 +109,12 @@ def torchtune_model(args, device, quantize: bool, compiled: bool):
     from torchtune.training import FullModelHFCheckpointer
 
     hf = hf_config(args.checkpoint_dir)
-    files = sorted(p.name for p in Path(args.checkpoint_dir).glob("*.safetensors"))
-    state = FullModelHFCheckpointer(checkpoint_dir=str(args.checkpoint_dir), checkpoint_files=files,
-                                    model_type="LLAMA3", output_dir=str(Path(args.batches).parent / "torchtune-out"),
-                                    ).load_checkpoint()[training.MODEL_KEY]
+    state = None
+    if not args.random_init:  # (--random_init, a profile: the weights as the builders initialize them, no load)
+        files = sorted(p.name for p in Path(args.checkpoint_dir).glob("*.safetensors"))
+        state = FullModelHFCheckpointer(checkpoint_dir=str(args.checkpoint_dir), checkpoint_files=files,
+                                        model_type="LLAMA3", output_dir=str(Path(args.batches).parent / "torchtune-out"),
+                                        ).load_checkpoint()[training.MODEL_KEY]
     attn = ["q_proj", "k_proj", "v_proj", "output_proj"]
     lora = dict(lora_attn_modules=attn, apply_lora_to_mlp=True, apply_lora_to_output=True, lora_rank=8,
                 lora_alpha=16, lora_dropout=args.dropout)
@@ -135,11 +137,12 @@ def torchtune_model(args, device, quantize: bool, compiled: bool):
     if compiled:
         training.compile_model(model, verbose=False)
     training.set_activation_checkpointing(model, auto_wrap_policy={modules.TransformerSelfAttentionLayer})
-    if "output.weight" not in state:  # a tied checkpoint: torchtune's llama3 output is untied
-        state["output.weight"] = state["tok_embeddings.weight"]
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    validate_missing_and_unexpected_for_lora(attn, True, True, missing, unexpected, None, None)
-    del state
+    if state is not None:
+        if "output.weight" not in state:  # a tied checkpoint: torchtune's llama3 output is untied
+            state["output.weight"] = state["tok_embeddings.weight"]
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        validate_missing_and_unexpected_for_lora(attn, True, True, missing, unexpected, None, None)
+        del state
     loss_fn = CEWithChunkedOutputLoss()
     if compiled:
         loss_fn = training.compile_loss(loss_fn, verbose=False)
@@ -246,6 +249,20 @@ def child(args) -> None:
             torch.cuda.synchronize()
         seconds.append(time.perf_counter() - t)
         emit(step=i, seconds=round(seconds[-1], 3), loss=losses[-1])
+    if args.profile:  # one more step, profiled (issue 48 item 2): its Chrome trace for kernel_table.py
+        from torch.profiler import ProfilerActivity, profile, record_function
+
+        activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+        with profile(activities=activities, record_shapes=True) as prof:
+            with record_function("step"):
+                step(batches[-1].to(device))
+                torch.nn.utils.clip_grad_norm_(params, 1.0)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                if cuda:
+                    torch.cuda.synchronize()
+        prof.export_chrome_trace(args.profile)
+        emit(profiled=args.profile)
     train, tokens = peaks(), batches[0].numel()
     vmhwm = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("VmHWM:"))
     emit(result={
@@ -351,11 +368,15 @@ def main() -> None:
         parser.add_argument(f"--{name}", type=int, default=default)
     parser.add_argument("--dropout", type=float, default=0.05)
     parser.add_argument("--peft_prepare", choices=["gc", "kbit"], default="gc")
+    parser.add_argument("--profile_dir", type=Path, help="each peer profiles one more step: DIR/PEER-VARIANT.json")
+    parser.add_argument("--random_init", action="store_true",
+                        help="torchtune: no checkpoint load, its builders' random weights (a profile needs no 16 GB "
+                             "checkpoint; only config.json is written)")
     parser.add_argument("--time_budget", type=float, default=float("inf"), help="seconds; later runs are not started")
     parser.add_argument("--child_timeout", type=float, default=240, help="seconds; also cut at the budget's end")
     parser.add_argument("--work", type=Path, default=Path("/tmp/gpu_suite"), help="checkpoints and batches")
     parser.add_argument("--out", type=Path, default=Path("gpu_peers.json"), help="and the table beside it (.md)")
-    for hidden in ("--child", "--variant", "--batches"):
+    for hidden in ("--child", "--variant", "--batches", "--profile"):
         parser.add_argument(hidden, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -381,6 +402,12 @@ def main() -> None:
         ckpt = args.work / "tiny"
         if not (ckpt / "model.safetensors").is_file():
             peers.write_tiny(ckpt)
+    elif args.random_init:  # config.json alone: torchtune builds the shape itself
+        from lit_qlora.model.config import Config
+
+        ckpt = args.work / f"{args.preset.lower()}-config"
+        ckpt.mkdir(parents=True, exist_ok=True)
+        (ckpt / "config.json").write_text(json.dumps(Config.from_name(args.preset).to_hf_config()))
     else:
         ckpt = gpu_suite.write_random_checkpoint(args.preset, args.work / args.preset.lower(), args.tokenizer_dir)
     batches = write_batches(Path(ckpt), args.work, args.steps, args.batch, args.seq)
@@ -405,6 +432,10 @@ def main() -> None:
             cmd = [str(python), __file__, "--child", peer, "--variant", variant, "--checkpoint_dir", str(ckpt),
                    "--batches", str(batches), "--device", args.device, "--batch", str(args.batch), "--seq",
                    str(args.seq), "--dropout", str(args.dropout), "--peft_prepare", args.peft_prepare]
+            cmd += ["--random_init"] if args.random_init else []
+            if args.profile_dir:
+                args.profile_dir.mkdir(parents=True, exist_ok=True)
+                cmd += ["--profile", str(args.profile_dir / f"{peer}-{variant}.json")]
             row = run_child(cmd, min(args.child_timeout, left),
                             "--child_timeout" if args.child_timeout <= left else "the time budget's end")
         results["rows"].append({"peer": peer, "variant": variant, **row})

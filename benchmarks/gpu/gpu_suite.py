@@ -8,8 +8,10 @@ Each configuration is one `litqlora finetune` process (the users' command: load,
 validation, every export). Checkpoints are random bf16 Hugging Face directories of the model's shape, written
 once under --work (weights do not change speed or memory); the tokenizer comes from --tokenizer_dir (SmolLM2's:
 its ids fit every vocabulary here). The dataset is synthetic rows long enough that packing fills each sequence.
-Recorded: tokens/s of the steps after the first (steady state) and the first step's seconds (warm-up, compile
-included), summary.json's peaks (allocated, reserved, active; during training and for the whole run), wall time.
+Recorded: every step's seconds (metrics.jsonl: tokens / tokens_per_sec, each step ends with a host sync), the
+median tokens/s of the steps after timing.WARMUP_STEPS with its spread (quartiles, extremes: issue 48 item 1; an 8B
+row times 20 steps), the first step's tokens/s (warm-up, compile included), summary.json's peaks (allocated,
+reserved, active; during training and for the whole run), wall time.
 """
 
 from __future__ import annotations
@@ -25,17 +27,20 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Optional, Sequence
+
+import timing
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-MODELS = {  # name -> (preset, micro-batch, sequence length, steps)
-    "smollm2": ("SmolLM2-135M", 4, 512, 12),
-    "llama-3.1-8b": ("Llama-3.1-8B", 2, 2048, 6),
+MODELS = {  # name -> (preset, micro-batch, sequence length, steps): 8B, 4 warm-up + 20 timed (~0.6 s each on an H200)
+    "smollm2": ("SmolLM2-135M", 4, 512, 24),
+    "llama-3.1-8b": ("Llama-3.1-8B", 2, 2048, 24),
 }
 
 
-def write_random_checkpoint(preset: str, out_dir: Path, tokenizer_dir: Path) -> Path:
+def write_random_checkpoint(preset, out_dir: Path, tokenizer_dir: Path) -> Path:
+    """A random bf16 Hugging Face checkpoint of `preset`'s shape (a preset name or a lit_qlora Config)."""
     import torch
 
     from lit_qlora.checkpoint.hf import save_hf_checkpoint
@@ -46,7 +51,7 @@ def write_random_checkpoint(preset: str, out_dir: Path, tokenizer_dir: Path) -> 
 
     if (out_dir / "model.safetensors").is_file():
         return out_dir
-    config = Config.from_name(preset)
+    config = Config.from_name(preset) if isinstance(preset, str) else preset
     with torch.device("meta"):
         model = Transformer(config)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -71,12 +76,14 @@ def write_dataset(path: Path, rows: int = 400, words: int = 900) -> Path:
 
 def run(ckpt: Path, data: Path, out_dir: Path, quantize: str, micro: int, seq: int, steps: int, compile_: str | None,
         checkpointing: bool, offload: str | None = None, extra: Sequence[str] = (),
-        launcher: Sequence[str] | None = None) -> dict:
+        launcher: Sequence[str] | None = None, env: Optional[Mapping[str, str]] = None,
+        accelerator: str = "cuda", warmup: int = timing.WARMUP_STEPS) -> dict:
     """One `litqlora finetune` process; `extra` options go last (they win), `launcher` replaces `python -m
-    lit_qlora.cli` (benchmarks/gpu/check.py's memory-capped one)."""
+    lit_qlora.cli` (benchmarks/gpu/check.py's memory-capped one), `env` is added to this process's environment (an
+    A/B variant's settings)."""
     cmd = [*(launcher or [sys.executable, "-m", "lit_qlora.cli"]), "finetune", "--checkpoint_dir", str(ckpt),
            "--out_dir", str(out_dir),
-           "--accelerator", "cuda", "--quantize", quantize, "--data.json_path", str(data), "--data.packing", "true",
+           "--accelerator", accelerator, "--quantize", quantize, "--data.json_path", str(data), "--data.packing", "true",
            "--data.val_split", "0.02", "--lora.dropout", "0.05", "--train.max_steps", str(steps),
            "--train.micro_batch_size", str(micro), "--train.global_batch_size", str(micro),
            "--train.max_seq_length", str(seq), "--train.activation_checkpointing", str(checkpointing).lower(),
@@ -87,7 +94,7 @@ def run(ckpt: Path, data: Path, out_dir: Path, quantize: str, micro: int, seq: i
         cmd += ["--train.offload_activations", offload]
     cmd += list(extra)
     started = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, **(env or {})})
     wall = time.perf_counter() - started
     row = {"quantize": quantize, "compile": compile_, "offload": offload, "micro_batch": micro, "seq": seq, "steps": steps,
            "checkpointing": checkpointing, "wall_seconds": round(wall, 1), "rc": proc.returncode}
@@ -96,15 +103,24 @@ def run(ckpt: Path, data: Path, out_dir: Path, quantize: str, micro: int, seq: i
         return row
     summary = json.loads((out_dir / "summary.json").read_text())
     metrics = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    rates = [m["tokens_per_sec"] for m in metrics[1:]]
+    seconds = [m["tokens"] / m["tokens_per_sec"] for m in metrics]
+    rates = timing.timed([m["tokens_per_sec"] for m in metrics], warmup)
     row.update({
         "first_step_tokens_per_sec": round(metrics[0]["tokens_per_sec"], 1),
         "steady_tokens_per_sec": round(statistics.median(rates), 1) if rates else None,
+        "timed_steps": len(rates), "step_seconds": [round(x, 4) for x in seconds],
+        "tokens_per_sec_spread": {k: round(v, 4 if k == "rel_iqr" else 1) for k, v in timing.spread(rates).items()
+                                  if v is not None} if rates else None,
         "losses": [round(m["loss"], 4) for m in metrics],
         **{k: v for k, v in summary.items()
            if k.startswith(("peak_", "offload_")) or k in ("compile_seconds", "val_loss")},
     })
     return row
+
+
+def spread_text(row: dict) -> str:
+    s = row.get("tokens_per_sec_spread")
+    return f"[{s['min']}, {s['max']}]" if s else "-"
 
 
 def gib(n) -> str:
@@ -142,14 +158,17 @@ def main() -> None:
             print(json.dumps(row), flush=True)
             args.out.write_text(json.dumps(results, indent=2) + "\n")
     print(f"\n{device}, torch {torch.__version__}")
-    print("| model | BxS | quantize | compile | offload | tok/s steady | first step tok/s | peak allocated (train) GiB | "
-          "peak reserved GiB | whole-run peak allocated GiB | wall s |")
-    print("|---|---|---|---|---|---:|---:|---:|---:|---:|---:|")
+    print("| model | BxS | quantize | compile | offload | tok/s steady (median) | [min, max] | first step tok/s | "
+          "peak allocated (train) GiB | peak reserved GiB | whole-run peak allocated GiB | wall s |")
+    print("|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in results["runs"]:
         print(f"| {r['model']} | {r['micro_batch']}x{r['seq']} | {r['quantize']} | {r['compile']} | {r.get('offload')} | "
-              f"{r.get('steady_tokens_per_sec', 'error')} | {r.get('first_step_tokens_per_sec', '-')} | "
+              f"{r.get('steady_tokens_per_sec', 'error')} | {spread_text(r)} | {r.get('first_step_tokens_per_sec', '-')} | "
               f"{gib(r.get('peak_allocated_train_bytes'))} | {gib(r.get('peak_reserved_bytes'))} | "
               f"{gib(r.get('peak_allocated_bytes'))} | {r['wall_seconds']} |")
+    for r in results["runs"]:
+        if r.get("step_seconds"):
+            print(f"{r['model']} {r['quantize']} compile {r['compile']}: step seconds {r['step_seconds']}")
 
 
 if __name__ == "__main__":
