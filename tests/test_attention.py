@@ -322,3 +322,28 @@ def test_short_half_precision_training_rows_attend_in_float32(dtype, mask_kind, 
     monkeypatch.setattr(attention, "UPCAST_MAX_TOKENS", L - 1)
     attend(q, k, v, mask, 0.25)
     assert len(calls) == 1
+
+
+def test_the_sdpa_backend_setting_restricts_the_kernel_and_keeps_the_values(monkeypatch):
+    """LIT_QLORA_SDPA_BACKEND (issue 48 item 3's A/B switch): the plain-causal and boolean-mask SDPA calls run only
+    the kernels named, with the same values (fp32); a kernel the device lacks raises rather than falling back
+    silently, so an A/B row measures what it names; an unknown name is the user's error, naming the setting."""
+    from lit_qlora.errors import InvalidInput
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 37, 16, generator=gen)
+    k, v = torch.randn(2, 2, 37, 16, generator=gen), torch.randn(2, 2, 37, 16, generator=gen)
+    mask = torch.rand(37, 37, generator=gen) > 0.3
+    mask |= torch.eye(37, dtype=torch.bool)
+    monkeypatch.delenv(attention.SDPA_ENV, raising=False)
+    plain = [attend(q, k, v, None, 0.25), attend(q, k, v, mask, 0.25)]
+    for setting in ("math", "flash,math", "MATH"):
+        monkeypatch.setenv(attention.SDPA_ENV, setting)
+        for got, want in zip([attend(q, k, v, None, 0.25), attend(q, k, v, mask, 0.25)], plain):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    monkeypatch.setenv(attention.SDPA_ENV, "efficient")  # no CPU kernel: restricted means restricted
+    with pytest.raises(RuntimeError, match="No viable backend|No available kernel"):
+        attend(q, k, v, None, 0.25)
+    monkeypatch.setenv(attention.SDPA_ENV, "flash,fast")
+    with pytest.raises(InvalidInput, match=r"LIT_QLORA_SDPA_BACKEND='flash,fast': unknown SDPA kernel\(s\) \['fast'\]"):
+        attend(q, k, v, None, 0.25)

@@ -195,3 +195,27 @@ def test_compile_true_is_taken_on_a_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"avx2": True})
     assert compile_choice(True, "auto", "bf16-true") is True and compile_choice(True, "cuda", "16-mixed") is True
+
+
+def test_the_compile_mode_setting_reaches_every_block(monkeypatch):
+    """LIT_QLORA_COMPILE_MODE (issue 48 item 3's A/B switch: reduce-overhead's CUDA graphs against the default) is
+    the mode each block is compiled with; unset, torch.compile's default; a mode torch.compile lacks is refused with
+    the setting named."""
+    from lit_qlora.errors import InvalidInput
+    from lit_qlora.model.config import Config
+
+    seen = []
+
+    def recording_compile(fn, **kwargs):
+        seen.append(kwargs)
+        return fn
+
+    monkeypatch.setattr(torch, "compile", recording_compile)
+    config = Config(vocab_size=64, n_layer=2, n_embd=32, n_head=2, n_query_groups=1, intermediate_size=64)
+    monkeypatch.setenv("LIT_QLORA_COMPILE_MODE", "reduce-overhead")
+    assert compile_blocks(Transformer(config)) == 2 and seen == [{"mode": "reduce-overhead"}] * 2
+    monkeypatch.delenv("LIT_QLORA_COMPILE_MODE")
+    assert compile_blocks(Transformer(config)) == 2 and seen[2:] == [{}, {}]
+    monkeypatch.setenv("LIT_QLORA_COMPILE_MODE", "fastest")
+    with pytest.raises(InvalidInput, match="LIT_QLORA_COMPILE_MODE='fastest': choose one of default, reduce-overhead"):
+        compile_blocks(Transformer(config))

@@ -21,6 +21,11 @@ SmolLM2's 9 heads, against 2.2 ms for its float32 forward and backward together,
 ~230 tokens the bf16 kernel is faster again). `litqlora dpo` rows (a prompt with two short answers) spent 10% of a
 step in that backward.
 
+`LIT_QLORA_SDPA_BACKEND` (an A/B switch, issue 48 item 3): unset, PyTorch picks SDPA's kernel (on CUDA flash, else
+cuDNN or memory-efficient, by shape and mask); `flash`, `cudnn`, `efficient` or `math` (a comma list: in that order of
+preference) restricts the plain-causal and boolean-mask SDPA calls to those kernels, which raise where none fits
+(`efficient` has no CPU kernel). With `LIT_QLORA_FLEX_ATTENTION=0` it also picks the kernel of packed rows' masks.
+
 `LIT_QLORA_FLEX_ATTENTION`: unset, flex_attention on CUDA when Triton is installed; `0`, never (the dense paths, as
 before, also on CUDA); `1`, on every device, CPU included. On CPU flex_attention runs without inductor
 (AOTAutograd over its dense math): it materializes the scores (no memory saved) but is the reference semantics, so
@@ -38,10 +43,28 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from lit_qlora.errors import InvalidInput
 from lit_qlora.model import flex
 from lit_qlora.model.flex import grouped
 
 FLEX_ENV = "LIT_QLORA_FLEX_ATTENTION"
+SDPA_ENV = "LIT_QLORA_SDPA_BACKEND"
+SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
+                 "math": "MATH"}
+
+
+def sdpa_backends() -> Optional[list]:
+    """The SDPA kernels `LIT_QLORA_SDPA_BACKEND` allows, in its order, or None (unset: PyTorch's choice)."""
+    setting = os.environ.get(SDPA_ENV, "").strip().lower()
+    if not setting:
+        return None
+    from torch.nn.attention import SDPBackend
+
+    names = [n.strip() for n in setting.split(",") if n.strip()]
+    if unknown := [n for n in names if n not in SDPA_BACKENDS]:
+        raise InvalidInput(f"{SDPA_ENV}={setting!r}: unknown SDPA kernel(s) {unknown}; choose from "
+                         f"{', '.join(SDPA_BACKENDS)} (a comma list), or unset it for PyTorch's choice.")
+    return [getattr(SDPBackend, SDPA_BACKENDS[n]) for n in names]
 
 
 def use_flex_attention(device: torch.device) -> bool:
@@ -97,8 +120,15 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float
         return capped_attention(q, k, v, mask, scale, cap)
     if _upcast_applies(q, k):
         return _Float32Attention.apply(q, k, v, mask, scale)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
-                                          enable_gqa=grouped(q, k, gqa))
+    backends = sdpa_backends()
+    if backends is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                              enable_gqa=grouped(q, k, gqa))
+    from torch.nn.attention import sdpa_kernel
+
+    with sdpa_kernel(backends, set_priority=True):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                              enable_gqa=grouped(q, k, gqa))
 
 
 UPCAST_MAX_TOKENS = 192

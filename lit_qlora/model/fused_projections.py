@@ -15,7 +15,9 @@ are one matmul of x against the stacked A's.
 
 Where the fusion does not apply, each module runs its own forward (`fusion_plan` says when: tensor-parallel
 layers, DTensor weights, torch.compile, mixed NF4/dense or dtypes, trainable base weights, autocast, dropout off the CPU, an NF4
-stack past `DENSE_CHUNK_ELEMS`).
+stack past `DENSE_CHUNK_ELEMS`). There, with ``LIT_QLORA_LORA_GROUPED=1`` (default off), a group of LoRALinears
+computes its adapters' terms as one group (`lit_qlora.lora.grouped`: each base as its own module does, then one
+dropout of x shared by the group's adapters, one A matmul and one block-diagonal B matmul).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lit_qlora.lora import dropout as lora_dropout
+from lit_qlora.lora import grouped as lora_grouped
 from lit_qlora.lora.dropout import draw_seed
 from lit_qlora.nf4 import linear as nf4_linear
 from lit_qlora.nf4.linear import FrozenNF4Linear
@@ -94,10 +97,12 @@ def fusion_plan(x: torch.Tensor, modules: Sequence[nn.Module]) -> Optional[Fusio
 
 def fused_projections(x: torch.Tensor, modules: Sequence[nn.Module]) -> tuple[torch.Tensor, ...]:
     """`tuple(m(x) for m in modules)`, as one base matmul plus each module's own adapter where that applies (the
-    outputs are then column slices of one tensor)."""
+    outputs are then column slices of one tensor). Where it does not and LIT_QLORA_LORA_GROUPED=1, the LoRA
+    terms as one group where that applies (`lit_qlora.lora.grouped`)."""
     plan = fusion_plan(x, modules)
     if plan is None:
-        return tuple(m(x) for m in modules)
+        grouped = lora_grouped.grouped_projections(x, modules) if lora_grouped.grouped_enabled() else None
+        return grouped if grouped is not None else tuple(m(x) for m in modules)
     return _run_fused(x, modules, plan)
 
 

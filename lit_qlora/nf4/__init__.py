@@ -8,6 +8,7 @@ Modules, lowest first (each imports only those above it):
   kernel, :mod:`~lit_qlora.nf4.triton`, runs on CUDA);
 * :mod:`~lit_qlora.nf4.codec`: :func:`quantize_nf4` / :func:`dequantize_nf4` (bit-identical to torchao);
 * :mod:`~lit_qlora.nf4.ops`: the dequantize as a custom op, so ``torch.compile`` traces through it;
+* :mod:`~lit_qlora.nf4.triton_matmul`: the linear's products with the dequantize fused in (``LIT_QLORA_NF4_FUSED=1``);
 * :mod:`~lit_qlora.nf4.linear`: the NF4 linear (autograd function) and the frozen NF4 module;
 * :mod:`~lit_qlora.nf4.convert`: every base linear of a model to NF4.
 

@@ -20,6 +20,9 @@ Under ``torch.compile`` the NF4 linear is traced, not a graph break: the dense w
 ``LIT_QLORA_NF4_SAVE_DENSE=1`` (a benchmark switch) saves the dense weight for backward instead of the NF4 one: with
 activation checkpointing, the recompute's dense weights are kept for the block's backward (speed against memory,
 benchmarks/README "GPU").
+``LIT_QLORA_NF4_FUSED=1`` (a benchmark switch, default off) computes the product without a dense weight where
+:func:`fused_matmul_applies`: forward and backward's dX each in one Triton kernel that dequantizes the weight's tiles
+in registers (:mod:`lit_qlora.nf4.triton_matmul`, custom ops under torch.compile); only the NF4 weight is saved.
 """
 
 from __future__ import annotations
@@ -62,6 +65,21 @@ def _row_slices(weight: NF4Tensor) -> list[tuple[int, int]]:
     if whole_weight(weight):
         return [(0, weight.shape[0])]
     return row_slices(weight, DENSE_CHUNK_ELEMS)
+
+
+@torch.compiler.assume_constant_result  # dynamo calls it once, at trace time (not through triton_available's cache)
+def _triton_ok() -> bool:
+    return triton_available()
+
+
+def fused_matmul_applies(x: torch.Tensor, weight: NF4Tensor) -> bool:
+    """Whether NF4Linear runs the fused kernels (nf4/triton_matmul.py): ``LIT_QLORA_NF4_FUSED=1``, Triton, a
+    supported compute dtype, and ``x`` and the weight on CUDA, or on CPU under Triton's interpreter (the tests)."""
+    if os.environ.get("LIT_QLORA_NF4_FUSED", "0") != "1" or x.device != weight.quantized_data.device:
+        return False
+    interpreted = x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+    return ((x.device.type == "cuda" or interpreted) and _compute_dtype(x) in SUPPORTED_DTYPES
+            and weight.nf4.dtype in SUPPORTED_DTYPES and weight.numel() < 2**31 and _triton_ok())
 
 
 def _save_dense() -> bool:
@@ -132,6 +150,12 @@ class NF4Linear(torch.autograd.Function):
         dtype = dtype if dtype in SUPPORTED_DTYPES else x.dtype
         ctx.has_bias = bias is not None
         ctx.dense = False
+        ctx.fused = fused_matmul_applies(x, weight)
+        if ctx.fused:
+            from lit_qlora.nf4.triton_matmul import nf4_linear_fused
+
+            ctx.save_for_backward(weight)
+            return nf4_linear_fused(x.to(dtype), weight, bias)
         slices = _row_slices(weight)
         if len(slices) == 1:
             dense = dense_rows(weight, dtype, 0, weight.shape[0])
@@ -150,7 +174,11 @@ class NF4Linear(torch.autograd.Function):
     def backward(ctx, grad_output: torch.Tensor):
         (weight,) = ctx.saved_tensors
         grad_x = grad_bias = None
-        if ctx.needs_input_grad[0] and ctx.dense:
+        if ctx.needs_input_grad[0] and ctx.fused:
+            from lit_qlora.nf4.triton_matmul import nf4_grad_input_fused
+
+            grad_x = nf4_grad_input_fused(grad_output, weight)
+        elif ctx.needs_input_grad[0] and ctx.dense:
             grad_x = grad_output @ weight.to(grad_output.dtype)
         elif ctx.needs_input_grad[0]:
             dtype = grad_output.dtype

@@ -14,14 +14,24 @@ dropout > 0 each LoRA layer's dropout is a graph break there, and the LoRA layer
 compiled once per weight shape and grad mode: a block of 7 adapters needs more than dynamo's default 8 entries per
 code object, hence RECOMPILE_LIMIT.
 
+`LIT_QLORA_COMPILE_MODE` (an A/B switch, issue 48 item 3): torch.compile's `mode` for every block, e.g.
+`reduce-overhead` (CUDA graphs where shapes are static: fewer launches, more memory held by the graphs' pools),
+`max-autotune-no-cudagraphs` or `max-autotune`; unset, torch's default mode. Which pays is for the GPU kit's A/B call
+to measure; the default stays until it does.
+
 Shapes: the first call compiles for its exact shapes; the first recompilation for another shape (a packed run's
 validation, an unpacked run's next batch) marks the changed dimensions dynamic, so later shapes reuse it.
 """
 
 from __future__ import annotations
 
+import os
+from typing import Optional
+
 import torch
 import torch.nn as nn
+
+from lit_qlora.errors import InvalidInput
 
 RECOMPILE_LIMIT = 64
 """Compiled entries dynamo keeps per code object: 5 LoRA weight shapes x {training, validation} x {static, dynamic}
@@ -33,9 +43,22 @@ def compile_blocks(model: nn.Module) -> int:
     fit); returns how many were newly compiled."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     todo = [block for block in model.blocks if not is_compiled(block)]
+    mode = compile_mode()
     for block in todo:
-        block.compile()
+        block.compile(**({"mode": mode} if mode else {}))
     return len(todo)
+
+
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+def compile_mode() -> Optional[str]:
+    """`LIT_QLORA_COMPILE_MODE` (module doc), checked; None when unset."""
+    mode = os.environ.get("LIT_QLORA_COMPILE_MODE", "").strip()
+    if mode and mode not in COMPILE_MODES:
+        raise InvalidInput(f"LIT_QLORA_COMPILE_MODE={mode!r}: choose one of {', '.join(COMPILE_MODES)}, or unset it for "
+                         "torch.compile's default.")
+    return mode or None
 
 
 def is_compiled(module: nn.Module) -> bool:
