@@ -185,10 +185,11 @@ class GRPOModule(FinetuneModule):
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """With num_iterations > 1, the batch of rollouts the next steps still train on (a resume mid-batch cannot
-        sample it again: the adapter that sampled it is gone). One process's only: under DDP each rank holds its own
-        share, and a resume mid-batch samples the batch again with the adapter it resumes with."""
+        sample it again: the adapter that sampled it is gone). Under DDP each rank holds its own share: every rank
+        calls this when a checkpoint is saved, and the shares are gathered under `rank{r}.` names with the number
+        of ranks, so a resume on as many ranks gives each its own back."""
         r = self.rollouts
-        if self.grpo.num_iterations == 1 or r is None or self.trainer.world_size > 1:
+        if self.grpo.num_iterations == 1 or r is None:
             return {}
         tensors = {"sequences": torch.cat(r.sequences), "prompt_lengths": torch.tensor(r.prompt_lengths),
                    "completion_lengths": torch.tensor(r.completion_lengths), "stopped": r.stopped,
@@ -197,9 +198,30 @@ class GRPOModule(FinetuneModule):
         for name in ("old_logps", "ref_logps"):
             if getattr(r, name) is not None:
                 tensors[name] = torch.cat(getattr(r, name))
-        return {k: v.detach().cpu() for k, v in tensors.items()}
+        tensors = {k: v.detach().cpu() for k, v in tensors.items()}
+        ranks = self.trainer.world_size
+        if ranks == 1:
+            return tensors
+        shares = {f"rank{rank}.{name}": part for name, t in tensors.items()  # the same names, in the same order,
+                  for rank, part in enumerate(self._gather_uneven(t))}     # on every rank: collectives in step
+        return shares | {"ranks": torch.tensor(ranks)}
+
+    def _gather_uneven(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """`t` as every rank holds it (its shape may differ between ranks), through an all_gather of padded copies."""
+        flat = (t.to(torch.uint8) if t.dtype == torch.bool else t).reshape(-1).to(self.device)
+        shapes = self.all_gather(torch.tensor([*t.shape, flat.numel()], device=self.device)).reshape(-1, t.dim() + 1)
+        padded = torch.zeros(int(shapes[:, -1].max()), dtype=flat.dtype, device=self.device)
+        padded[: flat.numel()] = flat
+        parts = self.all_gather(padded).reshape(len(shapes), -1).cpu()
+        return [part[: int(shape[-1])].reshape(shape[:-1].tolist()).to(t.dtype) for part, shape in zip(parts, shapes)]
 
     def restore_checkpoint_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        ranks = int(tensors.pop("ranks", 1)) if tensors else 1
+        if ranks != self.trainer.world_size:  # other ranks held other shares: the batch is sampled again
+            return
+        if ranks > 1:
+            prefix = f"rank{self.trainer.global_rank}."
+            tensors = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
         if not tensors:
             return
         prompt, completion = tensors["prompt_lengths"].tolist(), tensors["completion_lengths"].tolist()
