@@ -67,7 +67,7 @@ def test_the_dpo_prediction_is_within_5_percent_of_a_real_preference_steps_measu
     train = TrainArgs(micro_batch_size=2, global_batch_size=2, max_seq_length=128,
                       activation_checkpointing=checkpointing)
     step = PreferenceStep(DPOArgs())
-    trace = trace_step(config, Quantize(quantize), "bf16-true", lora, train, device="cpu", preference=step)
+    trace = trace_step(config, Quantize(quantize), "bf16-true", lora, train, device="cpu", objective=step)
     assert sum(trace.peak_by_category.values()) == trace.peak
     measured, reference_pass = measured_preference_step(config, quantize, lora, train, DPOArgs())
     assert abs(trace.peak / measured - 1) <= 0.05, (trace.peak, measured)
@@ -86,7 +86,7 @@ def test_a_pair_costs_more_than_a_sequence_and_the_reference_costs_no_weights(de
     steps = {name: PreferenceStep(dpo) for name, dpo in (("adapters_off", DPOArgs()),
                                                          ("cached", DPOArgs(reference="cached")),
                                                          ("orpo", DPOArgs(loss="orpo")))}
-    traces = {name: trace_step(*args, device=device, preference=step) for name, step in steps.items()}
+    traces = {name: trace_step(*args, device=device, objective=step) for name, step in steps.items()}
     assert traces["adapters_off"].peak > 1.5 * sft.peak
     assert traces["cached"].peak <= traces["adapters_off"].peak
     # (alike up to the two losses' own few temporaries, which can set the peak of so small a model)
@@ -106,7 +106,7 @@ def test_the_starting_adapter_as_reference_costs_a_copy_of_the_lora_weights_in_i
         step = PreferenceStep(DPOArgs())
         trace = trace_step(config, Quantize.NF4, "bf16-true", LoRAArgs(r=4, alpha=8), TrainArgs(
             micro_batch_size=1, global_batch_size=1, max_seq_length=64, init_adapter=init_adapter), "cpu",
-            preference=step)
+            objective=step)
         passes.append(step.reference_pass_bytes)
     assert passes[1] - passes[0] == trace.peak_by_category["LoRA weights"]
 

@@ -11,7 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
 
-from lit_qlora.estimate.grpo import render_grpo, sampling_phase
+from lit_qlora.estimate.grpo import GRPOStep, render_grpo, sampling_phase
 from lit_qlora.estimate.preference import SEQUENCES_PER_PAIR, PreferenceStep, reference_pass
 from lit_qlora.estimate.search import AUTO_LENGTH_TRACES, LENGTH_STEP, largest_batches, longest_context
 from lit_qlora.estimate.args import EstimateSpec
@@ -110,20 +110,20 @@ def estimate(spec: Optional[EstimateSpec] = None, **settings: Any) -> dict[str, 
         """(peak device bytes, by category, host bytes of offloaded activations, what the peak is made of beyond the
         categories) at this batch, checkpointing, sequence length and offload setting (defaults: the recipe's)."""
         offload = (train.offload_activations if offload is None else offload) if checkpointing else False
-        preference = PreferenceStep(dpo) if method == "dpo" else None
+        objective = PreferenceStep(dpo) if method == "dpo" else GRPOStep(grpo) if method == "grpo" else None
         trace = trace_step(config, quantize, precision, lora, replace(
             train, activation_checkpointing=checkpointing, offload_activations=offload,
-            max_seq_length=length or train.max_seq_length), device, micro_batch_size, budget, preference)
+            max_seq_length=length or train.max_seq_length), device, micro_batch_size, budget, objective)
         parts = parallel_bytes(trace.peak_by_category, config, strategy, world_size, tensor_parallel)
         peak = {"peak_operation": trace.peak_op, "other_temporaries_by_op": other_temporaries(trace, parts)}
-        if preference is not None:
-            peak["dpo"] = preference_report(preference, train, micro_batch_size, trace.peak_op)
+        if isinstance(objective, PreferenceStep):
+            peak["dpo"] = preference_report(objective, train, micro_batch_size, trace.peak_op)
         total = sum(parts.values())
         if method == "grpo":  # the larger of the training step and the rollouts' sampling
             from lit_qlora.model.config import PRECISION_DTYPES
 
             sampling = sampling_phase(config, grpo, parts, length or train.max_seq_length,
-                                      PRECISION_DTYPES[precision].itemsize)
+                                      PRECISION_DTYPES[precision].itemsize, objective.fixed_pass_bytes)
             peak["grpo"] = {"num_generations": grpo.num_generations, "training_peak_bytes": total,
                             "reference_pass": bool(grpo.beta), **sampling,
                             "sets_the_peak": "sampling" if sampling["sampling_peak_bytes"] > total else "training"}

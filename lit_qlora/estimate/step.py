@@ -260,10 +260,11 @@ def offload_decision(config: Config, precision: Precision, train: TrainArgs, dev
 
 def trace_step(config: Config, quantize: Quantize, precision: Precision, lora: LoRAArgs, train: TrainArgs,  # noqa: F821
                device: str = "cuda", micro_batch_size: Optional[int] = None, device_total: Optional[int] = None,
-               preference: Optional[PreferenceStep] = None) -> AllocationTrace:  # noqa: F821
+               objective: Optional[PreferenceStep | GRPOStep] = None) -> AllocationTrace:  # noqa: F821
     """Two optimizer steps of a fine-tune (each: forward, loss, backward per micro-batch, clipping, AdamW) on fake
-    tensors; the trace holds the peak of allocated bytes and its categories. With `preference`, `litqlora dpo`'s
-    step instead (lit_qlora.estimate.preference): micro_batch_size pairs, two sequences each."""
+    tensors; the trace holds the peak of allocated bytes and its categories. With `objective`, that objective's
+    micro-batch instead of the language-model loss: `litqlora dpo`'s (lit_qlora.estimate.preference.PreferenceStep:
+    micro_batch_size pairs, two sequences each) or `litqlora grpo`'s (lit_qlora.estimate.grpo.GRPOStep)."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -335,23 +336,23 @@ def trace_step(config: Config, quantize: Quantize, precision: Precision, lora: L
         for name in ("nf4_head_ce_sum", "tiled_ce_sum"):
             stack.enter_context(_patched(loss, name, phase.wrap(_point(loss, name), "logits/loss chunks")))
         ids = torch.zeros(batch, train.max_seq_length, dtype=torch.long)
-        if preference is not None:
-            preference.prepare(model, batch, train.max_seq_length, phase, trace, train.init_adapter is not None)
+        if objective is not None:
+            objective.prepare(model, batch, train.max_seq_length, phase, trace, train.init_adapter is not None)
         stack.enter_context(default_dtype(dtype))  # as the precision plugin sets it inside training steps
         if device == "cuda":
             stack.enter_context(cuda_code_paths())
         with trace:
-            if preference is not None:
-                preference.before_training()
+            if objective is not None:
+                objective.before_training()
             for _ in range(2):
                 for _ in range(min(accumulation, 2)):  # a second micro-batch runs with the gradients present
                     phase.phase = "forward"
-                    loss = lm_loss_sum(model, ids, ids) / ids.numel() if preference is None else preference.loss()
+                    loss = lm_loss_sum(model, ids, ids) / ids.numel() if objective is None else objective.loss()
                     phase.phase = "backward"
-                    if preference is None:
+                    if objective is None:
                         loss.backward()
                     else:
-                        preference.backward(loss)
+                        objective.backward(loss)
                     del loss
                 phase.phase = "optimizer"
                 if train.max_norm > 0:
