@@ -147,3 +147,24 @@ def test_a_grpo_preset_reads_as_grpo(tmp_path, capsys, monkeypatch):
     assert result["method"] == "grpo" and result["grpo"]["num_generations"] == 8
     assert result["micro_batch_size"] == 8 and result["max_seq_length"] == 96
     assert "Method grpo: 8 completions per prompt" in capsys.readouterr().out
+
+
+def test_the_compiled_decode_keeps_its_cache_through_training_on_a_gpu(tmp_path):
+    """--grpo.compile_decode on CUDA keeps the group's KV cache (and validation's single row's) between groups for
+    its CUDA graphs: the training phase holds it too; on the CPU nothing is kept."""
+    model_dir = config_only_dir(tmp_path)
+
+    def on(device, **grpo):
+        out = tmp_path / f"{device}-{len(grpo)}"
+        return estimate(checkpoint_dir=str(model_dir), out_dir=out, device=device,
+                        precision="bf16-true", train=TrainArgs(micro_batch_size=4, global_batch_size=8,
+                                                               max_seq_length=64),
+                        method="grpo", grpo=GRPOArgs(num_generations=4, **grpo))["grpo"]
+
+    eager, compiled = on("cuda"), on("cuda", compile_decode=True)
+    config = Config.from_checkpoint(model_dir)
+    kept = kv_cache_bytes(config, 5, 64, 2)
+    assert compiled["kept_kv_cache_bytes"] == kept and eager["kept_kv_cache_bytes"] == 0
+    assert compiled["training_peak_bytes"] == eager["training_peak_bytes"] + kept
+    assert compiled["sampling_peak_bytes"] == eager["sampling_peak_bytes"] + kv_cache_bytes(config, 1, 64, 2)
+    assert on("cpu", compile_decode=True)["kept_kv_cache_bytes"] == 0

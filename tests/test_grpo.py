@@ -409,3 +409,55 @@ def test_two_ranks_resume_mid_batch_of_rollouts_exactly(tiny_llama_dir, grpo_dat
     assert strip([r for r in rows_of(out) if "loss" in r]) == strip([r for r in rows_of(full) if "loss" in r])
     ours, want = (load_file(str(d / "final" / "adapter.safetensors")) for d in (out, full))
     assert all(torch.equal(ours[k], want[k]) for k in want)
+
+
+# ------------------------------------------------------------------------------------ 3b. the compiled decode step
+
+def counting_backend(counts: list):
+    """aot_eager (the graph dynamo traces, run without code generation), counting each compilation."""
+    from torch._dynamo.backends.common import aot_autograd  # noqa: F401 - (registers the backends)
+    from torch._dynamo.backends.registry import lookup_backend
+
+    def backend(gm, example_inputs):
+        counts.append(len(example_inputs))
+        return lookup_backend("aot_eager")(gm, example_inputs)
+
+    return backend
+
+
+def test_the_compiled_decode_step_draws_the_eager_groups_and_compiles_once(tiny_llama_dir):
+    """--grpo.compile_decode: one fullgraph compilation of the decode step serves prompts of every length (the cache
+    has one length, the positions are a tensor), and its groups are the eager decoder's: greedy, and sampled from the
+    same seeds."""
+    from lit_qlora.grpo.rollout import Decoder
+
+    model = our_policy(tiny_llama_dir, "nf4").eval()
+    tok = Tokenizer(tiny_llama_dir)
+    counts: list = []
+    decoder = Decoder(cache_len=64, backend=counting_backend(counts))
+    for text in ("Count to three.", "Say something about the weather today, please."):
+        prompt = tok.encode_prompt(text)
+        for temperature, top_k, top_p in ((0.0, None, 1.0), (1.0, 50, 0.9)):
+            eager = sample_group(model, prompt, 4, 10, temperature, top_k, top_p, [], torch.Generator().manual_seed(3))
+            compiled = sample_group(model, prompt, 4, 10, temperature, top_k, top_p, [],
+                                    torch.Generator().manual_seed(3), decoder)
+            assert compiled.completions == eager.completions and compiled.stopped == eager.stopped
+    assert len(counts) == 1  # two prompt lengths, greedy and sampled: one graph
+    assert model.max_cache_len == 0 and all(b.self_attn.kv_cache is None for b in model.model.layers)  # detached
+    with pytest.raises(ValueError, match="exceed the compiled decode's cache"):
+        sample_group(model, list(range(60)), 2, 10, 0.0, None, 1.0, [], torch.Generator(), decoder)
+
+
+def test_a_run_with_the_compiled_decode_trains_what_the_eager_one_trains(tiny_llama_dir, grpo_data, grpo_run,
+                                                                        tmp_path, monkeypatch):
+    from lit_qlora.grpo import rollout
+
+    counts: list = []
+    monkeypatch.setattr(rollout, "COMPILE_BACKEND", counting_backend(counts))
+    full, _, _ = grpo_run
+    out = tmp_path / "compiled"
+    with contextlib.redirect_stdout(io.StringIO()):
+        run_grpo(tiny_llama_dir, out, grpo_data, grpo=dict(compile_decode=True))
+    strip = lambda rows: [{k: v for k, v in r.items() if k not in TIMING} for r in rows]  # noqa: E731
+    assert strip(rows_of(out)) == strip(rows_of(full))
+    assert 1 <= len(counts) <= 2  # the groups' rows, and validation's greedy single rows

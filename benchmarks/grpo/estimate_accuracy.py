@@ -29,6 +29,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from demo import cpu_flags  # (this folder is on sys.path: the script's own)
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 WORK = ROOT / "benchmarks" / "_work" / "grpo-estimate"
@@ -38,11 +40,6 @@ ROWS = {  # name -> options after the demo preset's (config_hub/grpo/smollm2-135
     "beta": ["--grpo.beta", "0.04", "--grpo.num_iterations", "2"],
     "checkpointed": ["--train.activation_checkpointing", "true", "--grpo.max_completion_length", "48"],
 }
-
-
-def cpu_flags() -> str:
-    flags = Path("/proc/cpuinfo").read_text().split("flags", 1)[-1].split("\n", 1)[0].split()
-    return " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags)
 
 
 def prepare() -> tuple[Path, Path]:

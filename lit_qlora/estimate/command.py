@@ -11,7 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
 
-from lit_qlora.estimate.grpo import GRPOStep, render_grpo, sampling_phase
+from lit_qlora.estimate.grpo import GRPOStep, kv_cache_bytes, render_grpo, sampling_phase
 from lit_qlora.estimate.preference import SEQUENCES_PER_PAIR, PreferenceStep, reference_pass
 from lit_qlora.estimate.search import AUTO_LENGTH_TRACES, LENGTH_STEP, largest_batches, longest_context
 from lit_qlora.estimate.args import EstimateSpec
@@ -122,10 +122,17 @@ def estimate(spec: Optional[EstimateSpec] = None, **settings: Any) -> dict[str, 
         if method == "grpo":  # the larger of the training step and the rollouts' sampling
             from lit_qlora.model.config import PRECISION_DTYPES
 
-            sampling = sampling_phase(config, grpo, parts, length or train.max_seq_length,
-                                      PRECISION_DTYPES[precision].itemsize, objective.fixed_pass_bytes)
+            dtype_bytes, cache_len = PRECISION_DTYPES[precision].itemsize, length or train.max_seq_length
+            sampling = sampling_phase(config, grpo, parts, cache_len, dtype_bytes, objective.fixed_pass_bytes)
+            # --grpo.compile_decode on CUDA keeps the groups' cache (and validation's one row) for its CUDA graphs
+            kept = kv_cache_bytes(config, grpo.num_generations + 1, cache_len, dtype_bytes) \
+                if grpo.compile_decode and device == "cuda" else 0
+            total += kept
+            if kept:  # the kept caches stand for the group's, and stay through the kept log-probabilities' pass
+                sampling["sampling_peak_bytes"] = sampling["persistent_bytes"] + kept + max(
+                    sampling["decode_logits_bytes"], sampling["fixed_logps_pass_bytes"])
             peak["grpo"] = {"num_generations": grpo.num_generations, "training_peak_bytes": total,
-                            "reference_pass": bool(grpo.beta), **sampling,
+                            "reference_pass": bool(grpo.beta), "kept_kv_cache_bytes": kept, **sampling,
                             "sets_the_peak": "sampling" if sampling["sampling_peak_bytes"] > total else "training"}
             total = max(total, sampling["sampling_peak_bytes"])
         return total, parts, trace.host_peak, peak

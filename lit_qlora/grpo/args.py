@@ -39,6 +39,9 @@ class GRPOArgs:
     """Nucleus sampling: keep the smallest set of likeliest tokens whose probabilities sum to top_p (1: all)."""
     top_k: Optional[int] = None
     """Sample among the k likeliest tokens only (None or 0: all)."""
+    compile_decode: bool = False
+    """Compile the rollouts' decode step once (torch.compile, a KV cache of max_seq_length positions; on CUDA with CUDA
+    graphs, the cache then kept through training). Off by default until a GPU measures what it pays."""
     beta: float = 0.0
     """The weight of the KL penalty to the reference model (the base with the adapters off, or the starting adapter
     after --train.init_adapter). 0, TRL's default, skips the reference pass."""

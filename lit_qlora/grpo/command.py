@@ -37,7 +37,7 @@ def grpo(spec: Optional[GRPOSpec] = None, **settings: Any) -> dict[str, Any]:
     if spec.compile:
         raise UserError("--compile is not offered by `litqlora grpo` yet: its rollouts decode one token at a time "
                         "through the same blocks, each decode a new shape that a compiled block would compile again. "
-                        "Leave --compile off.")
+                        "Leave --compile off; --grpo.compile_decode true compiles the decode step itself, once.")
     if spec.data.packing:
         raise UserError("--data.packing true packs samples into one sequence, and GRPO samples completions of each "
                         "prompt on its own: leave packing out for `litqlora grpo`.")

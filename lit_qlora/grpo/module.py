@@ -22,7 +22,7 @@ from lit_qlora.data.prompts import prompt_text
 from lit_qlora.grpo.args import GRPOArgs
 from lit_qlora.grpo.loss import StepCounts, advantages, micro_loss, token_terms
 from lit_qlora.grpo.rewards import Reward, score, total
-from lit_qlora.grpo.rollout import sample_group
+from lit_qlora.grpo.rollout import EAGER, Decoder, sample_group
 from lit_qlora.parallel.distributed import no_gradient_sync, reshard
 from lit_qlora.train.module import FinetuneModule
 from lit_qlora.train.policy import evaluating, reference_policy, token_logps
@@ -95,6 +95,13 @@ class GRPOModule(FinetuneModule):
         self.out_dir = out_dir  # samples.jsonl gets a few prompts' completions at each logging step
         self.rollouts: Optional[Rollouts] = None
         self._val_rows: list[torch.Tensor] = []
+        self.decoder = Decoder(train.max_seq_length) if grpo.compile_decode else EAGER
+
+    def traces_weights(self) -> bool:  # --grpo.compile_decode: the decode step's graph holds the weights too
+        return super().traces_weights() or self.decoder.compiled
+
+    def traced_weights(self) -> bool:
+        return super().traced_weights() or self.decoder.compiled
 
     # ------------------------------------------------------------------------------------------------- rollouts
 
@@ -111,7 +118,7 @@ class GRPOModule(FinetuneModule):
                     seed = rollout_seed(self.seed, step, i * ranks + rank)
                     group = sample_group(self.model, prompt.input_ids.tolist(), n, g.max_completion_length,
                                          temperature, g.top_k, g.top_p, self.tokenizer.eos_ids,
-                                         torch.Generator(device=device).manual_seed(seed))
+                                         torch.Generator(device=device).manual_seed(seed), self.decoder)
                     owners += [prompt] * n
                     completions += group.completions
                     stopped += group.stopped

@@ -5,16 +5,26 @@ The prompt is read once (a one-row prefill) and its keys and values copied to ev
 group decodes a token per row per forward until each row has emitted a stop token (kept: the policy learns to stop)
 or the length cap. Sampling draws from a generator seeded by the caller, so a run's rollouts repeat exactly, after
 a resume too.
+
+`--grpo.compile_decode` (issue 49 item 3, the GPU's fast path, off until a GPU measures it): the decode step (one token
+per row through every block and the head) is compiled once, `fullgraph` and static: the KV cache has one length for
+every prompt (`Decoder.cache_len`, the run's max_seq_length, which no prompt plus completion exceeds), so the prompts'
+lengths never recompile it; the positions are a tensor, not a constant. On CUDA it is compiled with CUDA graphs
+(`reduce-overhead`: the step's ~hundreds of kernel launches replayed as one graph) and the cache is allocated once and
+kept between groups and steps (a graph replays at fixed addresses): G x max_seq_length positions held through
+training, which `litqlora estimate --method grpo` counts. The prefill (one row of the prompt's length) stays eager.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
 from lit_qlora.model.sampling import sample_rows
+from lit_qlora.threads import process_governor
 from lit_qlora.model.transformer import Transformer
 
 
@@ -27,13 +37,83 @@ class Group:
     stopped: list[bool]
 
 
+def _decode_step(model: Transformer, token: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """The next token's logits of each row: one position through the blocks (the KV cache) and the head."""
+    return model(token, input_pos=pos)[:, -1]
+
+
+COMPILE_BACKEND = "inductor"
+"""torch.compile's backend for the decode step (tests trace with aot_eager: the same graph, no code generation)."""
+
+
+class Decoder:
+    """How a group decodes: eagerly (no `cache_len`), or with the step compiled once for a KV cache of `cache_len`
+    positions (module doc). `backend`: torch.compile's, COMPILE_BACKEND by default."""
+
+    def __init__(self, cache_len: Optional[int] = None, backend: Any = None) -> None:
+        self.cache_len, self.backend = cache_len, backend or COMPILE_BACKEND
+        self._compiled = None
+        self._kept: dict = {}  # CUDA: the caches kept between groups, by (rows, device): the blocks' caches
+
+    @property
+    def compiled(self) -> bool:
+        return self.cache_len is not None
+
+    def attach_cache(self, model: Transformer, n: int, max_len: int, device: torch.device) -> None:
+        if not self.compiled:
+            return model.set_kv_cache(batch_size=n, max_len=max_len, device=device)
+        if max_len > self.cache_len:
+            raise ValueError(f"a prompt and its completion ({max_len}) exceed the compiled decode's cache "
+                             f"({self.cache_len})")
+        kept = self._kept.get((n, device))
+        if kept is not None:
+            for block, cache in zip(model.model.layers, kept):
+                block.self_attn.kv_cache = cache
+            model.max_cache_len = self.cache_len
+            return
+        model.set_kv_cache(batch_size=n, max_len=self.cache_len, device=device)
+        if torch.device(device).type == "cuda":  # a CUDA graph replays at the addresses it recorded
+            self._kept[(n, device)] = [block.self_attn.kv_cache for block in model.model.layers]
+
+    def step(self, model: Transformer, token: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        if not self.compiled:
+            return _decode_step(model, token, pos)
+        if self._compiled is None:
+            cuda = token.device.type == "cuda"
+            self._compiled = torch.compile(_decode_step, backend=self.backend, fullgraph=True, dynamic=False,
+                                           **({"mode": "reduce-overhead"} if cuda and self.backend == "inductor"
+                                              else {}))
+        with _block_hooks_aside(model):
+            logits = self._compiled(model, token, pos)
+        if token.device.type == "cpu":  # what the blocks' hooks would do: the thread governor (lit_qlora.threads)
+            process_governor()()
+        return logits
+
+
+@contextmanager
+def _block_hooks_aside(model: Transformer) -> Iterator[None]:
+    """The blocks' forward hooks (the thread governor's, which reads /proc outside any graph) set aside for a
+    compiled call: the graph is whole, and every call finds the blocks as the first did (no recompilation)."""
+    saved = [(block, dict(block._forward_hooks)) for block in model.blocks]
+    for block, _ in saved:
+        block._forward_hooks.clear()  # the same dict, emptied: dynamo guards on its identity
+    try:
+        yield
+    finally:
+        for block, hooks in saved:
+            block._forward_hooks.update(hooks)
+
+
+EAGER = Decoder()
+
+
 @torch.inference_mode()
 def sample_group(model: Transformer, prompt: Sequence[int], n: int, max_new_tokens: int, temperature: float,
-                 top_k: Optional[int], top_p: float, stop_ids: Sequence[int], generator: torch.Generator) -> Group:
+                 top_k: Optional[int], top_p: float, stop_ids: Sequence[int], generator: torch.Generator,
+                 decoder: Decoder = EAGER) -> Group:
     """`n` completions of `prompt`, at most `max_new_tokens` each. The caller sets eval mode (no adapter dropout)."""
     device = model.model.embed_tokens.weight.device
-    max_len = len(prompt) + max_new_tokens
-    model.set_kv_cache(batch_size=n, max_len=max_len, device=device)
+    decoder.attach_cache(model, n, len(prompt) + max_new_tokens, device)
     try:
         positions = torch.arange(len(prompt), device=device)
         # the head on the last position only: a long prompt's logits would be prompt x vocab
@@ -53,7 +133,7 @@ def sample_group(model: Transformer, prompt: Sequence[int], n: int, max_new_toke
             if bool(done.all()) or step == max_new_tokens - 1:
                 break
             pos = torch.tensor([len(prompt) + step], device=device)
-            logits = model(token[:, None], input_pos=pos)[:, -1]
+            logits = decoder.step(model, token[:, None], pos)
     finally:
         model.clear_kv_cache()
     drawn = torch.stack(tokens, 1).tolist()

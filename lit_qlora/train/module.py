@@ -80,19 +80,28 @@ class FinetuneModule(L.LightningModule):
     # device after a fit (the next validate would move it back). One thing the move did still matters under FSDP2:
     # it reshards first. The root unit keeps its parameters gathered after a forward (the validation's, under
     # inference mode); without the reshard every step after the first diverged from eager (tests/test_compile.py).
-    # Only with --compile, so eager runs keep Lightning's moves as they are.
+    # Only with --compile (or an objective's own compiled code: `traces_weights`), so eager runs keep Lightning's
+    # moves as they are.
     def to(self, *args: Any, **kwargs: Any) -> FinetuneModule:
         device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
-        if self.compile_enabled and device is not None and dtype is None and memory_format is None \
+        if self.traces_weights() and device is not None and dtype is None and memory_format is None \
                 and self._all_on(device):
             reshard(self.model)
             return self
         return super().to(*args, **kwargs)
 
     def cpu(self) -> FinetuneModule:
-        if self.compile_enabled and (self._all_on(torch.device("cpu")) or any(is_compiled(b) for b in self.model.blocks)):
+        if self.traces_weights() and (self._all_on(torch.device("cpu")) or self.traced_weights()):
             return self
         return super().cpu()
+
+    def traces_weights(self) -> bool:
+        """Whether this run compiles graphs with the weights (--compile's blocks; an objective may add its own)."""
+        return self.compile_enabled
+
+    def traced_weights(self) -> bool:
+        """Whether such graphs exist now (then a move would fail: see `to`)."""
+        return any(is_compiled(b) for b in self.model.blocks)
 
     def _all_on(self, device: torch.device) -> bool:
         return all(t.device == device for t in itertools.chain(self.parameters(), self.buffers()))
