@@ -33,7 +33,7 @@ def carry(tmp_path_factory) -> Path:
     done = subprocess.run([sys.executable, str(KIT / "build_carry.py"), "--out", str(out), "--no-peers"],
                           capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
-    assert "call 1 (main, ab) carries" in done.stdout
+    assert "call 1 (main, ab, grpo) carries" in done.stdout
     return out / "kit"
 
 

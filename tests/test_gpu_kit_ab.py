@@ -182,3 +182,17 @@ def test_the_profile_calls_dry_run_traces_our_step_and_groups_its_kernels(carry,
     assert ours["groups"]["nf4_dequant"]["kernels"] > 0  # QLoRA: the NF4 linears' own time shows
     md = (out / "profile.md").read_text()
     assert md.startswith("| group | ours-eager ms (share) |")
+
+
+def test_the_grpo_calls_dry_run_interleaves_eager_and_compiled_decode_beside_their_estimates(carry, tmp_path):  # noqa: F811
+    """check.py grpo (issue 49 on a GPU): `litqlora grpo` eager against --grpo.compile_decode, interleaved, each
+    variant's row with its `litqlora estimate --method grpo` prediction; dry: the tiny checkpoint on the CPU."""
+    out, rows, stdout = dry_run("grpo", carry, tmp_path)
+    ab = json.loads((out / "ab.json").read_text())
+    assert ab["verb"] == "grpo" and [r["variant"] for r in ab["runs"]] == ["eager", "compiled"] * 2
+    assert all(r["rc"] == 0 and r["timed_steps"] == 2 for r in ab["runs"])
+    assert rows["ab:compiled"]["status"] == "ok" and rows["ab:eager"]["steady_tokens_per_sec"] > 0
+    estimates = rows["grpo_estimate"]["result"]
+    assert estimates.startswith("eager ") and "; compiled " in estimates
+    # the kept KV cache of --grpo.compile_decode on CUDA: the compiled variant's prediction is the larger
+    assert rows["ab:compiled"]["predicted_peak_bytes"] > rows["ab:eager"]["predicted_peak_bytes"] > 0

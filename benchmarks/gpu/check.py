@@ -5,6 +5,7 @@ without internet, from the carry folder that build_carry.py makes.
     python3 benchmarks/gpu/check.py peers     # call 2: torchtune and peft + bitsandbytes beside ours, same GPU
     python3 benchmarks/gpu/check.py profile   # call 3 (optional): the NF4 kernel per weight shape, one-step profiles
     python3 benchmarks/gpu/check.py ab --variant A "SPEC" --variant B "SPEC" [--rounds 3]   # an A/B question
+    python3 benchmarks/gpu/check.py grpo      # litqlora grpo on the 8B: eager vs compiled decode, peaks vs estimate
     python3 benchmarks/gpu/check.py main --dry-run   # (or DRY_RUN=1) the whole call on a CPU, GPU steps skipped
 
 Every call first installs the carry (--carry, default .devcarry/kit) into --work/site: its wheels, then this working
@@ -201,6 +202,7 @@ class Kit:
     ok: set[str] = field(default_factory=set)
     merged_off: list[str] = field(default_factory=list)
     estimates: dict[str, tuple[subprocess.Popen, Path]] = field(default_factory=dict)
+    predicted: dict[str, int] = field(default_factory=dict)  # an A/B variant's predicted peak (the grpo call)
     started: float = field(default_factory=time.monotonic)
 
     @property
@@ -756,20 +758,41 @@ AB_VARIANTS = [["qlora", "--quantize nf4"], ["lora", "--quantize none"]]  # the 
 TINY = dict(name="tiny", n_layer=2, n_embd=128, n_head=4, n_query_groups=2, head_dim=32, intermediate_size=256)
 
 
-def ab_step(variants: list[list[str]], rounds: int) -> Step:
-    """gpu_ab.py: the variants interleaved over `rounds` on the 8B at 2x2048 (its table in ab.md, every run in
-    ab.json); the dry run asks the same of a tiny random checkpoint on the CPU (2 rounds of 5 steps)."""
+@dataclass
+class ABShape:
+    """What every variant of an A/B call runs: the verb, its shape on the GPU and in the dry run, common options."""
+    verb: str = "finetune"
+    gpu: tuple[str, ...] = ("--micro", "2", "--seq", "2048")  # gpu_ab.py's defaults: 24 steps, 4 warm-up
+    dry: tuple[str, ...] = ("--micro", "2", "--seq", "64", "--steps", "5", "--warmup", "2")
+    options: tuple[str, ...] = ()  # finetune options every variant gets
+    what: str = "8B 2x2048"
+
+
+# --grpo.num_generations 8 (one prompt's group a step: --train.global_batch_size 8), completions of up to 128 tokens
+# after the bundled prompts (~40 tokens): rows of at most 192; 6 steps, 2 of them warm-up (the first compiles).
+GRPO_SHAPE = ABShape("grpo", ("--micro", "8", "--seq", "192", "--steps", "6", "--warmup", "2"),
+                     ("--micro", "8", "--seq", "64", "--steps", "4", "--warmup", "2"),
+                     ("--grpo.num_generations", "8", "--grpo.max_completion_length", "128"),
+                     "8B GRPO, groups of 8 x 128 tokens")
+GRPO_DRY_OPTIONS = ("--grpo.max_completion_length", "16")  # (the tiny rows: 64 tokens)
+GRPO_VARIANTS = [["eager", "--quantize nf4"], ["compiled", "--quantize nf4 --grpo.compile_decode true"]]
+
+
+def ab_step(variants: list[list[str]], rounds: int, shape: ABShape = ABShape()) -> Step:
+    """gpu_ab.py: the variants interleaved over `rounds` at `shape` (its table in ab.md, every run in ab.json); the
+    dry run asks the same of a tiny random checkpoint on the CPU (2 rounds)."""
     spec = [x for name, what in variants for x in ("--variant", name, what)]
 
-    def run_ab(kit: Kit, cap: float, ckpt: Path, extra: list[str], rounds: int) -> dict:
+    def run_ab(kit: Kit, cap: float, ckpt: Path, extra: list[str], rounds: int, options: tuple[str, ...],
+               env: Optional[dict[str, str]] = None) -> dict:
         out = kit.work / "ab.json"
         out.unlink(missing_ok=True)
         cmd = kit.python(str(HERE / "gpu_ab.py"), "--ckpt", str(ckpt), "--work", str(kit.work), "--out", str(out),
-                         "--rounds", str(rounds), "--time_budget", str(round(max(cap - 15, 10))),
-                         "--finetune_args", shlex.join(kit.merged_off), *spec, *extra)
+                         "--rounds", str(rounds), "--time_budget", str(round(max(cap - 15, 10))), "--verb", shape.verb,
+                         "--finetune_args", shlex.join([*kit.merged_off, *options]), *spec, *extra)
         try:
             with quiet_cpus(kit):
-                rc, text = kit.run("ab", cmd, cap)
+                rc, text = kit.run("ab", cmd, cap, env)
         finally:
             clean_outputs(kit)
         if not out.is_file():
@@ -781,7 +804,8 @@ def ab_step(variants: list[list[str]], rounds: int) -> Step:
         subrows = [{"step": f"ab:{name}", "what": " ".join([*(f"{k}={v}" for k, v in v["env"].items()), *v["args"]]),
                     "status": "ok" if v["median_tokens_per_sec"] else "error: " + (v["failed"] or ["no run"])[0][-100:],
                     "steady_tokens_per_sec": v["median_tokens_per_sec"],
-                    "peak_allocated_train_bytes": v["peak_allocated_train_bytes"]}
+                    "peak_allocated_train_bytes": v["peak_allocated_train_bytes"],
+                    "predicted_peak_bytes": kit.predicted.get(name)}
                    for name, v in summary["variants"].items()]
         ratios = "; ".join(f"{name}/{summary['baseline']} {r['median']:.3f} [{r['min']:.3f}, {r['max']:.3f}]"
                            for name, r in summary["ratios"].items())
@@ -794,19 +818,59 @@ def ab_step(variants: list[list[str]], rounds: int) -> Step:
     def fn(kit: Kit, cap: float) -> dict:
         if refused := finetune_disk(kit):
             return {"status": f"not run: {refused}"}
-        return run_ab(kit, cap, kit.ckpt, [], rounds)
+        return run_ab(kit, cap, kit.ckpt, list(shape.gpu), rounds, shape.options)
 
     def dry_fn(kit: Kit) -> dict:
-        tiny = kit.work / "tiny-ckpt"
-        rc, text = kit.run("tiny-checkpoint", kit.python(str(HERE / "check.py"), "_checkpoint", "--dir", str(tiny),
-                                                         "--tokenizer", str(kit.carry / "smol"), "--tiny"), 120)
-        if rc != 0:
-            return {"status": f"error: tiny checkpoint: {tail_lines(text)}"}
-        return run_ab(kit, 300, tiny, ["--accelerator", "cpu", "--micro", "2", "--seq", "64", "--steps", "5",
-                                       "--warmup", "2"], 2)
+        tiny = tiny_checkpoint(kit)
+        if isinstance(tiny, dict):
+            return tiny
+        options = (*shape.options, *(GRPO_DRY_OPTIONS if shape.verb == "grpo" else ()))
+        # a compiled decode traced, not code-generated: inductor's CPU code needs what the GPU image lacks
+        env = dict(kit.env, LIT_QLORA_DECODE_BACKEND="aot_eager")
+        return run_ab(kit, 300, tiny, ["--accelerator", "cpu", *shape.dry], 2, options, env)
 
-    what = f"gpu_ab.py: {' vs '.join(name for name, _ in variants)}, 8B 2x2048, {rounds} rounds interleaved"
+    what = f"gpu_ab.py: {' vs '.join(name for name, _ in variants)}, {shape.what}, {rounds} rounds interleaved"
     return Step("ab", what, cap=600, need=200, fn=fn, requires=("install", "checkpoint"), dry_fn=dry_fn)
+
+
+def tiny_checkpoint(kit: Kit):
+    """The dry runs' tiny random checkpoint (written once), or the error row."""
+    tiny = kit.work / "tiny-ckpt"
+    rc, text = kit.run("tiny-checkpoint", kit.python(str(HERE / "check.py"), "_checkpoint", "--dir", str(tiny),
+                                                     "--tokenizer", str(kit.carry / "smol"), "--tiny"), 120)
+    return tiny if rc == 0 else {"status": f"error: tiny checkpoint: {tail_lines(text)}"}
+
+
+def grpo_estimate_step(variants: list[list[str]]) -> Step:
+    """`litqlora estimate --method grpo --device cuda` for each variant at the A/B call's shape, before anything is
+    timed (CPU only): the A/B rows then show each variant's measured peak beside its prediction."""
+    def run(kit: Kit, cap: float, ckpt: Path, seq: str, options: tuple[str, ...]) -> dict:
+        found = {}
+        for name, what in variants:
+            out = kit.work / f"estimate-grpo-{name}"
+            shutil.rmtree(out, ignore_errors=True)
+            cmd = kit.python("-m", "lit_qlora.cli", "estimate", "--method", "grpo", "--device", "cuda",
+                             "--checkpoint_dir", str(ckpt), "--out_dir", str(out), "--train.micro_batch_size", "8",
+                             "--train.global_batch_size", "8", "--train.max_seq_length", seq, "--lora.dropout",
+                             "0.05", *options, *shlex.split(what))
+            rc, text = kit.run(f"estimate-grpo-{name}", cmd, cap / len(variants))
+            if rc != 0:
+                return {"status": f"error: {name}: {tail_lines(text)}"}
+            result = json.loads((out / "estimate.json").read_text())
+            kit.predicted[name] = found[name] = result["peak_bytes"]
+        return {"result": "; ".join(f"{k} {v / GiB:.2f} GiB" for k, v in found.items())}
+
+    def fn(kit: Kit, cap: float) -> dict:
+        return run(kit, cap, kit.ckpt, GRPO_SHAPE.gpu[3], GRPO_SHAPE.options)
+
+    def dry_fn(kit: Kit) -> dict:
+        tiny = tiny_checkpoint(kit)
+        if isinstance(tiny, dict):
+            return tiny
+        return run(kit, 240, tiny, GRPO_SHAPE.dry[3], (*GRPO_SHAPE.options, *GRPO_DRY_OPTIONS))
+
+    return Step("grpo_estimate", "litqlora estimate --method grpo --device cuda, each variant", cap=240, need=60,
+                fn=fn, requires=("install", "checkpoint"), dry_fn=dry_fn)
 
 
 def ab_steps(args: argparse.Namespace) -> list[Step]:
@@ -815,8 +879,17 @@ def ab_steps(args: argparse.Namespace) -> list[Step]:
             ab_step(args.variant or AB_VARIANTS, args.rounds)]
 
 
+def grpo_steps(args: argparse.Namespace) -> list[Step]:
+    """Issue 49 on a GPU: `litqlora grpo` on the 8B, eager decode against --grpo.compile_decode (CUDA graphs),
+    interleaved, each variant's measured peak beside `litqlora estimate --method grpo`'s."""
+    variants = args.variant or GRPO_VARIANTS
+    return [Step("checkpoint", "random 8B bf16 checkpoint (disk checked)", cap=150, need=60, fn=step_checkpoint,
+                 gpu=False, requires=("install",)),
+            grpo_estimate_step(variants), ab_step(variants, args.rounds, GRPO_SHAPE)]
+
+
 CALLS = {"main": lambda args: main_steps(), "peers": lambda args: peers_steps(),
-         "profile": lambda args: profile_steps(), "ab": ab_steps}
+         "profile": lambda args: profile_steps(), "ab": ab_steps, "grpo": grpo_steps}
 
 
 # ---- the table ------------------------------------------------------------------------------------------------------
@@ -868,6 +941,10 @@ def derived(kit: Kit) -> list[str]:
     for name, r in (rows.get("ab", {}).get("ab_ratios") or {}).items():
         out.append(f"A/B {name}: median of {r['rounds']} per-round ratios {r['median']:.3f} "
                    f"[{r['min']:.3f}, {r['max']:.3f}]")
+    for r in kit.rows:  # the grpo call: each variant's measured peak against its estimate
+        if r["step"].startswith("ab:") and r.get("predicted_peak_bytes") and r.get("peak_allocated_train_bytes"):
+            out.append(f"{r['step']}: measured peak / estimate "
+                       f"{r['peak_allocated_train_bytes'] / r['predicted_peak_bytes']:.3f}")
     for name in ("long_on", "long_off", "long_card"):
         r = rows.get(name, {})
         if r.get("measured_over_predicted"):

@@ -14,7 +14,8 @@ the time left (--time_budget, from this script's start) covers the longest round
 rounds. The ratio of each variant to the first, per round, is the figure that decides; its range says whether the
 difference is larger than the machine's noise (two identical 8B rows once differed by 22%).
 
---accelerator cpu --micro 2 --seq 64 with a tiny checkpoint is the kit's dry run of this call.
+--accelerator cpu --micro 2 --seq 64 with a tiny checkpoint is the kit's dry run of this call. --verb grpo asks the
+same of `litqlora grpo` (a step's tokens/s counts its generation; --micro completions a step, one micro-batch).
 """
 
 from __future__ import annotations
@@ -99,6 +100,8 @@ def main() -> None:
     parser.add_argument("--micro", type=int, default=2)
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--accelerator", default="cuda")
+    parser.add_argument("--verb", choices=["finetune", "grpo"], default="finetune",
+                        help="grpo: `litqlora grpo` on its bundled prompts, --micro completions a step")
     parser.add_argument("--finetune_args", default="", help="options every variant gets: '--export.merged false'")
     parser.add_argument("--time_budget", type=float, default=1e9, help="seconds: no round starts that may not end")
     args = parser.parse_args()
@@ -109,7 +112,7 @@ def main() -> None:
     data = args.work / "data.json"
     if not data.is_file():
         gpu_suite.write_dataset(data)
-    result = {"ckpt": str(args.ckpt), "micro_batch": args.micro, "seq": args.seq, "steps": args.steps,
+    result = {"verb": args.verb, "ckpt": str(args.ckpt), "micro_batch": args.micro, "seq": args.seq, "steps": args.steps,
               "warmup": args.warmup, "variants": variants, "runs": []}
     longest = 0.0
     for k in range(args.rounds):
@@ -122,7 +125,7 @@ def main() -> None:
             out_dir = args.work / f"out-ab-{v['name']}"
             row = gpu_suite.run(args.ckpt, data, out_dir, "nf4", args.micro, args.seq, args.steps, None, True,
                                 extra=[*shlex.split(args.finetune_args), *v["args"]], env=v["env"],
-                                accelerator=args.accelerator, warmup=args.warmup)
+                                accelerator=args.accelerator, warmup=args.warmup, verb=args.verb)
             row.pop("quantize", None)  # the suite's default; a variant's --quantize is in its args
             row.update(round=k, variant=v["name"])
             result["runs"].append(row)

@@ -77,13 +77,14 @@ def write_dataset(path: Path, rows: int = 400, words: int = 900) -> Path:
 def run(ckpt: Path, data: Path, out_dir: Path, quantize: str, micro: int, seq: int, steps: int, compile_: str | None,
         checkpointing: bool, offload: str | None = None, extra: Sequence[str] = (),
         launcher: Sequence[str] | None = None, env: Optional[Mapping[str, str]] = None,
-        accelerator: str = "cuda", warmup: int = timing.WARMUP_STEPS) -> dict:
-    """One `litqlora finetune` process; `extra` options go last (they win), `launcher` replaces `python -m
-    lit_qlora.cli` (benchmarks/gpu/check.py's memory-capped one), `env` is added to this process's environment (an
-    A/B variant's settings)."""
-    cmd = [*(launcher or [sys.executable, "-m", "lit_qlora.cli"]), "finetune", "--checkpoint_dir", str(ckpt),
+        accelerator: str = "cuda", warmup: int = timing.WARMUP_STEPS, verb: str = "finetune") -> dict:
+    """One `litqlora finetune` process (or `litqlora grpo`: `verb`, on its bundled prompts; `micro` completions a
+    step); `extra` options go last (they win), `launcher` replaces `python -m lit_qlora.cli` (benchmarks/gpu/check.py's
+    memory-capped one), `env` is added to this process's environment (an A/B variant's settings)."""
+    data_args = ["--data.json_path", str(data), "--data.packing", "true"] if verb == "finetune" else []
+    cmd = [*(launcher or [sys.executable, "-m", "lit_qlora.cli"]), verb, "--checkpoint_dir", str(ckpt),
            "--out_dir", str(out_dir),
-           "--accelerator", accelerator, "--quantize", quantize, "--data.json_path", str(data), "--data.packing", "true",
+           "--accelerator", accelerator, "--quantize", quantize, *data_args,
            "--data.val_split", "0.02", "--lora.dropout", "0.05", "--train.max_steps", str(steps),
            "--train.micro_batch_size", str(micro), "--train.global_batch_size", str(micro),
            "--train.max_seq_length", str(seq), "--train.activation_checkpointing", str(checkpointing).lower(),

@@ -17,6 +17,7 @@ training, which `litqlora estimate --method grpo` counts. The prefill (one row o
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Sequence
@@ -43,7 +44,8 @@ def _decode_step(model: Transformer, token: torch.Tensor, pos: torch.Tensor) -> 
 
 
 COMPILE_BACKEND = "inductor"
-"""torch.compile's backend for the decode step (tests trace with aot_eager: the same graph, no code generation)."""
+"""torch.compile's backend for the decode step, unless LIT_QLORA_DECODE_BACKEND names another (the tests and the GPU
+kit's dry run trace with aot_eager: the same graph, no code generation)."""
 
 
 class Decoder:
@@ -51,7 +53,8 @@ class Decoder:
     positions (module doc). `backend`: torch.compile's, COMPILE_BACKEND by default."""
 
     def __init__(self, cache_len: Optional[int] = None, backend: Any = None) -> None:
-        self.cache_len, self.backend = cache_len, backend or COMPILE_BACKEND
+        self.cache_len = cache_len
+        self.backend = backend or os.environ.get("LIT_QLORA_DECODE_BACKEND") or COMPILE_BACKEND
         self._compiled = None
         self._kept: dict = {}  # CUDA: the caches kept between groups, by (rows, device): the blocks' caches
 
