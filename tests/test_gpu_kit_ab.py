@@ -196,3 +196,21 @@ def test_the_grpo_calls_dry_run_interleaves_eager_and_compiled_decode_beside_the
     assert estimates.startswith("eager ") and "; compiled " in estimates
     # the kept KV cache of --grpo.compile_decode on CUDA: the compiled variant's prediction is the larger
     assert rows["ab:compiled"]["predicted_peak_bytes"] > rows["ab:eager"]["predicted_peak_bytes"] > 0
+
+
+def test_the_grpo_peers_calls_dry_run_runs_ours_and_trl_at_one_shape(carry, tmp_path):  # noqa: F811
+    """check.py grpo_peers (issue 49 item 7 on a GPU): benchmarks/peers/grpo_trl.py's two sides at the call's shape;
+    dry: the tiny checkpoint on the CPU, TRL's side where this machine has its venv (else `not run`, saying why)."""
+    sys.path.insert(0, str(ROOT / "benchmarks" / "peers"))
+    from dpo_trl import TRL_PYTHON
+
+    out, rows, stdout = dry_run("grpo_peers", carry, tmp_path)
+    record = json.loads((out / "grpo_trl.json").read_text())
+    assert record["device"] == "cpu" and record["shape"]["--max_completion"] == "8"
+    assert rows["grpo:ours:qlora"]["status"] == "ok" and rows["grpo:ours:qlora"]["steady_tokens_per_sec"] > 0
+    trl = rows["grpo:trl:qlora"]
+    if TRL_PYTHON.is_file():
+        assert trl["status"] == "ok" and trl["steady_tokens_per_sec"] > 0
+        assert record["ratios"]["qlora"]["tokens_per_sec_ratio"] > 0
+    else:
+        assert trl["status"].startswith("not run: ") and "missing" in trl["status"]

@@ -6,6 +6,7 @@ without internet, from the carry folder that build_carry.py makes.
     python3 benchmarks/gpu/check.py profile   # call 3 (optional): the NF4 kernel per weight shape, one-step profiles
     python3 benchmarks/gpu/check.py ab --variant A "SPEC" --variant B "SPEC" [--rounds 3]   # an A/B question
     python3 benchmarks/gpu/check.py grpo      # litqlora grpo on the 8B: eager vs compiled decode, peaks vs estimate
+    python3 benchmarks/gpu/check.py grpo_peers   # litqlora grpo against TRL's GRPOTrainer on the 8B
     python3 benchmarks/gpu/check.py main --dry-run   # (or DRY_RUN=1) the whole call on a CPU, GPU steps skipped
 
 Every call first installs the carry (--carry, default .devcarry/kit) into --work/site: its wheels, then this working
@@ -873,6 +874,48 @@ def grpo_estimate_step(variants: list[list[str]]) -> Step:
                 fn=fn, requires=("install", "checkpoint"), dry_fn=dry_fn)
 
 
+def grpo_trl_step(kit: Kit, cap: float) -> dict:
+    """benchmarks/peers/grpo_trl.py on the GPU: TRL's GRPOTrainer + peft + bitsandbytes 4-bit (the bnb venv, TRL
+    installed in it) and `litqlora grpo` QLoRA on the 8B, the same groups (8 x up to 128 tokens, one a step), tokens/s
+    of whole steps (generation included) and each side's whole-run peak of allocated bytes. Dry: the tiny checkpoint
+    on the CPU, with the TRL venv of this machine where peer_envs.sh made one."""
+    out = kit.work / "grpo_trl.json"
+    out.unlink(missing_ok=True)
+    if kit.dry:
+        tiny = tiny_checkpoint(kit)
+        if isinstance(tiny, dict):
+            return tiny
+        args = ["--device", "cpu", "--checkpoint_dir", str(tiny), "--steps", "2", "--max_completion", "8",
+                "--max_seq_length", "64", "--global_batch", "8", "--n_prompts", "8", "--modes", "qlora",
+                "--precision", "32-true"]
+    else:
+        args = ["--device", "cuda", "--checkpoint_dir", str(kit.ckpt), "--steps", "4", "--max_completion", "128",
+                "--max_seq_length", "192", "--global_batch", "8", "--n_prompts", "16", "--modes", "qlora",
+                "--trl_python", str(BENCH / "_work" / "gpu-venv-bnb" / "bin" / "python")]
+    cmd = kit.python(str(BENCH / "peers" / "grpo_trl.py"), *args, "--out", str(out))
+    with quiet_cpus(kit):
+        rc, text = kit.run("grpo_trl", cmd, cap)
+    if not out.is_file():
+        return {"status": "error: stopped at its cap" if rc is None else f"error: {tail_lines(text)}"}
+    record = json.loads(out.read_text())
+    kit.result("grpo_trl.json").write_text(json.dumps(record, indent=2) + "\n")
+    subrows = [{"step": f"grpo:{r['side']}:{r['mode']}", "what": r.get("command", "TRL GRPOTrainer")[:80],
+                "status": "not run: " + r["unavailable"][:120] if r.get("unavailable") else "ok",
+                "steady_tokens_per_sec": round(r["tokens_per_sec"], 1) if r.get("tokens_per_sec") else None,
+                "peak_allocated_train_bytes": r.get("peak_allocated_bytes")} for r in record["runs"]]
+    return {"result": json.dumps(record["ratios"]) if record["ratios"] else "no ratio", "subrows": subrows}
+
+
+def grpo_peers_steps(args: argparse.Namespace) -> list[Step]:
+    """Issue 49 item 7 on a GPU: ours against TRL at the 8B."""
+    return [Step("checkpoint", "random 8B bf16 checkpoint (disk checked)", cap=150, need=60, fn=step_checkpoint,
+                 gpu=False, requires=("install",)),
+            Step("peer_envs", "the peers' venvs from the carry (TRL in the bnb one)", cap=150, need=30,
+                 fn=step_peer_envs, requires=("install",)),
+            Step("grpo_trl", "grpo_trl.py: TRL GRPOTrainer + bitsandbytes 4-bit vs litqlora grpo QLoRA, 8B", cap=420,
+                 need=200, fn=grpo_trl_step, gpu=False, requires=("install", "checkpoint"))]
+
+
 def ab_steps(args: argparse.Namespace) -> list[Step]:
     return [Step("checkpoint", "random 8B bf16 checkpoint (disk checked)", cap=150, need=60, fn=step_checkpoint,
                  gpu=False, requires=("install",)),
@@ -889,7 +932,7 @@ def grpo_steps(args: argparse.Namespace) -> list[Step]:
 
 
 CALLS = {"main": lambda args: main_steps(), "peers": lambda args: peers_steps(),
-         "profile": lambda args: profile_steps(), "ab": ab_steps, "grpo": grpo_steps}
+         "profile": lambda args: profile_steps(), "ab": ab_steps, "grpo": grpo_steps, "grpo_peers": grpo_peers_steps}
 
 
 # ---- the table ------------------------------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 # The peers' virtual environments for benchmarks/gpu/gpu_peers.py, under benchmarks/_work/ (gitignored):
 #   gpu-venv-torchtune  torchtune 0.6.1 + torchao 0.15.0 (+ omegaconf, datasets, dill, multiprocess: imported when
 #                       `import torchtune` runs; the GPU image lacks them)
-#   gpu-venv-bnb        bitsandbytes 0.50.2 (transformers, peft, accelerate come from the base interpreter)
+#   gpu-venv-bnb        bitsandbytes 0.50.2, trl 1.16.0 (transformers, peft, accelerate come from the base
+#                       interpreter) + datasets, dill, multiprocess (as for torchtune)
 #   gpu-venv-unsloth    only where unsloth installs (online, or its wheels in WHEELS)
 # Each venv sits on top of the base interpreter ($PYTHON, default python3: on the GPU machine the one with torch).
 # That interpreter may itself be a venv (/opt/torch/.venv there), whose packages `--system-site-packages` does not
@@ -21,7 +22,8 @@ unset PYTHONPATH  # a torchao there (ours needs 0.18) would shadow the torchtune
 here="$(cd "$(dirname "$0")" && pwd)"
 PY="${PYTHON:-python3}"
 TORCHTUNE=(torchtune==0.6.1 torchao==0.15.0 omegaconf==2.4.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19)
-BNB=(bitsandbytes==0.50.2)
+# trl: check.py grpo_peers's TRL GRPOTrainer (the image has accelerate; datasets and its two as for torchtune)
+BNB=(bitsandbytes==0.50.2 trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19)
 
 if [ "${1:-}" = download ]; then
   dir="${2:?usage: gpu_peer_envs.sh download DIR}"
@@ -61,6 +63,8 @@ print('torchtune', torchtune.__version__, 'torchao', torchao.__version__)" 2>&1 
 "$here/../_work/gpu-venv-bnb/bin/python" -c "import bitsandbytes, peft, transformers
 print('bitsandbytes', bitsandbytes.__version__, 'peft', peft.__version__, 'transformers', transformers.__version__)" \
   || echo "gpu-venv-bnb: import FAILED"
+"$here/../_work/gpu-venv-bnb/bin/python" -c "import trl; from trl import GRPOConfig, GRPOTrainer; print('trl', trl.__version__)" \
+  || echo "gpu-venv-bnb: trl import FAILED (check.py grpo_peers records TRL's row as failed)"
 
 # unsloth: best effort. Its requirements would replace torch, so its install is pinned to the base's torch; where
 # it cannot install, gpu_peers.py records the row as not run, with the reason.

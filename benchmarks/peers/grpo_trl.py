@@ -44,7 +44,7 @@ CHECKPOINT = "checkpoints/SmolLM2-135M-Instruct"
 PROMPTS = ROOT / "lit_qlora/data/grpo_demo.jsonl"
 N_PROMPTS = 32
 LORA = {"r": 8, "alpha": 16, "dropout": 0.05}
-G, MAX_COMPLETION, MICRO, GLOBAL, LR = 8, 16, 8, 16, 5e-4
+G, LR = 8, 5e-4
 WEIGHTS = [2.0, 1.0]
 MODES = {"lora": "none", "qlora": "nf4"}
 
@@ -81,13 +81,17 @@ def trl_child(args) -> None:
         except Exception as e:  # noqa: BLE001
             print(json.dumps({"unavailable": f"bitsandbytes 4-bit: {type(e).__name__}: {e}"[:500]}))
             return
-    rows = [json.loads(line) for line in PROMPTS.read_text().splitlines()[:N_PROMPTS]]
+    cuda = args.device == "cuda"
+    if cuda:
+        load["device_map"] = {"": 0}
+    rows = [json.loads(line) for line in PROMPTS.read_text().splitlines()[: args.n_prompts]]
     model = AutoModelForCausalLM.from_pretrained(args.checkpoint_dir, **load)
     tokenizer = AutoTokenizer.from_pretrained(args.checkpoint_dir)
-    config = dict(num_generations=G, max_completion_length=MAX_COMPLETION, temperature=1.0, beta=0.0,
+    config = dict(num_generations=G, max_completion_length=args.max_completion, temperature=1.0, beta=0.0,
                   loss_type="dapo", scale_rewards="group", reward_weights=WEIGHTS, num_iterations=1,
-                  per_device_train_batch_size=MICRO, gradient_accumulation_steps=GLOBAL // MICRO, learning_rate=LR,
-                  warmup_steps=0, max_steps=args.steps, bf16=bf16, use_cpu=True, gradient_checkpointing=False,
+                  per_device_train_batch_size=args.micro, gradient_accumulation_steps=args.global_batch // args.micro,
+                  learning_rate=LR, warmup_steps=0, max_steps=args.steps, bf16=bf16, use_cpu=not cuda,
+                  gradient_checkpointing=False,
                   disable_dropout=False, logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
                   seed=0, dataloader_num_workers=0)
 
@@ -120,6 +124,7 @@ def trl_child(args) -> None:
         trainer.train()
     steady_s, steady_t = sum(timer.seconds[1:]), sum(timer.tokens[1:])
     print(json.dumps({"side": "trl", "mode": args.mode, "peak_rss_bytes": vmhwm_bytes(),
+                      "peak_allocated_bytes": torch.cuda.max_memory_allocated() if cuda else None,
                       "tokens_per_sec": steady_t / steady_s if steady_s else None, "tokens_per_step": timer.tokens,
                       "step_seconds": [round(s, 3) for s in timer.seconds], "torch_threads": torch.get_num_threads(),
                       "config": {k: v for k, v in config.items()}}))
@@ -127,15 +132,16 @@ def trl_child(args) -> None:
 
 def run_ours(args, mode: str) -> dict:
     prompts = Path(tempfile.mkdtemp(prefix="grpo-prompts-")) / "prompts.jsonl"
-    prompts.write_text("\n".join(PROMPTS.read_text().splitlines()[:N_PROMPTS]) + "\n")
+    prompts.write_text("\n".join(PROMPTS.read_text().splitlines()[: args.n_prompts]) + "\n")
     with tempfile.TemporaryDirectory(prefix="grpo-ours-") as out:
         hwm, run_dir = Path(out) / "vmhwm", str(Path(out) / "run")
         argv = ["grpo", "--checkpoint_dir", args.checkpoint_dir, "--out_dir", run_dir, "--quantize", MODES[mode],
                 "--precision", args.precision, "--lora.r", str(LORA["r"]), "--lora.alpha", str(LORA["alpha"]),
                 "--lora.dropout", str(LORA["dropout"]), "--lora.targets", "[all]", "--train.max_steps", str(args.steps),
-                "--train.micro_batch_size", str(MICRO), "--train.global_batch_size", str(GLOBAL),
-                "--train.max_seq_length", "96", "--train.lr", str(LR), "--train.warmup_steps", "0",
-                "--grpo.num_generations", str(G), "--grpo.max_completion_length", str(MAX_COMPLETION),
+                "--train.micro_batch_size", str(args.micro), "--train.global_batch_size", str(args.global_batch),
+                "--train.max_seq_length", str(args.max_seq_length), "--train.lr", str(LR), "--train.warmup_steps", "0",
+                "--accelerator", args.device,
+                "--grpo.num_generations", str(G), "--grpo.max_completion_length", str(args.max_completion),
                 "--grpo.temperature", "1.0", "--grpo.beta", "0", "--grpo.loss_type", "dapo",
                 "--grpo.rewards", "[answer_match, format]", "--grpo.reward_weights", str(WEIGHTS),
                 "--data.path", str(prompts), "--data.val_split", "0", "--export.merged", "false",
@@ -147,20 +153,31 @@ def run_ours(args, mode: str) -> dict:
         rows = [json.loads(x) for x in Path(run_dir, "metrics.jsonl").read_text().splitlines() if x.strip()]
         rows = [r for r in rows if "tokens" in r]
         peak = int(hwm.read_text())
+        summary = json.loads(Path(run_dir, "summary.json").read_text())
     seconds = [r["tokens"] / r["tokens_per_sec"] for r in rows]
     return {"side": "ours", "mode": mode, "peak_rss_bytes": peak,
+            "peak_allocated_bytes": summary.get("peak_allocated_bytes") if args.device == "cuda" else None,
             "tokens_per_sec": sum(r["tokens"] for r in rows[1:]) / sum(seconds[1:]),
             "tokens_per_step": [r["tokens"] for r in rows], "step_seconds": [round(s, 3) for s in seconds],
             "command": "litqlora " + shlex.join(argv).replace(run_dir, "OUT_DIR")}
 
 
 def run_trl(args, mode: str) -> dict:
-    cmd = [str(TRL_PYTHON), str(HERE / "grpo_trl.py"), "--child", "--mode", mode, "--steps", str(args.steps),
-           "--precision", args.precision, "--checkpoint_dir", args.checkpoint_dir]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env={**os.environ, **CHILD_ENV})
+    if not Path(args.trl_python).is_file():
+        return {"side": "trl", "mode": mode, "unavailable": f"{args.trl_python} missing (its venv: peer_envs.sh, or "
+                                                             "benchmarks/gpu/gpu_peer_envs.sh on a GPU machine)"}
+    cmd = [str(args.trl_python), str(HERE / "grpo_trl.py"), "--child", "--mode", mode, "--steps", str(args.steps),
+           "--precision", args.precision, "--checkpoint_dir", args.checkpoint_dir, *shape_args(args)]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # (the GPU kit's site: a torchao peft would find)
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env={**env, **CHILD_ENV})
     if proc.returncode:
         raise SystemExit(f"{shlex.join(cmd)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def shape_args(args) -> list[str]:
+    return [x for name in ("device", "max_completion", "global_batch", "micro", "max_seq_length", "n_prompts")
+            for x in (f"--{name}", str(getattr(args, name)))]
 
 
 def main() -> None:
@@ -173,9 +190,17 @@ def main() -> None:
     parser.add_argument("--checkpoint_dir", default=CHECKPOINT)
     parser.add_argument("--precision", default=None)
     parser.add_argument("--out", type=Path, default=HERE / "results" / "grpo_trl.json")
+    # the shape (the CPU demo's by default); --device cuda: the GPU kit's call (benchmarks/gpu/check.py grpo_peers)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--max_completion", type=int, default=16)
+    parser.add_argument("--global_batch", type=int, default=16, help="completions a step")
+    parser.add_argument("--micro", type=int, default=8)
+    parser.add_argument("--max_seq_length", type=int, default=96)
+    parser.add_argument("--n_prompts", type=int, default=N_PROMPTS)
+    parser.add_argument("--trl_python", type=Path, default=TRL_PYTHON)
     args = parser.parse_args()
     cpu = cpu_info()
-    args.precision = args.precision or default_precision(cpu["isa"])
+    args.precision = args.precision or ("bf16-true" if args.device == "cuda" else default_precision(cpu["isa"]))
     if args.child:
         return trl_child(args)
     runs = []
@@ -196,7 +221,11 @@ def main() -> None:
             memory = statistics.median(r["peak_rss_bytes"] for r in ours) / statistics.median(
                 r["peak_rss_bytes"] for r in trl)
             ratios[mode] = {"tokens_per_sec_ratio": round(speed, 3), "peak_rss_ratio": round(memory, 3)}
+            if args.device == "cuda":  # the GPU's peak of allocated bytes, whole runs (load included) on both sides
+                ratios[mode]["peak_allocated_ratio"] = round(statistics.median(
+                    r["peak_allocated_bytes"] for r in ours) / statistics.median(r["peak_allocated_bytes"] for r in trl), 3)
     record = {"command": "python benchmarks/peers/grpo_trl.py " + " ".join(sys.argv[1:]), "cpu": cpu,
+              "device": args.device, "shape": dict(zip(shape_args(args)[::2], shape_args(args)[1::2])),
               "precision": args.precision, "goal": {"tokens_per_sec_ratio_min": 1.5, "peak_rss_ratio_max": 0.5},
               "ratios": ratios, "runs": runs}
     args.out.write_text(json.dumps(record, indent=2) + "\n")
