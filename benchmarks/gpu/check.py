@@ -770,10 +770,11 @@ class ABShape:
 
 
 # --grpo.num_generations 8 (one prompt's group a step: --train.global_batch_size 8), completions of up to 128 tokens
-# after the bundled prompts (~40 tokens): rows of at most 192; 6 steps, 2 of them warm-up (the first compiles).
-GRPO_SHAPE = ABShape("grpo", ("--micro", "8", "--seq", "192", "--steps", "6", "--warmup", "2"),
+# after the bundled prompts (~40 tokens): rows of at most 192; 5 steps, 2 of them warm-up (the first compiles); no
+# validation (its greedy decodes, before and after training, would cost each run more than its steps).
+GRPO_SHAPE = ABShape("grpo", ("--micro", "8", "--seq", "192", "--steps", "5", "--warmup", "2"),
                      ("--micro", "8", "--seq", "64", "--steps", "4", "--warmup", "2"),
-                     ("--grpo.num_generations", "8", "--grpo.max_completion_length", "128"),
+                     ("--grpo.num_generations", "8", "--grpo.max_completion_length", "128", "--data.val_split", "0"),
                      "8B GRPO, groups of 8 x 128 tokens")
 GRPO_DRY_OPTIONS = ("--grpo.max_completion_length", "16")  # (the tiny rows: 64 tokens)
 GRPO_VARIANTS = [["eager", "--quantize nf4"], ["compiled", "--quantize nf4 --grpo.compile_decode true"]]
