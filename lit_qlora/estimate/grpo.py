@@ -122,6 +122,8 @@ def render_grpo(result: dict[str, Any]) -> list[str]:
     return ["", f"Method grpo: {g['num_generations']} completions per prompt; the peak is the larger of two phases",
             f"  training: micro-batch {result['micro_batch_size']} completions of {result['max_seq_length']} tokens "
             f"(the table above): {g['training_peak_bytes'] / GiB:.3f} GiB"
+            + (f", with --grpo.compile_decode's KV cache kept for its CUDA graphs "
+               f"({g['kept_kv_cache_bytes'] / GiB:.3f} GiB)" if g.get("kept_kv_cache_bytes") else "")
             + ("; the reference's no-grad forward (beta > 0) stays under it" if g["reference_pass"] else ""),
             f"  sampling: {g['num_generations']} rows with the KV cache, {g['kv_cache_bytes'] / GiB:.3f} GiB of cache "
             f"and {g['decode_logits_bytes'] / GiB:.3f} GiB of decode logits beside "
