@@ -768,6 +768,11 @@ class ABShape:
     options: tuple[str, ...] = ()  # finetune options every variant gets
     what: str = "8B 2x2048"
 
+    @staticmethod
+    def seq(args: tuple[str, ...]) -> str:
+        """The --seq of `gpu` or `dry` (the sequence length every run trains at)."""
+        return args[args.index("--seq") + 1]
+
 
 # --grpo.num_generations 8 (one prompt's group a step: --train.global_batch_size 8), completions of up to 128 tokens
 # after the bundled prompts (~40 tokens): rows of at most 192; 5 steps, 2 of them warm-up (the first compiles); no
@@ -863,13 +868,13 @@ def grpo_estimate_step(variants: list[list[str]]) -> Step:
         return {"result": "; ".join(f"{k} {v / GiB:.2f} GiB" for k, v in found.items())}
 
     def fn(kit: Kit, cap: float) -> dict:
-        return run(kit, cap, kit.ckpt, GRPO_SHAPE.gpu[3], GRPO_SHAPE.options)
+        return run(kit, cap, kit.ckpt, GRPO_SHAPE.seq(GRPO_SHAPE.gpu), GRPO_SHAPE.options)
 
     def dry_fn(kit: Kit) -> dict:
         tiny = tiny_checkpoint(kit)
         if isinstance(tiny, dict):
             return tiny
-        return run(kit, 240, tiny, GRPO_SHAPE.dry[3], (*GRPO_SHAPE.options, *GRPO_DRY_OPTIONS))
+        return run(kit, 240, tiny, GRPO_SHAPE.seq(GRPO_SHAPE.dry), (*GRPO_SHAPE.options, *GRPO_DRY_OPTIONS))
 
     return Step("grpo_estimate", "litqlora estimate --method grpo --device cuda, each variant", cap=240, need=60,
                 fn=fn, requires=("install", "checkpoint"), dry_fn=dry_fn)

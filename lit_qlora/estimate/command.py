@@ -11,7 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
 
-from lit_qlora.estimate.grpo import GRPOStep, kv_cache_bytes, render_grpo, sampling_phase
+from lit_qlora.estimate.grpo import GRPOStep, kept_cache_bytes, render_grpo, sampling_phase
 from lit_qlora.estimate.preference import SEQUENCES_PER_PAIR, PreferenceStep, reference_pass
 from lit_qlora.estimate.search import AUTO_LENGTH_TRACES, LENGTH_STEP, largest_batches, longest_context
 from lit_qlora.estimate.args import EstimateSpec
@@ -19,6 +19,7 @@ from lit_qlora.estimate.cards import GiB, device_memory as card_memory
 from lit_qlora.estimate.step import offload_decision, other_temporaries, parallel_bytes, trace_step
 from lit_qlora.errors import InvalidInput
 from lit_qlora.hardware import choose_precision
+from lit_qlora.grpo.args import GRPOArgs
 from lit_qlora.preference.args import DPOArgs
 from lit_qlora.train.args import TrainArgs
 
@@ -73,8 +74,6 @@ def estimate(spec: Optional[EstimateSpec] = None, **settings: Any) -> dict[str, 
             raise InvalidInput(f"{flag} must be at least {least}, got {value}.")
     method = method or ("dpo" if dpo is not None else "grpo" if grpo is not None else "sft")
     if method == "grpo":
-        from lit_qlora.grpo.args import GRPOArgs
-
         grpo = grpo or GRPOArgs()
         if strategy in ("tp", "fsdp"):
             raise InvalidInput("--method grpo: `litqlora grpo` runs with --strategy auto or ddp.")
@@ -123,16 +122,11 @@ def estimate(spec: Optional[EstimateSpec] = None, **settings: Any) -> dict[str, 
             from lit_qlora.model.config import PRECISION_DTYPES
 
             dtype_bytes, cache_len = PRECISION_DTYPES[precision].itemsize, length or train.max_seq_length
-            sampling = sampling_phase(config, grpo, parts, cache_len, dtype_bytes, objective.fixed_pass_bytes)
-            # --grpo.compile_decode on CUDA keeps the groups' cache (and validation's one row) for its CUDA graphs
-            kept = kv_cache_bytes(config, grpo.num_generations + 1, cache_len, dtype_bytes) \
-                if grpo.compile_decode and device == "cuda" else 0
+            kept = kept_cache_bytes(config, grpo, cache_len, dtype_bytes, device)
+            sampling = sampling_phase(config, grpo, parts, cache_len, dtype_bytes, objective.fixed_pass_bytes, kept)
             total += kept
-            if kept:  # the kept caches stand for the group's, and stay through the kept log-probabilities' pass
-                sampling["sampling_peak_bytes"] = sampling["persistent_bytes"] + kept + max(
-                    sampling["decode_logits_bytes"], sampling["fixed_logps_pass_bytes"])
             peak["grpo"] = {"num_generations": grpo.num_generations, "training_peak_bytes": total,
-                            "reference_pass": bool(grpo.beta), "kept_kv_cache_bytes": kept, **sampling,
+                            "reference_pass": bool(grpo.beta), **sampling,
                             "sets_the_peak": "sampling" if sampling["sampling_peak_bytes"] > total else "training"}
             total = max(total, sampling["sampling_peak_bytes"])
         return total, parts, trace.host_peak, peak

@@ -101,17 +101,28 @@ def kv_cache_bytes(config: Any, rows: int, length: int, dtype_bytes: int) -> int
     return rows * length * config.n_layer * 2 * config.n_query_groups * config.head_dim * dtype_bytes
 
 
+def kept_cache_bytes(config: Any, grpo: Any, max_seq_length: int, dtype_bytes: int, device: str) -> int:
+    """--grpo.compile_decode on CUDA keeps the groups' KV cache (and validation's one row's) between groups for its
+    CUDA graphs, through training too; 0 otherwise."""
+    if not (grpo.compile_decode and device == "cuda"):
+        return 0
+    return kv_cache_bytes(config, grpo.num_generations + 1, max_seq_length, dtype_bytes)
+
+
 def sampling_phase(config: Any, grpo: Any, by_category: dict[str, int], max_seq_length: int,
-                   dtype_bytes: int, fixed_pass_bytes: int = 0) -> dict[str, int]:
+                   dtype_bytes: int, fixed_pass_bytes: int = 0, kept_bytes: int = 0) -> dict[str, int]:
     """The sampling phase's bytes on a rank: what stays allocated, and the larger of the rollouts' decoding (their KV
     cache and a decode step's logits) and the no-grad pass that keeps their log-probabilities (`fixed_pass_bytes`,
-    GRPOStep's; 0 without beta or num_iterations > 1), which runs after the cache is freed."""
+    GRPOStep's; 0 without beta or num_iterations > 1), which runs after the cache is freed. A kept cache
+    (`kept_bytes`, `kept_cache_bytes`) stands for the group's and stays through that pass."""
     kv = kv_cache_bytes(config, grpo.num_generations, max_seq_length, dtype_bytes)
     logits = grpo.num_generations * config.vocab_size * (DECODE_BYTES_PER_LOGIT + dtype_bytes)  # + the head's own
     persistent = sum(by_category.get(name, 0) for name in PERSISTENT)
+    peak = persistent + (kept_bytes + max(logits, fixed_pass_bytes) if kept_bytes else
+                         max(kv + logits, fixed_pass_bytes))
     return {"persistent_bytes": persistent, "kv_cache_bytes": kv, "decode_logits_bytes": logits,
-            "fixed_logps_pass_bytes": fixed_pass_bytes,
-            "sampling_peak_bytes": persistent + max(kv + logits, fixed_pass_bytes)}
+            "fixed_logps_pass_bytes": fixed_pass_bytes, "kept_kv_cache_bytes": kept_bytes,
+            "sampling_peak_bytes": peak}
 
 
 def render_grpo(result: dict[str, Any]) -> list[str]:

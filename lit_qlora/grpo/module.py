@@ -101,7 +101,7 @@ class GRPOModule(FinetuneModule):
         return super().traces_weights() or self.decoder.compiled
 
     def traced_weights(self) -> bool:
-        return super().traced_weights() or self.decoder.compiled
+        return super().traced_weights() or self.decoder.traced
 
     # ------------------------------------------------------------------------------------------------- rollouts
 

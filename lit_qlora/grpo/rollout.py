@@ -62,6 +62,11 @@ class Decoder:
     def compiled(self) -> bool:
         return self.cache_len is not None
 
+    @property
+    def traced(self) -> bool:
+        """Whether the compiled step exists yet (its graph then holds the model's weights)."""
+        return self._compiled is not None
+
     def attach_cache(self, model: Transformer, n: int, max_len: int, device: torch.device) -> None:
         if not self.compiled:
             return model.set_kv_cache(batch_size=n, max_len=max_len, device=device)
