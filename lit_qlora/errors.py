@@ -8,6 +8,8 @@ so a caller can catch the errors of one concern.
 
 from __future__ import annotations
 
+import os
+
 
 class UserError(Exception):
     """A problem with the user's input, files, machine or network; the message says what is wrong and what to
@@ -27,3 +29,12 @@ class MissingFile(UserError, FileNotFoundError):
 class NonFinite(UserError, FloatingPointError):
     """A loss, gradient or weight became NaN or inf; the message names the step and the settings to change. A
     `FloatingPointError` too, as these guards raised before."""
+
+
+def switch_setting(name: str) -> bool:
+    """An on/off environment setting (the LIT_QLORA_* switches an A/B benchmark flips): 1 on; 0, empty or unset off.
+    Anything else is refused rather than read as off, so a misspelt value never measures the default unnoticed."""
+    value = os.environ.get(name, "").strip()
+    if value not in ("", "0", "1"):
+        raise InvalidInput(f"{name}={value!r}: this switch takes 1 (on) or 0 (off); unset, it is off.")
+    return value == "1"

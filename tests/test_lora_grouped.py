@@ -124,7 +124,7 @@ def test_unset_is_the_existing_path_bitwise(monkeypatch):
     model = lora_model("nf4", 0.0, dtype=torch.float32)
     x = inputs()
     monkeypatch.setattr(grouped, "grouped_projections", lambda *a: pytest.fail("grouped path taken"))
-    for value in (None, "0", "true"):
+    for value in (None, "0"):
         if value is None:
             monkeypatch.delenv(grouped.ENV, raising=False)
         else:
@@ -139,6 +139,19 @@ def test_unset_is_the_existing_path_bitwise(monkeypatch):
                 m.setattr(fp, "fusion_plan", lambda x, modules: None)
                 assert all(torch.equal(a, b) for a, b in zip(fp.fused_projections(x, modules),
                                                              (mod(x) for mod in modules)))
+
+
+def test_a_value_other_than_0_or_1_is_refused_naming_the_setting(monkeypatch):
+    """A misspelt switch ("true", "yes") would otherwise run the default path and an A/B would measure nothing."""
+    from lit_qlora.errors import InvalidInput
+
+    model = lora_model("nf4", 0.0, dtype=torch.float32)
+    modules, x = group_of(model, "qkv"), inputs()
+    monkeypatch.setattr(fp, "fusion_plan", lambda x, modules: None)
+    for value in ("true", "yes", "2"):
+        monkeypatch.setenv(grouped.ENV, value)
+        with pytest.raises(InvalidInput, match=f"LIT_QLORA_LORA_GROUPED='{value}': this switch takes 1 .on. or 0"):
+            fp.fused_projections(x, modules)
 
 
 def test_set_it_applies_only_where_the_fusion_does_not(monkeypatch):

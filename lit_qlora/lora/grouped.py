@@ -27,18 +27,18 @@ path's `replayed_lora` keeps, so an A/B measures the grouping, not a dropout tha
 It applies when every module is a LoRALinear whose type allows it (`fusable`: not a tensor-parallel subclass)
 without hooks, no weight or factor is a DTensor, all scales are nonzero (not `adapters_disabled`), the A's and B's
 share one dtype and the input width, and the dropout in effect is the same p for all; else None (each module runs
-its own forward). Unset, or any value but 1: off, nothing changes.
+its own forward). Unset or 0: off, nothing changes; any value but 0 or 1 is refused.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Optional, Sequence
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from lit_qlora.errors import switch_setting
 from lit_qlora.lora import dropout as lora_dropout
 from lit_qlora.lora.layer import LoRALinear
 from lit_qlora.nf4 import frozen_linear
@@ -48,7 +48,7 @@ ENV = "LIT_QLORA_LORA_GROUPED"
 
 def grouped_enabled() -> bool:
     """Whether the setting asks for grouped LoRA terms (read at every call: a benchmark may flip it in-process)."""
-    return os.environ.get(ENV, "0") == "1"
+    return switch_setting(ENV)
 
 
 def _groupable_module(m: nn.Module) -> bool:

@@ -37,6 +37,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torchao.quantization import NF4Tensor
 
+from lit_qlora.errors import switch_setting
 from lit_qlora.nf4.codec import dequantize_nf4, is_nf4
 from lit_qlora.nf4.layout import row_slices
 from lit_qlora.nf4.native import triton_available
@@ -75,7 +76,7 @@ def _triton_ok() -> bool:
 def fused_matmul_applies(x: torch.Tensor, weight: NF4Tensor) -> bool:
     """Whether NF4Linear runs the fused kernels (nf4/triton_matmul.py): ``LIT_QLORA_NF4_FUSED=1``, Triton, a
     supported compute dtype, and ``x`` and the weight on CUDA, or on CPU under Triton's interpreter (the tests)."""
-    if os.environ.get("LIT_QLORA_NF4_FUSED", "0") != "1" or x.device != weight.quantized_data.device:
+    if not switch_setting("LIT_QLORA_NF4_FUSED") or x.device != weight.quantized_data.device:
         return False
     interpreted = x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
     return ((x.device.type == "cuda" or interpreted) and _compute_dtype(x) in SUPPORTED_DTYPES
