@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from lit_qlora.model.config import Config
+from lit_qlora.model.presets import preset as named_preset
 from lit_qlora.deploy.gguf_import import bundled_smollm2_path, convert_gguf, unpermute_rope_rows
 from lit_qlora.deploy.gguf_tokenizer import tokenizer_from_gguf
 from lit_qlora.model.transformer import Transformer
@@ -437,7 +438,7 @@ PROMPT = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start
 
 def test_smollm2_config(smollm2_dir: Path) -> None:
     config = Config.from_checkpoint(smollm2_dir)
-    preset = Config.from_name("SmolLM2-135M")
+    preset = named_preset("SmolLM2-135M")
     for field in ("vocab_size", "n_layer", "n_embd", "n_head", "n_query_groups", "head_dim", "intermediate_size",
                   "norm_eps", "rope_base", "max_seq_length", "tie_embeddings", "bos_token_id", "eos_token_id"):
         assert getattr(config, field) == getattr(preset, field), field

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lit_qlora.model.config import PRESETS
+from lit_qlora.model.presets import PRESETS
 from lit_qlora.memory.accounting import heap_in_use_bytes
 from lit_qlora.model.transformer import Transformer
 from lit_qlora.train.callbacks import HeapRelease, release_heap_around_blocks

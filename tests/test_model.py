@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from lit_qlora.model.config import PRESETS, Config
+from lit_qlora.model.config import Config
+from lit_qlora.model.presets import PRESETS
 from lit_qlora.model.hf_layout import split_fused
 from lit_qlora.model.transformer import Transformer
 

@@ -1012,10 +1012,10 @@ def sub_checkpoint(argv: list[str]) -> None:
     args = p.parse_args(argv)
     import torch
 
-    from lit_qlora.model.config import Config
+    from lit_qlora.model.presets import preset
     from lit_qlora.model import Transformer
 
-    config = Config.from_name("SmolLM2-135M").replace(**TINY) if args.tiny else Config.from_name(args.preset)
+    config = preset("SmolLM2-135M").replace(**TINY) if args.tiny else preset(args.preset)
     with torch.device("meta"):
         model = Transformer(config)
     need = sum(t.numel() for t in model.state_dict().values()) * 2  # bf16

@@ -403,11 +403,11 @@ def main() -> None:
         if not (ckpt / "model.safetensors").is_file():
             peers.write_tiny(ckpt)
     elif args.random_init:  # config.json alone: torchtune builds the shape itself
-        from lit_qlora.model.config import Config
+        from lit_qlora.model.presets import preset
 
         ckpt = args.work / f"{args.preset.lower()}-config"
         ckpt.mkdir(parents=True, exist_ok=True)
-        (ckpt / "config.json").write_text(json.dumps(Config.from_name(args.preset).to_hf_config()))
+        (ckpt / "config.json").write_text(json.dumps(preset(args.preset).to_hf_config()))
     else:
         ckpt = gpu_suite.write_random_checkpoint(args.preset, args.work / args.preset.lower(), args.tokenizer_dir)
     batches = write_batches(Path(ckpt), args.work, args.steps, args.batch, args.seq)

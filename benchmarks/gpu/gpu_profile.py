@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from lit_qlora.model.config import PRESETS
+from lit_qlora.model.presets import PRESETS
 from lit_qlora.checkpoint.loading import random_base
 from lit_qlora.lora.layer import apply_lora
 from lit_qlora.train.args import TrainArgs

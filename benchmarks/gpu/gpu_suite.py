@@ -46,12 +46,12 @@ def write_random_checkpoint(preset, out_dir: Path, tokenizer_dir: Path) -> Path:
     from lit_qlora.checkpoint.hf import save_hf_checkpoint
 
     from lit_qlora.checkpoint.files import TensorSpec
-    from lit_qlora.model.config import Config
+    from lit_qlora.model.presets import preset as named_preset
     from lit_qlora.model.transformer import Transformer
 
     if (out_dir / "model.safetensors").is_file():
         return out_dir
-    config = Config.from_name(preset) if isinstance(preset, str) else preset
+    config = named_preset(preset) if isinstance(preset, str) else preset
     with torch.device("meta"):
         model = Transformer(config)
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -29,7 +29,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lit_qlora.estimate import step as estimate
-from lit_qlora.model.config import PRESETS
+from lit_qlora.model.presets import PRESETS
 from lit_qlora.checkpoint.loading import default_dtype, random_base
 from lit_qlora.lora.layer import apply_lora
 from lit_qlora.memory.trace import masks_as_all_true

@@ -141,7 +141,8 @@ def child(group: str) -> None:
 
     import torch
     from lit_qlora.estimate import step as estimate
-    from lit_qlora.model.config import PRESETS, Quantize
+    from lit_qlora.model.config import Quantize
+    from lit_qlora.model.presets import PRESETS
     from lit_qlora.estimate.step import resident_tensors, trace_step
     from lit_qlora.memory.trace import profiled_peak
     from lit_qlora.train.args import LoRAArgs, TrainArgs

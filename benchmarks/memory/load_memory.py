@@ -30,12 +30,12 @@ def write_tinyllama(path: Path) -> Path:
     from lit_qlora.checkpoint.hf import save_hf_checkpoint
 
     from lit_qlora.checkpoint.files import TensorSpec
-    from lit_qlora.model.config import Config
+    from lit_qlora.model.presets import preset
     from lit_qlora.model.transformer import Transformer
 
     if (path / "model.safetensors").is_file():
         return path
-    config = Config.from_name("TinyLlama-1.1B")
+    config = preset("TinyLlama-1.1B")
     with torch.device("meta"):
         model = Transformer(config)
     gen = torch.Generator().manual_seed(0)

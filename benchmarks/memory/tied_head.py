@@ -19,7 +19,7 @@ import torch
 
 from lit_qlora.checkpoint.loading import random_base
 from lit_qlora.memory.accounting import module_bytes, tensor_bytes
-from lit_qlora.model.config import PRESETS
+from lit_qlora.model.presets import PRESETS
 from lit_qlora.nf4 import quantize_weight
 
 RESULTS = Path(__file__).with_name("results")

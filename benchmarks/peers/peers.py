@@ -275,10 +275,10 @@ def write_tiny(path: Path) -> None:
     from lit_qlora.checkpoint.hf import save_hf_checkpoint
 
     from lit_qlora.checkpoint.files import TensorSpec
-    from lit_qlora.model.config import Config
+    from lit_qlora.model.presets import preset
     from lit_qlora.model.transformer import Transformer
 
-    config = Config.from_name("SmolLM2-135M").replace(name="tiny", vocab_size=512, n_layer=2, n_embd=256, n_head=4,
+    config = preset("SmolLM2-135M").replace(name="tiny", vocab_size=512, n_layer=2, n_embd=256, n_head=4,
                                                       n_query_groups=2, head_dim=64, intermediate_size=512)
     with torch.device("meta"):
         shapes = {n: t.shape for n, t in Transformer(config).state_dict().items() if n != "lm_head.weight"}

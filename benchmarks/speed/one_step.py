@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional
 import lit_qlora  # noqa: F401  (before torch: sets the OpenMP wait policy `litqlora` runs with, read as libgomp loads)
 import torch
 
-from lit_qlora.model.config import PRESETS
+from lit_qlora.model.presets import PRESETS
 from lit_qlora.checkpoint.loading import load_model, random_base
 from lit_qlora.lora.layer import apply_lora
 from lit_qlora.threads import govern_threads

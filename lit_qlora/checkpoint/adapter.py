@@ -102,7 +102,7 @@ def load_adapter(model: nn.Module, adapter_dir: Path) -> None:
                                   f"was trained with other targets than {ADAPTER_CONFIG} lists, or on another base "
                                   f"model. {fix}")
         if tensor.shape != own[name].shape:
-            rank_axis = 0 if name.endswith("lora_A") else 1
+            rank_axis = (0 if name.endswith("lora_A") else 1) + (tensor.dim() == 3)  # experts' are stacked
             if tensor.shape[rank_axis] != own[name].shape[rank_axis]:
                 why = (f"the file has rank {tensor.shape[rank_axis]}, the model was set up with r="
                        f"{own[name].shape[rank_axis]} ({ADAPTER_CONFIG}'s r, or --lora.r when resuming). Use the "

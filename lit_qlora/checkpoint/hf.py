@@ -7,6 +7,7 @@ and put in place, optionally transformed on the way (the NF4 loader quantizes ea
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import pickle  # only for its exception type: nothing here is ever unpickled without weights_only
@@ -22,7 +23,7 @@ from lit_qlora.checkpoint.files import (CheckpointError, TensorSpec, atomic_writ
                                         write_safetensors)
 from lit_qlora.memory.accounting import release_free_memory
 from lit_qlora.model.config import Config, require_checkpoint_dir
-from lit_qlora.model.hf_layout import fuse_plan, split_fused
+from lit_qlora.model.hf_layout import ExpertStacker, fuse_plan, hub_name, model_name, split_fused
 from lit_qlora.model.transformer import Transformer
 
 TOKENIZER_FILES = (
@@ -136,7 +137,10 @@ def load_checkpoint(
     expected = dict(model.state_dict(keep_vars=True))
     tied = config.tie_embeddings
     loaded: set[str] = set()
-    for name, tensor in (part for item in iter_tensors(checkpoint_dir) for part in split_fused(config, *item)):
+    experts = ExpertStacker(config.n_experts)  # per-expert tensors -> each projection's stack
+    parts = (part for name, tensor in iter_tensors(checkpoint_dir) for part in split_fused(config, name, tensor))
+    stacked = (item for name, tensor in parts for item in experts.add(model_name(config, name), tensor))
+    for name, tensor in stacked:
         if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
             continue
         if name not in expected:
@@ -163,6 +167,7 @@ def load_checkpoint(
             del tensor
             release_free_memory()
     missing = sorted(set(expected) - loaded - ({"lm_head.weight"} if tied else set()))
+    missing = experts.missing() + [name for name in missing if name not in experts.pending]  # per expert, as stored
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise CheckpointError(f"{checkpoint_dir} is missing tensors the model needs: {shown}.")
@@ -174,6 +179,7 @@ def load_checkpoint(
 # -- writing -----------------------------------------------------------------------------------------------------
 def hf_layout_specs(config: Config, specs: list[TensorSpec]) -> list[TensorSpec]:
     """The specs under the checkpoint's own names: fused projections (Phi-3) written as one tensor again."""
+    specs = [_renamed(spec, hub_name(config, spec.name)) for spec in specs]  # (Mixtral's expert names)
     plan = fuse_plan(config, [spec.name for spec in specs])
     if not plan:
         return specs
@@ -191,6 +197,14 @@ def hf_layout_specs(config: Config, specs: list[TensorSpec]) -> list[TensorSpec]
         out.append(TensorSpec(fused, shape, spec.dtype,
                               chunks=lambda parts=parts: (x for p in parts for x in p.pieces())))
     return out
+
+
+def _renamed(spec: TensorSpec, name: str) -> TensorSpec:
+    if name == spec.name:
+        return spec
+    spec = copy.copy(spec)
+    spec.name = name
+    return spec
 
 
 def copy_tokenizer_files(src_dir: Path, out_dir: Path) -> list[str]:

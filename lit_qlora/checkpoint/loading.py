@@ -19,7 +19,7 @@ from lit_qlora.hardware import PrecisionChoice, resolved
 from lit_qlora.lora.layer import apply_lora
 from lit_qlora.checkpoint.adapter import load_adapter, read_adapter_config
 from lit_qlora.model.transformer import Transformer
-from lit_qlora.nf4 import base_linears, is_ignored, is_nf4, quantize_linears, quantize_weight
+from lit_qlora.nf4 import base_linears, expert_linears, is_ignored, is_nf4, quantize_linears, quantize_weight
 from lit_qlora.parallel.tensor_parallel import TensorParallelShard, check_divisible, tp_layout_weight, tp_style
 
 
@@ -112,7 +112,8 @@ def _load_base(checkpoint_dir: Path, quantize: Quantize, dtype: torch.dtype, ign
     ignore_modules = list(ignore_modules)
     with torch.device("meta"):
         skeleton = Transformer(config)
-    quantized = {n + ".weight" for n in base_linears(skeleton) if not is_ignored(n, ignore_modules)}
+    quantized = {n + ".weight" for n in (*base_linears(skeleton), *expert_linears(skeleton))
+                 if not is_ignored(n, ignore_modules)}
     del skeleton
 
     def transform(name: str, tensor: torch.Tensor) -> torch.Tensor:

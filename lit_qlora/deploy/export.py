@@ -19,7 +19,10 @@ def hf_tensor_specs(model: nn.Module, dtype: torch.dtype, merge: bool = True) ->
     merge=True writes dequant(W) + scale * B @ A for LoRA layers; merge=False writes their base weight alone.
     """
     from lit_qlora.checkpoint.files import TensorSpec
+    from lit_qlora.lora.experts import expert_tensor
     from lit_qlora.lora.layer import LoRALinear, row_chunks, weight_rows
+    from lit_qlora.model.hf_layout import expert_names
+    from lit_qlora.nf4.grouped import ExpertLinear
 
     specs = []
     tied = export_config(model, merge).tie_embeddings
@@ -30,6 +33,12 @@ def hf_tensor_specs(model: nn.Module, dtype: torch.dtype, merge: bool = True) ->
             continue
         module = model.get_submodule(module_name)
         out_dtype = dtype if tensor.is_floating_point() else tensor.dtype
+        if isinstance(module, ExpertLinear) and leaf == "weight":  # the Hub's layout: a tensor per expert
+            shape = (module.out_features, module.in_features)
+            specs.extend(TensorSpec(expert, shape, dtype, chunks=lambda m=module, e=e: iter([expert_tensor(m, e, dtype,
+                                                                                                         merge)]))
+                         for e, expert in enumerate(expert_names(name, module.n_experts)))
+            continue
         if isinstance(module, LoRALinear) and leaf == "weight" and merge:
             chunks = lambda m=module: m.merged_chunks(dtype)  # noqa: E731
         else:
@@ -81,8 +90,13 @@ def merge(checkpoint_dir: Path, adapter_dir: Path, out_dir: Path,
 
 
 def peft_config(acfg: dict, base_name: str) -> dict:
-    modules = sorted({name.rpartition(".")[2] for name in acfg.get("module_names", [])}) or None
-    return {
+    from lit_qlora.model.hf_layout import PEFT_EXPERT_PARAMETERS
+
+    names = acfg.get("module_names", [])
+    experts = [name for name in names if name.endswith((".mlp.experts", ".mlp.experts.base_layer"))]
+    modules = sorted({name.rpartition(".")[2] for name in names if name not in experts}) or None
+    extra = {"target_parameters": list(PEFT_EXPERT_PARAMETERS)} if experts else {}
+    return {**extra,
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base_name,
@@ -143,14 +157,26 @@ def peft_tensor_specs(model: nn.Module, alpha: float, rslora: bool):  # noqa: F8
     """(the PEFT adapter's tensor specs, its adapters by module, peft's rank and alpha overrides) for the LoRA layers
     of `model`: Phi-3's fused projections get one adapter per fused module, as peft sees the Hugging Face model."""
     from lit_qlora.checkpoint.files import TensorSpec
-    from lit_qlora.lora.layer import lora_modules
-    from lit_qlora.model.hf_layout import fuse_lora
 
-    adapters = {name: (m.lora_A.detach(), m.lora_B.detach()) for name, m in lora_modules(model).items()}
-    adapters, ranks, alphas = fuse_lora(model.config, adapters, alpha, rslora)
+    adapters = peft_adapters(model, alpha, rslora)
     specs = [TensorSpec(f"base_model.model.{name}.{leaf}.weight", t.shape, t.dtype, lambda t=t: t)
-             for name, pair in adapters.items() for leaf, t in zip(("lora_A", "lora_B"), pair)]
-    return specs, adapters, ranks, alphas
+             for name, pair in adapters[0].items() for leaf, t in zip(("lora_A", "lora_B"), pair)]
+    return specs, *adapters
+
+
+def peft_adapters(model: nn.Module, alpha: float, rslora: bool, factors=None):  # noqa: F821
+    """({module: (A, B)} as peft names and shapes them, its rank and alpha overrides) for `model`'s LoRA layers:
+    Phi-3's fused projections one adapter per fused module, a mixture of experts' as peft's `target_parameters`
+    (lit_qlora.model.hf_layout). `factors(layer)` gives what to lay out (default its (lora_A, lora_B); their
+    gradients lay out the same way)."""
+    from lit_qlora.lora.layer import lora_modules
+    from lit_qlora.model.hf_layout import fuse_lora, peft_expert_lora
+
+    factors = factors or (lambda m: (m.lora_A.detach(), m.lora_B.detach()))
+    adapters = {name: factors(m) for name, m in lora_modules(model).items()}
+    adapters, expert_ranks, expert_alphas = peft_expert_lora(adapters, alpha, rslora)
+    adapters, ranks, alphas = fuse_lora(model.config, adapters, alpha, rslora)
+    return adapters, {**ranks, **expert_ranks}, {**alphas, **expert_alphas}
 
 
 def peft_bytes(model: nn.Module, alpha: float = 16.0, rslora: bool = False) -> int:  # noqa: F821

@@ -30,7 +30,8 @@ from lit_qlora.train.args import TrainArgs
 def resolve_config(checkpoint_dir: str | Path) -> tuple[Config, str]:  # noqa: F821
     """The model to estimate and where its shape came from: a directory's config.json (no weights needed), a preset
     name, or, for a recipe whose checkpoint is not downloaded, the preset its directory is named after."""
-    from lit_qlora.model.config import PRESETS, Config
+    from lit_qlora.model.config import Config
+    from lit_qlora.model.presets import PRESETS
 
     path = Path(checkpoint_dir)
     if (path / "config.json").is_file():

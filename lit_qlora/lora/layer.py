@@ -14,6 +14,9 @@ from lit_qlora.errors import InvalidInput
 from lit_qlora.lora import dropout as lora_dropout
 from lit_qlora.lora.dropout import dropped_lora
 from lit_qlora.nf4 import dequantize_nf4, frozen_linear, is_nf4, row_slices
+from lit_qlora.lora.experts import LoRAExpertLinear
+from lit_qlora.lora.rank import set_rank
+from lit_qlora.nf4.grouped import ExpertLinear
 
 # Short target names -> module name suffixes in our (= Hugging Face) naming.
 TARGETS = {
@@ -24,8 +27,12 @@ TARGETS = {
     "gate": "mlp.gate_proj",
     "up": "mlp.up_proj",
     "down": "mlp.down_proj",
+    "experts": ("mlp.experts.gate_proj", "mlp.experts.up_proj", "mlp.experts.down_proj"),
+    "router": "mlp.gate",
     "lm_head": "lm_head",
 }
+NOT_IN_ALL = ("router",)
+"""Targets `all` leaves out: a mixture of experts' router trains only when named (its aux loss then joins in)."""
 # Merged exports are computed this many values at a time: 16 MB per fp32 temporary, whatever the weight's size.
 MERGE_CHUNK_ELEMS = 1 << 22
 
@@ -44,19 +51,14 @@ class LoRALinear(nn.Linear):
     def __init__(self, base: nn.Linear, r: int, alpha: float, dropout: float = 0.0, rslora: bool = False,
                  dtype: Optional[torch.dtype] = None) -> None:
         nn.Module.__init__(self)
-        if r <= 0:
-            raise InvalidInput(f"LoRA rank r (--lora.r) must be positive, got {r}.")
+        dtype = set_rank(self, r, alpha, rslora, base.weight, dtype)
         self.in_features, self.out_features = base.in_features, base.out_features
         self.weight = base.weight
         self.weight.requires_grad_(False)
         self.bias = base.bias
         if self.bias is not None:
             self.bias.requires_grad_(False)
-        self.r, self.alpha, self.rslora = r, alpha, rslora
-        self.scale = alpha / math.sqrt(r) if rslora else alpha / r
         device = base.weight.device
-        if dtype is None:
-            dtype = base.weight.dtype if not is_nf4(base.weight) else torch.bfloat16
         self.lora_A = nn.Parameter(torch.empty(r, self.in_features, device=device, dtype=dtype))
         self.lora_B = nn.Parameter(torch.empty(self.out_features, r, device=device, dtype=dtype))
         self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
@@ -153,7 +155,7 @@ def resolve_targets(targets: Iterable[str] | str, tied_head: bool = False) -> li
     lm_head adapts it anyway."""
     names = [targets] if isinstance(targets, str) else list(targets)
     if "all" in names:
-        return [t for t in TARGETS if not (tied_head and t == "lm_head") or t in names]
+        return [t for t in TARGETS if not ((tied_head and t == "lm_head") or t in NOT_IN_ALL) or t in names]
     unknown = [t for t in names if t not in TARGETS]
     if unknown:
         raise InvalidInput(f"Unknown LoRA target(s) {unknown} (--lora.targets): choose from {', '.join(TARGETS)} or "
@@ -181,14 +183,22 @@ def apply_lora(model: nn.Module, r: int, alpha: float, dropout: float = 0.0, tar
                rslora: bool = False, dtype: Optional[torch.dtype] = None) -> nn.Module:
     """Wrap every targeted linear of `model` in a LoRALinear (in place), freeze everything else. `all` leaves out a
     head tied to the embedding (resolve_targets)."""
-    suffixes = tuple(TARGETS[t] for t in resolve_targets(targets, tied_head(model)))
+    suffixes = tuple(s for t in resolve_targets(targets, tied_head(model))
+                     for s in (TARGETS[t] if isinstance(TARGETS[t], tuple) else (TARGETS[t],)))
     for p in model.parameters():
         p.requires_grad_(False)
     for name, module in list(model.named_modules()):
-        if isinstance(module, nn.Linear) and not isinstance(module, LoRALinear) and name.endswith(suffixes):
-            parent_name, _, leaf = name.rpartition(".")
-            parent = model.get_submodule(parent_name) if parent_name else model
-            setattr(parent, leaf, LoRALinear(module, r, alpha, dropout, rslora, dtype))
+        if not name.endswith(suffixes) or isinstance(module, (LoRALinear, LoRAExpertLinear)):
+            continue
+        if isinstance(module, nn.Linear):
+            wrapped = LoRALinear(module, r, alpha, dropout, rslora, dtype)
+        elif isinstance(module, ExpertLinear):
+            wrapped = LoRAExpertLinear(module, r, alpha, dropout, rslora, dtype)
+        else:
+            continue
+        parent_name, _, leaf = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, leaf, wrapped)
     return model
 
 
@@ -198,11 +208,13 @@ def tied_head(model: nn.Module) -> bool:
     return bool(getattr(getattr(model, "config", None), "tie_embeddings", False))
 
 
-def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
+def lora_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """Every adapted layer: LoRALinear, and a mixture of experts' LoRAExpertLinear (the same lora_A, lora_B, scale,
+    r and alpha, stacked per expert)."""
     # Adapter names are the model's own: a module wrapped by `fabric.setup` would otherwise prefix them all with
     # "_forward_module." and the file would fit no other model.
     model = getattr(model, "_original_module", model)
-    return {n: m for n, m in model.named_modules() if isinstance(m, LoRALinear)}
+    return {n: m for n, m in model.named_modules() if isinstance(m, (LoRALinear, LoRAExpertLinear))}
 
 
 def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -14,8 +14,11 @@ import torch
 from lit_qlora.errors import InvalidInput, MissingFile
 from lit_qlora.hardware import PRECISIONS
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "qwen3_moe", "mixtral",
+                         "olmoe")
 GEMMA = ("gemma2", "gemma3_text")
+MOE = ("qwen3_moe", "mixtral", "olmoe")
+"""Mixtures of experts: some or all blocks route each token to the top k of n experts (lit_qlora.model.moe)."""
 
 # transformers' defaults for fields a family's config.json may leave out, where they differ from Llama's: a field
 # left out means what it means to transformers (a Qwen3 head is 128 wide there, not hidden_size / heads).
@@ -30,6 +33,13 @@ HF_DEFAULTS: dict[str, dict[str, Any]] = {
                     "pad_token_id": 0},
     "phi3": {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "bos_token_id": 1, "eos_token_id": 32000,
              "pad_token_id": 32000},
+    "qwen3_moe": {"max_position_embeddings": 32768, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+                  "norm_topk_prob": False, "router_aux_loss_coef": 0.001},
+    "mixtral": {"max_position_embeddings": 131072, "rope_theta": 1000000.0, "rms_norm_eps": 1e-5,
+                "num_experts_per_tok": 2, "router_aux_loss_coef": 0.001, "bos_token_id": 1, "eos_token_id": 2},
+    "olmoe": {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "num_experts_per_tok": 8,
+              "norm_topk_prob": False, "router_aux_loss_coef": 0.01, "bos_token_id": None, "eos_token_id": 50279,
+              "pad_token_id": 1},
 }
 
 # The one precision/dtype table: Lightning's precision name, the dtype's name in our files (adapter_config.json's
@@ -136,6 +146,25 @@ class Config:
     """Attention scores become softcap * tanh(scores / softcap)."""
     final_softcap: float | None = None
     """Logits become softcap * tanh(logits / softcap)."""
+    qk_norm_width: str = "head"
+    """With qk_norm: "head" normalizes each head over head_dim (Qwen3, Gemma 3); "all" normalizes the whole query and
+    key projections before they split into heads (OLMoE: weights of n_head * head_dim and n_kv * head_dim)."""
+    clip_qkv: float | None = None
+    """OLMoE: queries, keys and values are clamped to [-clip_qkv, clip_qkv] after their projections."""
+    # Mixtures of experts (qwen3_moe, mixtral, olmoe).
+    n_experts: int = 0
+    """Experts per MoE block; 0: a dense model."""
+    n_experts_per_token: int = 0
+    """Experts each token is routed to (the top k of the router's softmax)."""
+    moe_intermediate_size: int | None = None
+    """An expert's MLP width (Qwen3-MoE's moe_intermediate_size; Mixtral and OLMoE: intermediate_size)."""
+    norm_topk_prob: bool = False
+    """The top k routing weights are renormalized to sum to 1 (Mixtral always; Qwen3-MoE and OLMoE per config)."""
+    router_aux_loss_coef: float = 0.0
+    """Weight of the load-balancing loss added while the router trains (config.json's router_aux_loss_coef)."""
+    dense_mlp_layers: list[int] | None = None
+    """Layers of an MoE model with a dense MLP of intermediate_size instead of experts (Qwen3-MoE's mlp_only_layers
+    and decoder_sparse_step); None: every layer has experts."""
     bos_token_id: int | None = 1
     eos_token_id: int | list[int] | None = 2
     pad_token_id: int | None = None
@@ -148,6 +177,12 @@ class Config:
             )
         if self.head_dim is None:
             self.head_dim = self.n_embd // self.n_head
+        if self.n_experts:
+            if not 0 < self.n_experts_per_token <= self.n_experts:
+                raise InvalidInput(f"num_experts_per_tok ({self.n_experts_per_token}) must be between 1 and the "
+                                   f"number of experts ({self.n_experts}); check config.json.")
+            if self.moe_intermediate_size is None:
+                self.moe_intermediate_size = self.intermediate_size
         if self.n_head % self.n_query_groups:
             raise InvalidInput(f"n_head ({self.n_head}) must be a multiple of n_query_groups ({self.n_query_groups}).")
         if self.rope_scaling is not None:
@@ -165,6 +200,10 @@ class Config:
                                            f"head_dim {self.head_dim} x partial_rotary_factor "
                                            f"{self.partial_rotary_factor}); check config.json.")
 
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether block `index` routes tokens to experts (else it has a dense MLP)."""
+        return self.n_experts > 0 and index not in (self.dense_mlp_layers or ())
+
     @property
     def eos_token_ids(self) -> list[int]:
         if self.eos_token_id is None:
@@ -181,6 +220,7 @@ class Config:
             raise InvalidInput("This config.json is a multimodal Gemma 3 (model_type gemma3: text and vision); "
                                "lit-qlora fine-tunes the text-only Gemma 3 checkpoints (model_type gemma3_text, e.g. "
                                "google/gemma-3-1b-it).")
+        moe = _moe_fields(model_type, {**HF_DEFAULTS.get(model_type, {}), **hf}, hf)
         hf = {**HF_DEFAULTS.get(model_type, {}), **hf}
         rope = dict(hf.get("rope_parameters") or {})
         local_rope = {}
@@ -195,14 +235,14 @@ class Config:
             scaling.setdefault("original_max_position_embeddings",
                                hf.get("original_max_position_embeddings", hf["max_position_embeddings"]))
         window = hf.get("sliding_window")
-        if model_type in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
+        if model_type in ("qwen2", "qwen3", "qwen3_moe") and not hf.get("use_sliding_window", False):
             window = None
         gemma = model_type in GEMMA
         layer_types = hf.get("layer_types") if gemma else None
         if gemma and layer_types is None:  # transformers' defaults: Gemma 2 alternates, Gemma 3 every 6th is full
             every = 2 if model_type == "gemma2" else hf.get("sliding_window_pattern", 6)
             layer_types = sliding_pattern(hf["num_hidden_layers"], every)
-        if model_type == "qwen3" and window is not None:
+        if model_type in ("qwen3", "qwen3_moe") and window is not None:
             raise InvalidInput("This Qwen3 config.json sets use_sliding_window: true (sliding attention in the "
                                "layers from max_window_layers on), which lit-qlora does not model; the released Qwen3 "
                                "checkpoints leave it false.")
@@ -234,7 +274,9 @@ class Config:
             mlp_bias=bool(hf.get("mlp_bias", False)),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
             sliding_window=window,
-            qk_norm=model_type in ("qwen3", "gemma3_text"),
+            qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe", "olmoe"),
+            qk_norm_width="all" if model_type == "olmoe" else "head",
+            clip_qkv=hf.get("clip_qkv") if model_type == "olmoe" else None,
             layer_types=list(layer_types) if layer_types else None,
             norm_plus_one=gemma,
             embed_scale=gemma,
@@ -247,6 +289,7 @@ class Config:
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=hf.get("eos_token_id"),
             pad_token_id=hf.get("pad_token_id"),
+            **moe,
         )
 
     @classmethod
@@ -277,7 +320,8 @@ class Config:
         """The `config.json` dict `transformers` reads (4.x key names, which 5.x also accepts)."""
         arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                 "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-                "phi3": "Phi3ForCausalLM"}
+                "phi3": "Phi3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
+                "olmoe": "OlmoeForCausalLM"}
         hf: dict[str, Any] = {
             "architectures": [arch[self.model_type]],
             "model_type": self.model_type,
@@ -301,13 +345,13 @@ class Config:
         }
         if self.pad_token_id is not None:
             hf["pad_token_id"] = self.pad_token_id
-        if self.model_type in ("llama", "qwen3"):
+        if self.model_type in ("llama", "qwen3", "qwen3_moe", "olmoe"):
             hf["attention_bias"] = self.qkv_bias
         if self.model_type == "llama":
             hf["mlp_bias"] = self.mlp_bias
-        if self.model_type in ("mistral", "qwen2", "qwen3"):
+        if self.model_type in ("mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral"):
             hf["sliding_window"] = self.sliding_window
-        if self.model_type in ("qwen2", "qwen3"):
+        if self.model_type in ("qwen2", "qwen3", "qwen3_moe"):
             hf["use_sliding_window"] = self.sliding_window is not None
         if self.model_type in GEMMA:
             hf.update(hidden_activation=hf["hidden_act"], attention_bias=self.qkv_bias, sliding_window=self.sliding_window,
@@ -322,8 +366,18 @@ class Config:
             original = rope.pop("original_max_position_embeddings", self.max_seq_length)  # top-level in Phi-3's
             hf.update(rope_scaling=rope or None, original_max_position_embeddings=original,
                       sliding_window=self.sliding_window, partial_rotary_factor=self.partial_rotary_factor)
-        if self.model_type == "qwen3":  # inert with sliding off; written as the released checkpoints have it
+        if self.model_type in ("qwen3", "qwen3_moe"):  # inert with sliding off; as the released checkpoints have it
             hf["max_window_layers"] = self.n_layer
+        if self.n_experts:
+            hf.update(num_experts_per_tok=self.n_experts_per_token, router_aux_loss_coef=self.router_aux_loss_coef)
+            hf["num_local_experts" if self.model_type == "mixtral" else "num_experts"] = self.n_experts
+            if self.model_type != "mixtral":
+                hf["norm_topk_prob"] = self.norm_topk_prob
+        if self.model_type == "qwen3_moe":
+            hf.update(moe_intermediate_size=self.moe_intermediate_size, decoder_sparse_step=1,
+                      mlp_only_layers=list(self.dense_mlp_layers or []))
+        if self.model_type == "olmoe":
+            hf["clip_qkv"] = self.clip_qkv
         return hf
 
     def replace(self, **changes: Any) -> "Config":
@@ -332,91 +386,33 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-    @classmethod
-    def from_name(cls, name: str, **overrides: Any) -> "Config":
-        if name not in PRESETS:
-            raise InvalidInput(f"Unknown model preset {name!r}. Known presets: {', '.join(sorted(PRESETS))}.")
-        return replace(PRESETS[name], **overrides)
+
+_DEFAULT_EXPERTS = {"qwen3_moe": 128, "mixtral": 8, "olmoe": 64}  # transformers', when config.json names none
 
 
-def _llama3_scaling(factor: float, original: int) -> dict[str, Any]:
-    return {
-        "rope_type": "llama3",
-        "factor": factor,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": original,
-    }
+def _moe_fields(model_type: str, hf: dict[str, Any], written: dict[str, Any]) -> dict[str, Any]:
+    """The Config fields of a mixture of experts, read from config.json (`written`; `hf` with the family's defaults)
+    as transformers reads them. The Hub's Qwen3-MoE and OLMoE files say num_experts, Mixtral's and transformers 5's
+    num_local_experts."""
+    if model_type not in MOE:
+        return {}
+    n_experts = written.get("num_experts") or written.get("num_local_experts") or _DEFAULT_EXPERTS[model_type]
+    dense = None
+    if model_type == "qwen3_moe":  # transformers: experts where not in mlp_only_layers and (i + 1) % step == 0
+        step = hf.get("decoder_sparse_step", 1) or 1
+        only = set(hf.get("mlp_only_layers") or [])
+        dense = [i for i in range(hf["num_hidden_layers"]) if i in only or (i + 1) % step] or None
+    return dict(
+        n_experts=int(n_experts),
+        n_experts_per_token=int(hf["num_experts_per_tok"]),
+        moe_intermediate_size=hf.get("moe_intermediate_size") if model_type == "qwen3_moe" else None,
+        norm_topk_prob=True if model_type == "mixtral" else bool(hf.get("norm_topk_prob", False)),
+        router_aux_loss_coef=float(hf.get("router_aux_loss_coef") or 0.0),
+        dense_mlp_layers=dense,
+    )
 
 
 def sliding_pattern(n_layer: int, every: int) -> list[str]:
     """Gemma's layer pattern: every `every`-th layer attends fully, the others within the sliding window (Gemma 2:
     every 2nd, Gemma 3: every 6th)."""
     return ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n_layer)]
-
-
-# Phi-4-mini-instruct's long-context RoPE (config.json): short factors within its 4096 pretraining tokens.
-_PHI4_MINI_ROPE = {
-    "long_factor": [1, 1.118320672, 1.250641126, 1.398617824, 1.564103225, 1.74916897, 1.956131817, 2.187582649,
-                    2.446418898, 2.735880826, 3.059592084, 3.421605075, 3.826451687, 4.279200023, 4.785517845,
-                    5.351743533, 5.984965424, 6.693110555, 7.485043894, 8.370679318, 9.36110372, 10.4687158,
-                    11.70738129, 13.09260651, 14.64173252, 16.37415215, 18.31155283, 20.47818807, 22.90118105,
-                    25.61086418, 28.64115884, 32.03, 32.1, 32.13, 32.23, 32.6, 32.61, 32.64, 32.66, 32.7, 32.71,
-                    32.93, 32.97, 33.28, 33.49, 33.5, 44.16, 47.77],
-    "short_factor": [1.0] * 48,
-    "type": "longrope",
-    "original_max_position_embeddings": 4096,
-}
-
-# Shapes of the common checkpoints (from their published config.json files).
-PRESETS: dict[str, Config] = {
-    c.name: c
-    for c in [
-        Config("SmolLM2-135M", "llama", 49152, 30, 576, 9, 3, 64, 1536, 1e-5, 100000.0, None, 8192,
-               tie_embeddings=True, bos_token_id=1, eos_token_id=2),
-        Config("SmolLM2-360M", "llama", 49152, 32, 960, 15, 5, 64, 2560, 1e-5, 100000.0, None, 8192,
-               tie_embeddings=True, bos_token_id=1, eos_token_id=2),
-        Config("SmolLM2-1.7B", "llama", 49152, 24, 2048, 32, 32, 64, 8192, 1e-5, 130000.0, None, 8192,
-               tie_embeddings=True, bos_token_id=1, eos_token_id=2),
-        Config("TinyLlama-1.1B", "llama", 32000, 22, 2048, 32, 4, 64, 5632, 1e-5, 10000.0, None, 2048),
-        Config("Llama-2-7b", "llama", 32000, 32, 4096, 32, 32, 128, 11008, 1e-5, 10000.0, None, 4096),
-        Config("Llama-2-13b", "llama", 32000, 40, 5120, 40, 40, 128, 13824, 1e-5, 10000.0, None, 4096),
-        Config("Llama-3-8B", "llama", 128256, 32, 4096, 32, 8, 128, 14336, 1e-5, 500000.0, None, 8192,
-               bos_token_id=128000, eos_token_id=128001),
-        Config("Llama-3.1-8B", "llama", 128256, 32, 4096, 32, 8, 128, 14336, 1e-5, 500000.0,
-               _llama3_scaling(8.0, 8192), 131072, bos_token_id=128000, eos_token_id=128001),
-        Config("Llama-3.2-1B", "llama", 128256, 16, 2048, 32, 8, 64, 8192, 1e-5, 500000.0,
-               _llama3_scaling(32.0, 8192), 131072, tie_embeddings=True, bos_token_id=128000, eos_token_id=128001),
-        Config("Llama-3.2-3B", "llama", 128256, 28, 3072, 24, 8, 128, 8192, 1e-5, 500000.0,
-               _llama3_scaling(32.0, 8192), 131072, tie_embeddings=True, bos_token_id=128000, eos_token_id=128001),
-        Config("Mistral-7B-v0.1", "mistral", 32000, 32, 4096, 32, 8, 128, 14336, 1e-5, 10000.0, None, 32768,
-               sliding_window=4096),
-        Config("Qwen2.5-0.5B", "qwen2", 151936, 24, 896, 14, 2, 64, 4864, 1e-6, 1000000.0, None, 32768,
-               qkv_bias=True, tie_embeddings=True, bos_token_id=151643, eos_token_id=151643),
-        Config("Qwen2.5-1.5B", "qwen2", 151936, 28, 1536, 12, 2, 128, 8960, 1e-6, 1000000.0, None, 32768,
-               qkv_bias=True, tie_embeddings=True, bos_token_id=151643, eos_token_id=151643),
-        Config("Qwen3-0.6B", "qwen3", 151936, 28, 1024, 16, 8, 128, 3072, 1e-6, 1000000.0, None, 40960,
-               tie_embeddings=True, qk_norm=True, bos_token_id=151643, eos_token_id=151645),
-        Config("Qwen3-8B", "qwen3", 151936, 36, 4096, 32, 8, 128, 12288, 1e-6, 1000000.0, None, 40960,
-               qk_norm=True, bos_token_id=151643, eos_token_id=151645),
-        Config("Gemma-2-2B", "gemma2", 256000, 26, 2304, 8, 4, 256, 9216, 1e-6, 10000.0, None, 8192,
-               tie_embeddings=True, sliding_window=4096, layer_types=sliding_pattern(26, 2), norm_plus_one=True,
-               embed_scale=True, sandwich_norms=True, mlp_activation="gelu_tanh", query_pre_attn_scalar=256,
-               attn_softcap=50.0, final_softcap=30.0, bos_token_id=2, eos_token_id=1, pad_token_id=0),
-        Config("Gemma-2-9B", "gemma2", 256000, 42, 3584, 16, 8, 256, 14336, 1e-6, 10000.0, None, 8192,
-               tie_embeddings=True, sliding_window=4096, layer_types=sliding_pattern(42, 2), norm_plus_one=True,
-               embed_scale=True, sandwich_norms=True, mlp_activation="gelu_tanh", query_pre_attn_scalar=256,
-               attn_softcap=50.0, final_softcap=30.0, bos_token_id=2, eos_token_id=1, pad_token_id=0),
-        Config("Gemma-3-1B", "gemma3_text", 262144, 26, 1152, 4, 1, 256, 6912, 1e-6, 1000000.0, None, 32768,
-               tie_embeddings=True, sliding_window=512, layer_types=sliding_pattern(26, 6), rope_local_base=10000.0,
-               qk_norm=True, norm_plus_one=True, embed_scale=True, sandwich_norms=True, mlp_activation="gelu_tanh",
-               query_pre_attn_scalar=256, bos_token_id=2, eos_token_id=[1, 106], pad_token_id=0),
-        Config("Phi-3-mini-4k", "phi3", 32064, 32, 3072, 32, 32, 96, 8192, 1e-5, 10000.0, None, 4096,
-               sliding_window=2047, bos_token_id=1, eos_token_id=32000, pad_token_id=32000),
-        Config("Phi-4-mini", "phi3", 200064, 32, 3072, 24, 8, 128, 8192, 1e-5, 10000.0, _PHI4_MINI_ROPE, 131072,
-               tie_embeddings=True, sliding_window=262144, partial_rotary_factor=0.75, bos_token_id=199999,
-               eos_token_id=200020, pad_token_id=199999),
-        Config("Qwen2.5-7B", "qwen2", 152064, 28, 3584, 28, 4, 128, 18944, 1e-6, 1000000.0, None, 32768,
-               qkv_bias=True, bos_token_id=151643, eos_token_id=151643),
-    ]
-}

@@ -7,6 +7,7 @@ adapter)."""
 from __future__ import annotations
 
 import math
+import re
 from typing import Iterable
 
 import torch
@@ -101,4 +102,110 @@ def fuse_lora(config: Config, adapters: dict[str, tuple[torch.Tensor, torch.Tens
         leaf = fused.rpartition(".")[2]
         ranks[leaf] = r * len(present)
         alphas[leaf] = alpha * (math.sqrt(len(present)) if rslora else len(present))
+    return out, ranks, alphas
+
+
+# -- mixtures of experts -------------------------------------------------------------------------------------------
+# The Hub stores one tensor per expert (mlp.experts.{e}.gate_proj.weight; Mixtral: block_sparse_moe.experts.{e}.w1);
+# the model stacks each projection of a block (mlp.experts.gate_proj.weight, n_experts x out x in), the layout its
+# grouped matmul reads. Mixtral's names are transformers 5's in the model (mlp, gate/up/down_proj).
+_MIXTRAL_NAMES = (("block_sparse_moe.", "mlp."), (".w1.", ".gate_proj."), (".w3.", ".up_proj."),
+                  (".w2.", ".down_proj."))
+_EXPERT_KEY = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def model_name(config: Config, name: str) -> str:
+    """A checkpoint tensor's name in the model (Mixtral's block_sparse_moe/w1/w2/w3 renamed)."""
+    if config.model_type == "mixtral" and "block_sparse_moe." in name:
+        for hub, ours in _MIXTRAL_NAMES:
+            name = name.replace(hub, ours)
+    return name
+
+
+def hub_name(config: Config, name: str) -> str:
+    """A model tensor's name in the family's Hub checkpoints (model_name's inverse)."""
+    if config.model_type == "mixtral" and ".mlp." in name and config.n_experts:
+        for hub, ours in _MIXTRAL_NAMES:
+            name = name.replace(ours, hub)
+    return name
+
+
+def expert_key(name: str) -> tuple[str, int] | None:
+    """(the stacked weight's name, expert index) for one expert's checkpoint tensor, else None."""
+    found = _EXPERT_KEY.match(name)
+    if found is None:
+        return None
+    return f"{found[1]}.{found[3]}.weight", int(found[2])
+
+
+def expert_names(stacked: str, n_experts: int) -> list[str]:
+    """The per-expert checkpoint names of a stacked weight (expert_key's inverse)."""
+    module, _, proj = stacked.removesuffix(".weight").rpartition(".")
+    return [f"{module}.{e}.{proj}.weight" for e in range(n_experts)]
+
+
+class ExpertStacker:
+    """Collects one expert's tensor at a time and hands back a projection's (n_experts, out, in) stack once every
+    expert of it arrived: a block's stack is the only high-precision copy alive (then quantized as one NF4 tensor)."""
+
+    def __init__(self, n_experts: int) -> None:
+        self.n_experts = n_experts
+        self.pending: dict[str, tuple[torch.Tensor, set[int]]] = {}
+
+    def add(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        found = expert_key(name) if self.n_experts else None
+        if found is None:
+            return [(name, tensor)]
+        stacked, expert = found
+        if expert >= self.n_experts:
+            return [(name, tensor)]  # the loader names it as having no place in the model
+        if stacked not in self.pending:
+            self.pending[stacked] = (tensor.new_empty(self.n_experts, *tensor.shape), set())
+        buffer, seen = self.pending[stacked]
+        if tuple(buffer.shape[1:]) != tuple(tensor.shape):
+            return [(name, tensor)]  # the loader reports the shape under the checkpoint's own name
+        buffer[expert].copy_(tensor)
+        seen.add(expert)
+        if len(seen) < self.n_experts:
+            return []
+        del self.pending[stacked]
+        return [(stacked, buffer)]
+
+    def missing(self) -> list[str]:
+        """Per-expert names of stacks still incomplete after the whole checkpoint was read."""
+        return [n for stacked, (_, seen) in self.pending.items()
+                for e, n in enumerate(expert_names(stacked, self.n_experts)) if e not in seen]
+
+
+PEFT_EXPERT_PARAMETERS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+"""What peft targets in transformers' mixtures of experts (`target_parameters`): its modules hold gate and up as one
+(n_experts, 2 * I, hidden) parameter, down as (n_experts, hidden, I)."""
+
+
+def peft_expert_lora(adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], alpha: float, rslora: bool
+                     ) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, int], dict[str, float]]:
+    """Stacked expert adapters {module: (A (E, r, in), B (E, out, r))} as peft's ParamWrappers hold them, with its rank
+    and alpha overrides; other adapters pass as they are.
+
+    peft keeps an expert parameter's adapter as one A of (r * E, in) (expert e's rows e*r:(e+1)*r) and one B of
+    (out, r * E) (expert e's column j at j * E + e). Gate and up share peft's gate_up_proj: their A's stack (rank 2r)
+    and B is block-diagonal, so each keeps its own update; alpha doubles with the rank so the scale stays ours. peft
+    nests the wrappers in the order of the parameters' names: down_proj outside (`experts`), gate_up_proj inside
+    (`experts.base_layer`)."""
+    out, ranks, alphas = {}, {}, {}
+    for name, (a, b) in adapters.items():
+        if not name.endswith(".mlp.experts.gate_proj"):
+            if not name.endswith((".mlp.experts.up_proj", ".mlp.experts.down_proj")):
+                out[name] = (a, b)
+            continue
+        prefix = name.removesuffix(".gate_proj")
+        (up_a, up_b), (down_a, down_b) = adapters[prefix + ".up_proj"], adapters[prefix + ".down_proj"]
+        n, i, r = b.shape
+        block = b.new_zeros(n, 2 * i, 2 * r)
+        block[:, :i, :r], block[:, i:, r:] = b, up_b
+        out[prefix + ".base_layer"] = (torch.cat([a, up_a], dim=1).reshape(n * 2 * r, -1),
+                                       block.permute(1, 2, 0).reshape(2 * i, 2 * r * n))
+        out[prefix] = (down_a.reshape(n * r, -1), down_b.permute(1, 2, 0).reshape(down_b.size(1), r * n))
+        ranks["gate_up_proj"] = 2 * r
+        alphas["gate_up_proj"] = alpha * (math.sqrt(2) if rslora else 2)
     return out, ranks, alphas

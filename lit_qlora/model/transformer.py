@@ -23,6 +23,8 @@ from lit_qlora.model.attention_mask import as_dense, attention_mask, document_le
 from lit_qlora.model.flex import FlexShape, flex_runs
 from lit_qlora.model.config import Config
 from lit_qlora.model.fused_projections import fused_projections, share_storage
+from lit_qlora.model.moe import SparseMoE
+from lit_qlora.nf4.grouped import ExpertLinear
 from lit_qlora.model.offload import block_input_saved
 from lit_qlora.model.rope import rope_attention_factor, rope_inv_freq
 from lit_qlora.model.tiled_mlp import mlp_tile_tokens, tiled_mlp
@@ -124,16 +126,22 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(config.n_embd, nkv * hd, bias=config.qkv_bias)
         self.o_proj = nn.Linear(nh * hd, config.n_embd, bias=config.o_bias)
         if config.qk_norm:
-            self.q_norm = RMSNorm(hd, config.norm_eps, config.norm_plus_one)
-            self.k_norm = RMSNorm(hd, config.norm_eps, config.norm_plus_one)
+            whole = config.qk_norm_width == "all"  # OLMoE: over the whole projection, before the heads split
+            self.q_norm = RMSNorm(nh * hd if whole else hd, config.norm_eps, config.norm_plus_one)
+            self.k_norm = RMSNorm(nkv * hd if whole else hd, config.norm_eps, config.norm_plus_one)
         self.scale = attention_scale(config)
         self.kv_cache: Optional[KVCache] = None
 
     def forward(self, x, cos, sin, mask: Optional[torch.Tensor], input_pos: Optional[torch.Tensor]) -> torch.Tensor:
         B, T, _ = x.shape
-        hd = self.config.head_dim
-        q, k, v = (t.view(B, T, -1, hd) for t in fused_projections(x, (self.q_proj, self.k_proj, self.v_proj)))
-        if self.config.qk_norm:  # Qwen3, Gemma 3: per head, over head_dim, before RoPE
+        c, hd = self.config, self.config.head_dim
+        q, k, v = fused_projections(x, (self.q_proj, self.k_proj, self.v_proj))
+        if c.qk_norm and c.qk_norm_width == "all":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if c.clip_qkv is not None:
+            q, k, v = (t.clamp(-c.clip_qkv, c.clip_qkv) for t in (q, k, v))
+        q, k, v = (t.view(B, T, -1, hd) for t in (q, k, v))
+        if c.qk_norm and c.qk_norm_width == "head":  # Qwen3, Gemma 3: per head, over head_dim, before RoPE
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -196,7 +204,7 @@ class _LeanGatedActivation(torch.autograd.Function):
 
 
 class Block(nn.Module):
-    def __init__(self, config: Config, sliding: bool = False) -> None:
+    def __init__(self, config: Config, sliding: bool = False, moe: bool = False) -> None:
         super().__init__()
         self.sliding = sliding
         """Attends within config.sliding_window (Gemma 2 alternates sliding and full layers)."""
@@ -209,7 +217,7 @@ class Block(nn.Module):
         if config.sandwich_norms:
             self.pre_feedforward_layernorm = norm()
             self.post_feedforward_layernorm = norm()
-        self.mlp = MLP(config)
+        self.mlp = SparseMoE(config) if moe else MLP(config)
         self.sandwich = config.sandwich_norms
 
     def forward(self, x, cos, sin, mask=None, input_pos=None) -> torch.Tensor:
@@ -230,7 +238,8 @@ class Transformer(nn.Module):
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(config.vocab_size, config.n_embd)
         kinds = config.layer_types or ["sliding_attention"] * config.n_layer
-        self.model.layers = nn.ModuleList(Block(config, kind == "sliding_attention") for kind in kinds)
+        self.model.layers = nn.ModuleList(Block(config, kind == "sliding_attention", config.is_moe_layer(i))
+                                          for i, kind in enumerate(kinds))
         self.model.norm = RMSNorm(config.n_embd, config.norm_eps, config.norm_plus_one)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_embeddings:
@@ -303,7 +312,8 @@ class Transformer(nn.Module):
         for block in self.model.layers:
             attn, mlp = block.self_attn, block.mlp
             share_storage((attn.q_proj, attn.k_proj, attn.v_proj), trainable)
-            share_storage((mlp.gate_proj, mlp.up_proj), trainable)
+            if isinstance(mlp, MLP):
+                share_storage((mlp.gate_proj, mlp.up_proj), trainable)
 
     def flex_or_dense(self, mask, rows: int, dtype: torch.dtype):
         """A BlockMask where flex_attention runs this forward's shape, else its dense mask (flex.flex_runs)."""
@@ -344,7 +354,9 @@ class Transformer(nn.Module):
     def init_weights(self, std: float = 0.02) -> None:
         """Random initialization for tests and benchmarks (real runs load a checkpoint)."""
         for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
+            if isinstance(module, ExpertLinear):
+                nn.init.normal_(module.weight, std=std)
+            elif isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, std=std)
                 if getattr(module, "bias", None) is not None:
                     nn.init.zeros_(module.bias)

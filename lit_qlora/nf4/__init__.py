@@ -20,7 +20,8 @@ from lit_qlora.quiet import quiet_third_party
 quiet_third_party()  # before torchao loads: its import warns about kernels NF4 never uses
 
 from lit_qlora.nf4.codec import clone_nf4, dequantize_nf4, is_nf4, nf4_nbytes, quantize_nf4  # noqa: E402
-from lit_qlora.nf4.convert import base_linears, count_linears, is_ignored, quantize_linears, quantize_weight  # noqa: E402
+from lit_qlora.nf4.convert import (base_linears, count_linears, expert_linears, is_ignored, quantize_linears,  # noqa: E402
+                                   quantize_weight)
 from lit_qlora.nf4.layout import NF4Layout, block_aligned_rows, nf4_layout, row_slices  # noqa: E402
 from lit_qlora.nf4.linear import FrozenNF4Linear, NF4Linear, frozen_linear, nf4_linear  # noqa: E402
 from lit_qlora.nf4.native import nf4_backend  # noqa: E402
@@ -46,5 +47,6 @@ __all__ = [
     "quantize_linears",
     "count_linears",
     "base_linears",
+    "expert_linears",
     "is_ignored",
 ]

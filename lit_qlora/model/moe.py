@@ -1,0 +1,87 @@
+"""A mixture-of-experts MLP (Qwen3-MoE, Mixtral, OLMoE): a router picks each token's top k experts, the tokens are
+sorted by expert, and each projection runs as one grouped matmul over all experts (lit_qlora.nf4.grouped).
+
+Module names follow transformers' (`mlp.gate` is the router, `mlp.experts.{gate,up,down}_proj` the stacked expert
+weights); the checkpoint's per-expert tensors are stacked as they load and unstacked on export (hf_layout.py).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from lit_qlora.model.config import Config
+from lit_qlora.nf4.grouped import ExpertLinear
+
+
+class Experts(nn.Module):
+    """Every expert's gated MLP, stacked: down(act(gate(x)) * up(x)) with each row through its own expert."""
+
+    def __init__(self, config: Config) -> None:
+        super().__init__()
+        n, h, i = config.n_experts, config.n_embd, config.moe_intermediate_size
+        self.gate_proj = ExpertLinear(n, h, i)
+        self.up_proj = ExpertLinear(n, h, i)
+        self.down_proj = ExpertLinear(n, i, h)
+        self.act = partial(F.gelu, approximate="tanh") if config.mlp_activation == "gelu_tanh" else F.silu
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x: rows sorted by expert, counts[e] rows for expert e."""
+        return self.down_proj(self.act(self.gate_proj(x, counts)) * self.up_proj(x, counts), counts)
+
+
+class SparseMoE(nn.Module):
+    """Routes each token to its top k experts and sums their outputs weighted by the router's probabilities."""
+
+    def __init__(self, config: Config) -> None:
+        super().__init__()
+        self.n_experts, self.top_k = config.n_experts, config.n_experts_per_token
+        self.norm_topk_prob = config.norm_topk_prob
+        self.gate = nn.Linear(config.n_embd, config.n_experts, bias=False)
+        """The router: kept in high precision (never NF4) and frozen unless `router` is a LoRA target."""
+        self.gate.keeps_precision = True
+        self.experts = Experts(config)
+        self.load: Optional[torch.Tensor] = None
+        """Tokens routed to each expert in the last forward (n_experts,): the router's load, for logging."""
+        self.router_logits: Optional[torch.Tensor] = None
+        """The last forward's router logits (tokens, n_experts) while `keep_router_logits`: the auxiliary loss's."""
+        self.keep_router_logits = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        logits = self.gate(x)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(x.dtype)
+        flat = chosen.view(-1)
+        order = torch.argsort(flat, stable=True)  # rows grouped by expert, tokens in order within each
+        counts = torch.bincount(flat, minlength=self.n_experts)
+        token = order // self.top_k
+        y = self.experts(x.index_select(0, token), counts)
+        y = y * weights.view(-1).index_select(0, order)[:, None]
+        out = torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
+        self.load = counts.detach()
+        self.router_logits = logits if self.keep_router_logits else None
+        return out.view(shape)
+
+
+def load_balancing_loss(router_logits: list[torch.Tensor], n_experts: int, top_k: int) -> torch.Tensor:
+    """Switch Transformer's auxiliary loss over the layers' router logits: n_experts * sum_e f_e * P_e, f_e the
+    share of top-k assignments expert e got and P_e its mean router probability (over all layers' tokens)."""
+    assigned = torch.zeros(n_experts, dtype=torch.float32, device=router_logits[0].device)
+    prob_sum = torch.zeros_like(assigned)
+    rows = 0
+    for logits in router_logits:
+        probs = torch.softmax(logits.float(), dim=-1)
+        chosen = torch.topk(probs, top_k, dim=-1).indices
+        assigned = assigned + torch.bincount(chosen.reshape(-1), minlength=n_experts).float()
+        prob_sum = prob_sum + probs.sum(0)
+        rows += logits.size(0)
+    return (assigned / rows * (prob_sum / rows)).sum() * n_experts

@@ -1,0 +1,160 @@
+"""Grouped matmuls for mixtures of experts: tokens sorted by expert, one matmul call per projection for all experts.
+
+A block's experts are stored stacked, the way the grouped matmul reads them: one (n_experts, out, in) weight per
+projection, or its NF4 form, one (n_experts * out, in) ``NF4Tensor`` (each expert's rows are whole quantization
+blocks, so an expert is a contiguous run of codes and block scales). `ExpertLinear` is that frozen projection;
+LoRA's per-expert adapters sit on it in :mod:`lit_qlora.lora.experts`.
+
+`grouped_mm` wraps ``torch._grouped_mm`` (CUDA's grouped GEMM; on the CPU one call that loops in C++), whose
+operands must have 16-byte aligned strides: where a width is not (a tiny model, a LoRA rank of 4 in bf16), the
+operands are zero-padded to one that is, which changes no value.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torchao.quantization import NF4Tensor
+
+from lit_qlora.nf4.codec import block_scales, is_nf4
+from lit_qlora.nf4.native import dequantize_blocks, use_native
+from lit_qlora.nf4.reference import dequantize_eager
+
+
+def _pad_to(t: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
+    size = t.size(dim)
+    extra = -size % multiple
+    if not extra:
+        return t
+    pad = [0, 0] * (t.dim() - 1 - dim % t.dim()) + [0, extra]
+    return F.pad(t, pad)
+
+
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Per group g of rows of `a` (rows offsets[g-1]:offsets[g]): a[rows] @ b[g]. a (M, K), b (G, K, N) -> (M, N)."""
+    align = 16 // a.element_size()
+    n = b.size(2)
+    a = _pad_to(a, 1, align).contiguous()
+    b = _pad_to(_pad_to(b, 1, align), 2, align)
+    if b.stride(1) != 1 and b.stride(2) != 1:
+        b = b.contiguous()
+    out = torch._grouped_mm(a, b, offs=offsets)
+    return out if out.size(1) == n else out[:, :n]
+
+
+def grouped_weight_grad(a: torch.Tensor, g: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Per group: a[rows]^T @ g[rows], a (M, K), g (M, N) -> (G, K, N): the gradient of `grouped_mm`'s b."""
+    align = 16 // a.element_size()
+    k, n = a.size(1), g.size(1)
+    a_t = _pad_to(_pad_to(a, 0, align), 1, align).t().contiguous()  # (K', M'): rows past the last offset are zeros
+    g = _pad_to(_pad_to(g, 0, align), 1, align).contiguous()
+    out = torch._grouped_mm(a_t, g, offs=offsets)
+    return out[:, :k, :n]
+
+
+class GroupedMM(torch.autograd.Function):
+    """`grouped_mm` with gradients for both operands (a LoRA factor's are trained)."""
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(a if ctx.needs_input_grad[1] else None, b, offsets)
+        return grouped_mm(a, b, offsets)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        a, b, offsets = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_a = grouped_mm(grad, b.transpose(1, 2), offsets) if ctx.needs_input_grad[0] else None
+        grad_b = grouped_weight_grad(a, grad, offsets).to(b.dtype) if ctx.needs_input_grad[1] else None
+        return grad_a, grad_b, None
+
+
+def group_offsets(counts: torch.Tensor) -> torch.Tensor:
+    """Each group's end row, int32, as ``torch._grouped_mm`` takes them."""
+    return counts.cumsum(0).to(torch.int32)
+
+
+@torch.compiler.disable  # raw-pointer kernels
+@torch.no_grad()
+def dequantize_experts(weight: NF4Tensor, n_experts: int, experts: Optional[torch.Tensor],
+                       dtype: torch.dtype) -> torch.Tensor:
+    """The dense (len(experts), out, in) weights of the experts `experts` (all with None) of a stacked NF4
+    projection: only their codes are read, so a token routed to 8 of 128 experts dequantizes 8."""
+    rows, cols = weight.shape
+    out_rows = rows // n_experts
+    if experts is None:
+        count, codes, scales = n_experts, weight.quantized_data, block_scales(weight)
+    else:
+        count = experts.numel()
+        codes = weight.quantized_data.view(n_experts, -1).index_select(0, experts).view(-1)
+        scales = block_scales(weight).view(n_experts, -1).index_select(0, experts).view(-1)
+    storage = weight.nf4.dtype
+    out = torch.empty(count, out_rows, cols, dtype=dtype, device=codes.device)
+    flat = out.view(-1)
+    if codes.device.type == "cpu" and dtype in (storage, torch.float32) and use_native(storage):
+        dequantize_blocks(codes, scales, weight.nf4, storage, flat)
+    elif dtype == storage:
+        dequantize_eager(codes, scales, weight.nf4, flat)
+    else:
+        tmp = torch.empty(flat.numel(), dtype=storage, device=codes.device)
+        dequantize_eager(codes, scales, weight.nf4, tmp)
+        flat.copy_(tmp)
+    return out
+
+
+def expert_weights(weight: torch.Tensor, n_experts: int, experts: Optional[torch.Tensor],
+                   dtype: torch.dtype) -> torch.Tensor:
+    """(experts, out, in) in `dtype`: dequantized from NF4, or the stacked dense weight's rows."""
+    if is_nf4(weight):
+        return dequantize_experts(weight, n_experts, experts, dtype)
+    weight = weight.detach()
+    return (weight if experts is None else weight.index_select(0, experts)).to(dtype)
+
+
+class _ExpertMatmul(torch.autograd.Function):
+    """x @ W_e^T per expert's rows for a frozen stacked W (dense or NF4); backward dequantizes again rather than
+    keeping the dense experts (their bf16 size would sit beside every block's activations)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, n_experts: int, counts: torch.Tensor):
+        active = None if bool((counts > 0).all()) else counts.nonzero().view(-1)
+        kept = counts if active is None else counts.index_select(0, active)
+        offsets = group_offsets(kept)
+        dense = expert_weights(weight, n_experts, active, x.dtype)
+        ctx.save_for_backward(weight, offsets, active)
+        ctx.n_experts = n_experts
+        return grouped_mm(x, dense.transpose(1, 2), offsets)
+
+    @staticmethod
+    def backward(ctx, grad):
+        weight, offsets, active = ctx.saved_tensors
+        dense = expert_weights(weight, ctx.n_experts, active, grad.dtype)
+        return grouped_mm(grad.contiguous(), dense, offsets), None, None, None
+
+
+class ExpertLinear(nn.Module):
+    """One projection of every expert of a block, frozen: `forward(x, counts)` with x's rows sorted by expert,
+    counts[e] of them for expert e, gives each row times its own expert's weight (one grouped matmul).
+
+    `weight` is (n_experts, out, in), or NF4 (n_experts * out, in)."""
+
+    def __init__(self, n_experts: int, in_features: int, out_features: int, device=None, dtype=None) -> None:
+        super().__init__()
+        self.n_experts, self.in_features, self.out_features = n_experts, in_features, out_features
+        self.weight = nn.Parameter(torch.empty(n_experts, out_features, in_features, device=device, dtype=dtype),
+                                   requires_grad=False)
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        return _ExpertMatmul.apply(x, self.weight, self.n_experts, counts)
+
+    def expert_weight(self, expert: int, dtype: torch.dtype) -> torch.Tensor:
+        """Expert `expert`'s (out, in) weight in `dtype` (dequantized from NF4)."""
+        return expert_weights(self.weight, self.n_experts, torch.tensor([expert], device=self.weight.device),
+                              dtype)[0]
+
+    def extra_repr(self) -> str:
+        kind = "nf4" if is_nf4(self.weight) else str(self.weight.dtype).removeprefix("torch.")
+        return f"{self.n_experts} experts, {self.in_features}, {self.out_features}, base={kind}"

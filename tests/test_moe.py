@@ -1,0 +1,241 @@
+"""Mixtures of experts (Qwen3-MoE, Mixtral, OLMoE) against transformers and peft, on tiny random checkpoints that
+transformers itself writes in the Hub's key layout: logits and greedy tokens, NF4 experts stacked per block with the
+router kept in high precision, LoRA on every expert computed as grouped matmuls (loss and gradients equal to peft's
+`target_parameters` on transformers), and the merged export back in transformers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+from lit_qlora.checkpoint.adapter import save_adapter  # noqa: E402
+from lit_qlora.checkpoint.loading import load_model  # noqa: E402
+from lit_qlora.deploy.export import merge  # noqa: E402
+from lit_qlora.lora.experts import LoRAExpertLinear  # noqa: E402
+from lit_qlora.lora.layer import apply_lora, lora_modules  # noqa: E402
+from lit_qlora.model.config import Config  # noqa: E402
+from lit_qlora.model.sampling import generate  # noqa: E402
+from lit_qlora.nf4 import count_linears, dequantize_nf4, is_nf4  # noqa: E402
+from lit_qlora.nf4.grouped import ExpertLinear, GroupedMM  # noqa: E402
+
+VOCAB = 256
+SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2)
+# model_type -> its arguments beyond the shared shape: 8 experts of which each token takes 2 (Qwen3: 3, renormalized).
+FAMILIES = {
+    "qwen3_moe": dict(head_dim=16, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, norm_topk_prob=True),
+    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2),
+    "olmoe": dict(num_experts=8, num_experts_per_tok=2, clip_qkv=4.0),
+}
+
+
+def hf_checkpoint(model_type: str, out: Path):
+    """A tiny random MoE written by transformers (safetensors, the Hub's per-expert keys), norms not all ones."""
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model(model_type, **SHAPE, **FAMILIES[model_type])
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+            if name.endswith("gate.weight"):  # a router with opinions: a near-uniform one ties on the top k
+                p.normal_(0, 0.5)
+    model.save_pretrained(out, safe_serialization=True)
+    return model
+
+
+def tokens(shape: tuple[int, ...], seed: int = 2) -> torch.Tensor:
+    return torch.randint(0, VOCAB, shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory) -> tuple[str, Path]:
+    out = tmp_path_factory.mktemp(request.param)
+    hf_checkpoint(request.param, out)
+    return request.param, out
+
+
+def test_checkpoint_is_in_the_hubs_per_expert_layout_and_reads_as_a_mixture(family):
+    model_type, path = family
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    expert = "block_sparse_moe.experts.7.w2" if model_type == "mixtral" else "mlp.experts.7.down_proj"
+    assert f"model.layers.1.{expert}.weight" in keys
+    config = Config.from_checkpoint(path)
+    assert (config.n_experts, config.n_experts_per_token) == (8, FAMILIES[model_type]["num_experts_per_tok"])
+    assert config.norm_topk_prob == (model_type != "olmoe")
+    assert config.moe_intermediate_size == (32 if model_type == "qwen3_moe" else 96)
+
+
+def test_logits_and_greedy_tokens_equal_transformers(family):
+    model_type, path = family
+    reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ours = load_model(path, "none", "32-true")
+    idx = tokens((2, 24))
+    prompt = [5, 17, 200, 42, 7]
+    with torch.no_grad():
+        diff = (ours(idx) - reference(idx).logits).abs().max().item()
+        expected = reference.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=None,
+                                      pad_token_id=0)[0, len(prompt):].tolist()
+    assert diff <= 1e-5
+    assert list(generate(ours, prompt, 16)) == expected  # the KV cache: one token at a time through the router
+
+
+def test_nf4_stacks_every_experts_projections_and_keeps_the_router_precise(family):
+    model_type, path = family
+    reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = load_model(path, "nf4", "32-true")
+    per_block = 4 + 3 * 8  # q, k, v, o and every expert's gate, up and down
+    assert count_linears(model) == (2 * per_block + 1,) * 2
+    moe = model.model.layers[0].mlp
+    assert not is_nf4(moe.gate.weight) and moe.gate.weight.dtype == torch.float32
+    experts = moe.experts.gate_proj
+    assert is_nf4(experts.weight) and tuple(experts.weight.shape) == (8 * experts.out_features, 64)
+    # NF4 exact: transformers computing with our dequantized weights gives our logits.
+    state = dict(model.named_parameters())
+    hf_state = reference.state_dict()
+    with torch.no_grad():
+        for i in range(2):
+            ours = model.model.layers[i].mlp.experts
+            stack = [dequantize_nf4(getattr(ours, p).weight).view(8, -1, getattr(ours, p).in_features)
+                     for p in ("gate_proj", "up_proj", "down_proj")]
+            hf_state[f"model.layers.{i}.mlp.experts.gate_up_proj"].copy_(torch.cat(stack[:2], dim=1))
+            hf_state[f"model.layers.{i}.mlp.experts.down_proj"].copy_(stack[2])
+            for proj in "qkvo":
+                name = f"model.layers.{i}.self_attn.{proj}_proj.weight"
+                hf_state[name].copy_(dequantize_nf4(state[name]))
+        hf_state["lm_head.weight"].copy_(dequantize_nf4(state["lm_head.weight"]))
+    idx = tokens((2, 16))
+    with torch.no_grad():
+        assert (model(idx) - reference(idx).logits).abs().max().item() <= 1e-5
+
+
+def test_the_router_load_counts_every_tokens_top_k(family):
+    model_type, path = family
+    model = load_model(path, "none", "32-true")
+    with torch.no_grad():
+        model(tokens((3, 10)))
+    k = FAMILIES[model_type]["num_experts_per_tok"]
+    for block in model.model.layers:
+        assert block.mlp.load.shape == (8,) and block.mlp.load.sum().item() == 3 * 10 * k
+        assert (block.mlp.load > 0).sum() >= 2  # more than one expert is used
+
+
+@pytest.mark.parametrize("quantize", ["none", "nf4"])
+def _peft_keys(adapters: dict) -> dict[str, torch.Tensor]:
+    """{peft's parameter name: tensor} for adapters laid out as peft holds them."""
+    return {f"base_model.model.{name}.{leaf}.default.weight": t for name, pair in adapters.items()
+            for leaf, t in zip(("lora_A", "lora_B"), pair)}
+
+
+def test_one_training_step_equals_transformers_with_peft_target_parameters(family, tmp_path):
+    """Loss and every adapter gradient (attention and all experts) equal peft's on transformers, our adapters in
+    peft's layout as `export_peft` writes them (experts through `target_parameters`)."""
+    from lit_qlora.deploy.export import peft_adapters, peft_config
+
+    model_type, path = family
+    model = load_model(path, "none", "32-true")
+    apply_lora(model, r=4, alpha=8, dtype=torch.float32, targets=["q", "v", "experts"])
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for layer in lora_modules(model).values():
+            layer.lora_B.normal_(0, 0.1)
+    adapters, ranks, alphas = peft_adapters(model, 8, False)
+    config = peft_config({"r": 4, "alpha": 8, "module_names": list(adapters)}, str(path))
+    config.update(rank_pattern=ranks, alpha_pattern=alphas)
+    assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    keep = {k: config[k] for k in ("r", "lora_alpha", "target_modules", "target_parameters", "rank_pattern",
+                                   "alpha_pattern")}
+    with_adapter = peft.get_peft_model(reference, peft.LoraConfig(**keep))
+    own = dict(with_adapter.named_parameters())
+    expected = _peft_keys(adapters)
+    assert set(expected) == {n for n in own if "lora_" in n}
+    with torch.no_grad():
+        for name, t in expected.items():
+            assert own[name].shape == t.shape, name
+            own[name].copy_(t)
+    idx = tokens((2, 12))
+    ours_loss = torch.nn.functional.cross_entropy(model.train()(idx)[:, :-1].reshape(-1, VOCAB),
+                                                  idx[:, 1:].reshape(-1))
+    theirs_loss = with_adapter.train()(idx, labels=idx).loss
+    assert abs(ours_loss.item() - theirs_loss.item()) <= 1e-5
+    ours_loss.backward()
+    theirs_loss.backward()
+    grads = _peft_keys(peft_adapters(model, 8, False, lambda m: (m.lora_A.grad, m.lora_B.grad))[0])
+    placed = _peft_keys(peft_adapters(model, 8, False, lambda m: (torch.ones_like(m.lora_A),
+                                                                  torch.ones_like(m.lora_B)))[0])
+    for name, grad in grads.items():  # where our layout puts a value (not peft's zero off-diagonal blocks)
+        mask = placed[name].bool()
+        assert torch.allclose(own[name].grad[mask], grad[mask], atol=1e-6, rtol=1e-4), name
+    assert len(grads) == 2 * 2 * 4  # A and B of q, v, gate_up and down, in two blocks
+
+
+def test_grouped_lora_equals_one_expert_at_a_time():
+    """LoRAExpertLinear over sorted rows: each row through its own expert's W + scale * B A, values and gradients."""
+    torch.manual_seed(0)
+    base = ExpertLinear(5, 12, 6)
+    torch.nn.init.normal_(base.weight)
+    layer = LoRAExpertLinear(base, r=3, alpha=6)
+    torch.nn.init.normal_(layer.lora_B)
+    counts = torch.tensor([2, 0, 4, 1, 3])
+    x = torch.randn(10, 12, requires_grad=True)
+    y = layer(x, counts)
+    rows = torch.repeat_interleave(torch.arange(5), counts)
+    w = base.weight[rows] + 2.0 * layer.lora_B[rows] @ layer.lora_A[rows]
+    expected = torch.einsum("ti,toi->to", x, w)
+    assert torch.allclose(y, expected, atol=1e-5)
+    g = torch.randn_like(y)
+    grads = torch.autograd.grad(y, (x, layer.lora_A, layer.lora_B), g)
+    want = torch.autograd.grad(expected, (x, layer.lora_A, layer.lora_B), g)
+    for got, ref in zip(grads, want):
+        assert torch.allclose(got, ref, atol=1e-5)
+    assert torch.equal(grads[1][1], torch.zeros(3, 12))  # an expert that got no rows gets no gradient
+
+
+def test_grouped_mm_pads_unaligned_widths_without_changing_values():
+    """bf16 operands whose widths are not 16-byte multiples (rank 3, 12 features) are padded, not refused."""
+    torch.manual_seed(0)
+    a = torch.randn(7, 12, dtype=torch.bfloat16, requires_grad=True)
+    b = torch.randn(3, 12, 3, dtype=torch.bfloat16, requires_grad=True)
+    offsets = torch.tensor([2, 2, 7], dtype=torch.int32)
+    y = GroupedMM.apply(a, b, offsets)
+    ref = torch.cat([a[:2].float() @ b[0].float(), a[2:].float() @ b[2].float()])
+    assert torch.allclose(y.float(), ref, atol=0.1, rtol=0.02)
+    y.float().sum().backward()
+    assert torch.allclose(b.grad[1].float(), torch.zeros(12, 3)) and b.grad[2].abs().sum() > 0
+
+
+def test_merged_export_loads_in_transformers_with_our_logits(family, tmp_path):
+    model_type, path = family
+    model = load_model(path, "nf4", "32-true")
+    apply_lora(model, r=4, alpha=8, dtype=torch.float32, targets=["all"])
+    assert {type(m) for m in lora_modules(model).values()} >= {LoRAExpertLinear}
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for layer in lora_modules(model).values():
+            layer.lora_B.normal_(0, 0.05)
+    adapter = save_adapter(model, tmp_path / "a", {"r": 4, "alpha": 8, "targets": ["all"], "quantize": "nf4",
+                                                   "base_dtype": "float32", "lora_dtype": "float32"})
+    idx = tokens((2, 12))
+    with torch.no_grad():
+        ours = model.eval()(idx)
+        again = load_model(path, adapter_dir=adapter, precision="32-true")(idx)
+    assert torch.equal(ours, again)  # the adapter file holds every expert's A and B
+    merged_dir = merge(path, adapter, tmp_path / "m")
+    with safe_open(str(merged_dir / "model.safetensors"), "pt") as f:
+        assert set(f.keys()) == set(safe_open(str(path / "model.safetensors"), "pt").keys())  # the Hub's names
+    assert json.loads((merged_dir / "config.json").read_text())["model_type"] == model_type
+    merged = transformers.AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).eval()
+    base = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs, untouched = merged(idx).logits, base(idx).logits
+    assert (theirs - ours).abs().max() <= 0.03 * ours.abs().max()  # the merged file is bf16
+    assert (untouched - ours).abs().max() > 5 * (theirs - ours).abs().max()  # the adapters mattered
