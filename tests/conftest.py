@@ -77,3 +77,20 @@ def spawn_ranks(worker, world_size: int, *args, timeout: float = 300) -> dict:
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
+
+
+def finetune_sums(checkpoint_dir: Path, tmp_path: Path, max_steps: int, dropout: float = 0.0) -> dict:
+    """A short QLoRA `finetune` of `checkpoint_dir` on 24 rows of sums (r 4, micro-batches of 2, 4 rows a step) into
+    tmp_path / "run"; returns its summary."""
+    import json
+
+    from lit_qlora.train.args import DataArgs, LoRAArgs, TrainArgs
+    from lit_qlora.train.finetune import finetune
+
+    rows = [{"instruction": f"Add {i} and {i + 3}.", "output": f"{i} + {i + 3} = {2 * i + 3}."} for i in range(24)]
+    (tmp_path / "rows.json").write_text(json.dumps(rows))
+    return finetune(checkpoint_dir=checkpoint_dir, out_dir=tmp_path / "run", accelerator="cpu",
+                    lora=LoRAArgs(r=4, alpha=8, dropout=dropout),
+                    train=TrainArgs(max_steps=max_steps, micro_batch_size=2, global_batch_size=4, max_seq_length=64,
+                                    lr=1e-2, warmup_steps=1),
+                    data=DataArgs(json_path=tmp_path / "rows.json", val_split=0.25))

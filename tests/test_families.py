@@ -21,13 +21,11 @@ from lit_qlora.checkpoint.hf import copy_tokenizer_files  # noqa: E402
 from lit_qlora.model.config import HF_DEFAULTS, Config  # noqa: E402
 from lit_qlora.model.presets import PRESETS  # noqa: E402
 from lit_qlora.deploy.export import export_peft, merge  # noqa: E402
-from lit_qlora.train.finetune import finetune  # noqa: E402
 from lit_qlora.model.sampling import generate  # noqa: E402
 from lit_qlora.checkpoint.loading import load_model  # noqa: E402
 from lit_qlora.lora.layer import apply_lora, lora_modules  # noqa: E402
 from lit_qlora.checkpoint.adapter import save_adapter  # noqa: E402
 from lit_qlora.nf4 import count_linears, is_nf4  # noqa: E402
-from lit_qlora.train.args import DataArgs, LoRAArgs, TrainArgs  # noqa: E402
 
 VOCAB = 49152  # SmolLM2's tokenizer, so `litqlora finetune` can tokenize text for these models
 LINEARS = 2 * 7 + 1  # two blocks of q, k, v, o, gate, up, down, and the head
@@ -216,15 +214,11 @@ def test_merged_and_peft_exports_load_in_transformers_and_peft_with_our_outputs(
 @pytest.mark.parametrize("family", ["qwen3-tied", "gemma2-sliding-softcapped", "gemma3-local-rope",
                                     "phi3-partial-longrope-tied"])
 def test_qlora_finetune_writes_every_artifact_and_lowers_the_loss(family, smollm2_dir, tmp_path):
+    from conftest import finetune_sums
+
     hf_checkpoint(*FAMILIES[family], tmp_path / "hf", tokenizer_dir=smollm2_dir)
-    rows = [{"instruction": f"Add {i} and {i + 3}.", "output": f"{i} + {i + 3} = {2 * i + 3}."} for i in range(24)]
-    (tmp_path / "rows.json").write_text(json.dumps(rows))
+    summary = finetune_sums(tmp_path / "hf", tmp_path, max_steps=6)
     out = tmp_path / "run"
-    summary = finetune(checkpoint_dir=tmp_path / "hf", out_dir=out, accelerator="cpu",
-                       lora=LoRAArgs(r=4, alpha=8, dropout=0.0),
-                       train=TrainArgs(max_steps=6, micro_batch_size=2, global_batch_size=4, max_seq_length=64,
-                                       lr=1e-2, warmup_steps=1),
-                       data=DataArgs(json_path=tmp_path / "rows.json", val_split=0.25))
     # every linear, lm_head too unless it is tied (then it reads the embedding)
     assert summary["quantized_linears"] == summary["total_linears"] == LINEARS - len(tied_head(tmp_path / "hf"))
     assert json.loads((out / "summary.json").read_text()) == summary

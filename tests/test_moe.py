@@ -19,7 +19,7 @@ from lit_qlora.checkpoint.adapter import save_adapter  # noqa: E402
 from lit_qlora.checkpoint.loading import load_model  # noqa: E402
 from lit_qlora.deploy.export import merge  # noqa: E402
 from lit_qlora.lora.experts import LoRAExpertLinear  # noqa: E402
-from lit_qlora.lora.layer import apply_lora, lora_modules  # noqa: E402
+from lit_qlora.lora.layer import adapters_disabled, apply_lora, lora_modules  # noqa: E402
 from lit_qlora.model.config import Config  # noqa: E402
 from lit_qlora.model.sampling import generate  # noqa: E402
 from lit_qlora.nf4 import count_linears, dequantize_nf4, is_nf4  # noqa: E402
@@ -239,3 +239,64 @@ def test_merged_export_loads_in_transformers_with_our_logits(family, tmp_path):
         theirs, untouched = merged(idx).logits, base(idx).logits
     assert (theirs - ours).abs().max() <= 0.03 * ours.abs().max()  # the merged file is bf16
     assert (untouched - ours).abs().max() > 5 * (theirs - ours).abs().max()  # the adapters mattered
+
+
+def test_the_auxiliary_loss_equals_transformers_while_the_router_trains(family):
+    """With `router` a LoRA target (B at zero: the same routing), a training forward's load-balancing term is
+    transformers' router_aux_loss_coef x aux_loss; with the router frozen there is none."""
+    from lit_qlora.model.moe import auxiliary_loss
+
+    model_type, path = family
+    model = load_model(path, "none", "32-true")
+    idx = tokens((2, 10))
+    apply_lora(model, r=4, alpha=8, dtype=torch.float32, targets=["q"])
+    model.train()(idx)
+    assert auxiliary_loss(model) is None  # the router does not train
+    apply_lora(model, r=4, alpha=8, dtype=torch.float32, targets=["q", "router"])
+    assert not is_nf4(model.model.layers[0].mlp.gate.weight)
+    model.train()(idx)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    out = reference(idx, output_router_logits=True)
+    assert torch.allclose(auxiliary_loss(model), reference.config.router_aux_loss_coef * out.aux_loss, atol=1e-6)
+
+
+def test_qlora_finetune_logs_the_router_load_and_exports_what_transformers_and_peft_load(smollm2_dir, tmp_path):
+    """`litqlora finetune` on an NF4 mixture of experts: every expert projection NF4, adapters on attention and
+    every expert, the router's load per layer in metrics.jsonl, and final/ whose merged model and PEFT adapter load
+    in transformers and peft with the trained model's outputs."""
+    from conftest import finetune_sums
+
+    from lit_qlora.checkpoint.hf import copy_tokenizer_files
+
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model("qwen3_moe", **{**SHAPE, "vocab_size": 49152},
+                                               **FAMILIES["qwen3_moe"])
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "hf")
+    copy_tokenizer_files(smollm2_dir, tmp_path / "hf")
+    summary = finetune_sums(tmp_path / "hf", tmp_path, max_steps=5, dropout=0.05)
+    out = tmp_path / "run"
+    assert summary["quantized_linears"] == summary["total_linears"] == 2 * (4 + 3 * 8) + 1
+    assert summary["val_loss"] < summary["initial_val_loss"]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    for row in rows:
+        assert row["router/max_load"] >= 1.0 >= row["router/min_load"] >= 0.0  # 1.0: an even share
+        assert row["router/max_load"] == max(row["router/layer0_max_load"], row["router/layer1_max_load"])
+    final = out / "final"
+    trained = load_model(tmp_path / "hf", adapter_dir=final, precision="32-true")
+    assert sum(isinstance(m, LoRAExpertLinear) for m in trained.modules()) == 2 * 3
+    idx = torch.randint(0, 49152, (2, 12), generator=torch.Generator().manual_seed(4))
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    with torch.no_grad():
+        ours = trained(idx)
+        untouched = base(idx).logits
+        with_adapter = peft.PeftModel.from_pretrained(base, final / "peft").eval()
+        from_peft = with_adapter(idx).logits
+        merged = transformers.AutoModelForCausalLM.from_pretrained(final / "merged", dtype=torch.float32).eval()
+        from_merged = merged(idx).logits
+        with adapters_disabled(trained):
+            ours_base = trained(idx)
+    assert (from_merged - ours).abs().max() <= 0.03 * ours.abs().max()
+    # peft computes on the original weights, ours on dequant(NF4(W)): what the adapter changes must agree.
+    theirs_change, our_change = (from_peft - untouched).flatten(), (ours - ours_base).flatten()
+    assert our_change.abs().max() > 0.01
+    assert torch.nn.functional.cosine_similarity(theirs_change, our_change, dim=0) > 0.95

@@ -96,7 +96,9 @@ def peft_config(acfg: dict, base_name: str) -> dict:
     experts = [name for name in names if name.endswith((".mlp.experts", ".mlp.experts.base_layer"))]
     modules = sorted({name.rpartition(".")[2] for name in names if name not in experts}) or None
     extra = {"target_parameters": list(PEFT_EXPERT_PARAMETERS)} if experts else {}
-    return {**extra,
+    if experts:  # peft's expert wrapper refuses dropout; it only ever acted in training, which is over
+        extra["lora_dropout"] = 0.0
+    return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base_name,
@@ -109,6 +111,7 @@ def peft_config(acfg: dict, base_name: str) -> dict:
         "fan_in_fan_out": False,
         "inference_mode": True,
         "modules_to_save": None,
+        **extra,
     }
 
 

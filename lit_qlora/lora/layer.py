@@ -192,6 +192,7 @@ def apply_lora(model: nn.Module, r: int, alpha: float, dropout: float = 0.0, tar
             continue
         if isinstance(module, nn.Linear):
             wrapped = LoRALinear(module, r, alpha, dropout, rslora, dtype)
+            wrapped.keeps_precision = getattr(module, "keeps_precision", False)  # a router stays out of NF4
         elif isinstance(module, ExpertLinear):
             wrapped = LoRAExpertLinear(module, r, alpha, dropout, rslora, dtype)
         else:

@@ -48,8 +48,8 @@ class SparseMoE(nn.Module):
         self.load: Optional[torch.Tensor] = None
         """Tokens routed to each expert in the last forward (n_experts,): the router's load, for logging."""
         self.router_logits: Optional[torch.Tensor] = None
-        """The last forward's router logits (tokens, n_experts) while `keep_router_logits`: the auxiliary loss's."""
-        self.keep_router_logits = False
+        """The last training forward's router logits (tokens, n_experts) while the router trains: the auxiliary
+        loss's input."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -68,7 +68,8 @@ class SparseMoE(nn.Module):
         y = y * weights.view(-1).index_select(0, order)[:, None]
         out = torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
         self.load = counts.detach()
-        self.router_logits = logits if self.keep_router_logits else None
+        trains = self.training and torch.is_grad_enabled() and any(p.requires_grad for p in self.gate.parameters())
+        self.router_logits = logits if trains else None  # the auxiliary loss's input while the router trains
         return out.view(shape)
 
 
@@ -85,3 +86,30 @@ def load_balancing_loss(router_logits: list[torch.Tensor], n_experts: int, top_k
         prob_sum = prob_sum + probs.sum(0)
         rows += logits.size(0)
     return (assigned / rows * (prob_sum / rows)).sum() * n_experts
+
+
+def moe_blocks(model: nn.Module) -> list[SparseMoE]:
+    return [m for m in model.modules() if isinstance(m, SparseMoE)]
+
+
+def auxiliary_loss(model: nn.Module) -> Optional[torch.Tensor]:
+    """router_aux_loss_coef x the load-balancing loss of the last forward, while the router trains (else None):
+    transformers adds it to the mean token loss the same way."""
+    blocks = moe_blocks(model)
+    logits = [b.router_logits for b in blocks if b.router_logits is not None]
+    coef = getattr(getattr(model, "config", None), "router_aux_loss_coef", 0.0)
+    if not logits or not coef:
+        return None
+    return coef * load_balancing_loss(logits, blocks[0].n_experts, blocks[0].top_k)
+
+
+def router_load(counts: list[torch.Tensor]) -> dict[str, float]:
+    """How evenly each layer's router spread its tokens: `router/max_load` and `router/min_load` over the layers (an
+    expert's share of the layer's assignments times the number of experts: 1.0 is an even share, 0 an expert that
+    got nothing), and each layer's max as `router/layer{i}_max_load`."""
+    if not counts:
+        return {}
+    loads = [c.float() * c.numel() / c.sum().clamp(min=1) for c in counts]
+    per_layer = {f"router/layer{i}_max_load": load.max().item() for i, load in enumerate(loads)}
+    return {"router/max_load": max(per_layer.values()), "router/min_load": min(ld.min().item() for ld in loads),
+            **per_layer}

@@ -14,6 +14,7 @@ import torch
 from lit_qlora.train.compile import compile_blocks, compile_seconds, is_compiled
 from lit_qlora.errors import NonFinite
 from lit_qlora.memory.accounting import peak_memory_stats
+from lit_qlora.model.moe import auxiliary_loss, moe_blocks, router_load
 from lit_qlora.model.transformer import Transformer
 from lit_qlora.parallel.distributed import full, no_gradient_sync, reshard, shard_model
 from lit_qlora.parallel.tensor_parallel import average_over_data, parallelize
@@ -49,6 +50,8 @@ class FinetuneModule(L.LightningModule):
         # An objective's own numbers (lit_qlora.preference: rewards/chosen, ...): the step's, in its metrics row
         # and under train/ in the loggers; the last validation's, in its metrics row and under eval/.
         self.extra_metrics: dict[str, float] = {}
+        self.routed_tokens: list[torch.Tensor] = []
+        """A mixture of experts' tokens per expert and layer in this step so far (count_routed_tokens)."""
         self.val_metrics: dict[str, float] = {}
         self.initial_val_loss: Optional[float] = None  # before the run's first step (a resumed run: from its checkpoint)
         self.initial_val_metrics: dict[str, float] = {}
@@ -144,7 +147,17 @@ class FinetuneModule(L.LightningModule):
         return [optimizer], [scheduler]
 
     def micro_loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return lm_loss_sum(self.model, batch["input_ids"], batch["labels"], batch.get("positions"))
+        loss = lm_loss_sum(self.model, batch["input_ids"], batch["labels"], batch.get("positions"))
+        self.count_routed_tokens()
+        aux = auxiliary_loss(self.model)  # a mixture of experts whose router trains: its load-balancing term
+        return loss if aux is None else loss + aux * target_count(batch["labels"])
+
+    def count_routed_tokens(self) -> None:
+        """Add the last forward's tokens per expert of every MoE block to the step's (logged as the router's load)."""
+        loads = [block.load for block in moe_blocks(self.model) if block.load is not None]
+        if loads:
+            steps = self.routed_tokens or [torch.zeros_like(load) for load in loads]
+            self.routed_tokens = [total + load for total, load in zip(steps, loads)]
 
     def global_target_count(self, micro_batches: list[dict[str, Any]]) -> torch.Tensor:
         count = torch.tensor(float(sum(target_count(mb["labels"]) for mb in micro_batches)), device=self.device,
@@ -218,13 +231,15 @@ class FinetuneModule(L.LightningModule):
         self._last_step_end = time.perf_counter()
         seconds = self._last_step_end - started
         peak_memory = max(peak_memory_stats(self.device).values())
+        routing, self.routed_tokens = router_load(self.routed_tokens), []
         row = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                "tokens_per_sec": tokens / max(seconds, 1e-9), "peak_memory_bytes": peak_memory, "tokens": tokens,
-               **self.extra_metrics, **({"skipped": skipped} if skipped else {}), **self._step_compile_seconds()}
+               **self.extra_metrics, **routing, **({"skipped": skipped} if skipped else {}), **self._step_compile_seconds()}
         self.history.append({**row, "seconds": seconds})
         # A skipped step logs NaN for its loss and gradient norm: left out, Lightning would repeat the last ones.
         numbers = {TAGS[k]: float("nan") if v is None else float(v) for k, v in row.items() if k in TAGS}
         numbers.update({f"train/{k}": float(v) for k, v in self.extra_metrics.items()})
+        numbers.update(routing)  # (already tagged router/...)
         self.log_dict({**numbers, "step": float(step)})  # "step": Lightning's logger takes it as the x-axis value
 
     def _step_compile_seconds(self) -> dict[str, float]:
