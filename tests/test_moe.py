@@ -300,3 +300,33 @@ def test_qlora_finetune_logs_the_router_load_and_exports_what_transformers_and_p
     theirs_change, our_change = (from_peft - untouched).flatten(), (ours - ours_base).flatten()
     assert our_change.abs().max() > 0.01
     assert torch.nn.functional.cosine_similarity(theirs_change, our_change, dim=0) > 0.95
+
+
+def test_estimate_counts_the_nf4_experts_and_their_adapters(family, tmp_path, monkeypatch):
+    """`litqlora estimate` traces a mixture of experts' step on fake tensors (every expert dequantized: the most a
+    step can take): the frozen base is the NF4 experts' bytes and more, and adapters on experts multiply the LoRA
+    weights by the number of experts."""
+    from lit_qlora.cli import main
+    from lit_qlora.nf4 import nf4_nbytes
+
+    model_type, path = family
+    monkeypatch.chdir(tmp_path)
+    by_targets = {}
+    for targets in ("[q,k,v,o]", "[q,k,v,o,experts]"):
+        out = tmp_path / targets.strip("[]").replace(",", "-")
+        main(["estimate", "--checkpoint_dir", str(path), "--train.max_seq_length", "32", "--lora.r", "4",
+              "--lora.targets", targets, "--out_dir", str(out)])
+        by_targets[targets] = json.loads((out / "estimate.json").read_text())["by_category"]
+    model = load_model(path, "nf4", "bf16-true")
+    experts = sum(nf4_nbytes(m.weight) for m in model.modules() if isinstance(m, ExpertLinear))
+    attention_only, with_experts = by_targets["[q,k,v,o]"], by_targets["[q,k,v,o,experts]"]
+    assert attention_only["frozen base"] >= experts
+    expert_lora = 2 * 8 * 4 * (64 + FAMILIES[model_type].get("moe_intermediate_size", 96)) * 3 * 2  # bf16, 2 blocks
+    assert with_experts["LoRA weights"] - attention_only["LoRA weights"] == expert_lora
+
+
+def test_export_gguf_refuses_a_mixture_of_experts_with_the_way_out(family, tmp_path):
+    from lit_qlora.deploy.gguf_families import refusals
+
+    found = refusals(Config.from_checkpoint(family[1]))
+    assert len(found) == 1 and "convert_hf_to_gguf.py" in found[0] and family[0] in found[0]

@@ -109,6 +109,9 @@ def gemma_query_scalar(arch: str, n_layer: int, n_embd: int, n_head: int, head_d
 def refusals(config) -> list[str]:
     """Why llama.cpp would not run `config` as lit-qlora does (empty: exportable)."""
     arch = ARCHITECTURES.get(config.model_type)
+    if config.n_experts:
+        return [f"lit-qlora does not write mixtures of experts ({config.model_type}) to GGUF yet: export the merged "
+                "model (`litqlora merge`) and convert it with llama.cpp's convert_hf_to_gguf.py"]
     if arch is None:
         return [f"llama.cpp has no architecture for model_type {config.model_type!r}"]
     found = []

@@ -62,7 +62,9 @@ class SparseMoE(nn.Module):
         weights = weights.to(x.dtype)
         flat = chosen.view(-1)
         order = torch.argsort(flat, stable=True)  # rows grouped by expert, tokens in order within each
-        counts = torch.bincount(flat, minlength=self.n_experts)
+        # (scatter_add, not bincount: its output shape is static, so `litqlora estimate` traces it on fake tensors)
+        counts = torch.zeros(self.n_experts, dtype=torch.long, device=x.device).scatter_add_(
+            0, flat, torch.ones_like(flat))
         token = order // self.top_k
         y = self.experts(x.index_select(0, token), counts)
         y = y * weights.view(-1).index_select(0, order)[:, None]

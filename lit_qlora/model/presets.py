@@ -87,6 +87,15 @@ PRESETS: dict[str, Config] = {
         Config("Phi-4-mini", "phi3", 200064, 32, 3072, 24, 8, 128, 8192, 1e-5, 10000.0, _PHI4_MINI_ROPE, 131072,
                tie_embeddings=True, sliding_window=262144, partial_rotary_factor=0.75, bos_token_id=199999,
                eos_token_id=200020, pad_token_id=199999),
+        # Mixtures of experts (config.json's num_experts, num_experts_per_tok, moe_intermediate_size, norm_topk_prob).
+        Config("Qwen3-30B-A3B", "qwen3_moe", 151936, 48, 2048, 32, 4, 128, 6144, 1e-6, 1000000.0, None, 40960,
+               qk_norm=True, bos_token_id=151643, eos_token_id=151645, n_experts=128, n_experts_per_token=8,
+               moe_intermediate_size=768, norm_topk_prob=True, router_aux_loss_coef=0.001),
+        Config("Mixtral-8x7B", "mixtral", 32000, 32, 4096, 32, 8, 128, 14336, 1e-5, 1000000.0, None, 32768,
+               n_experts=8, n_experts_per_token=2, norm_topk_prob=True, router_aux_loss_coef=0.02),
+        Config("OLMoE-1B-7B", "olmoe", 50304, 16, 2048, 16, 16, 128, 1024, 1e-5, 10000.0, None, 4096,
+               qk_norm=True, qk_norm_width="all", bos_token_id=None, eos_token_id=50279, pad_token_id=1,
+               n_experts=64, n_experts_per_token=8, router_aux_loss_coef=0.01),
         Config("Qwen2.5-7B", "qwen2", 152064, 28, 3584, 28, 4, 128, 18944, 1e-6, 1000000.0, None, 32768,
                qkv_bias=True, bos_token_id=151643, eos_token_id=151643),
     ]

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torchao.quantization import NF4Tensor
 
 from lit_qlora.nf4.codec import block_scales, is_nf4
-from lit_qlora.nf4.native import dequantize_blocks, use_native
+from lit_qlora.nf4.native import dequantize_blocks, is_fake, use_native
 from lit_qlora.nf4.reference import dequantize_eager
 
 
@@ -120,7 +120,9 @@ class _ExpertMatmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, n_experts: int, counts: torch.Tensor):
-        active = None if bool((counts > 0).all()) else counts.nonzero().view(-1)
+        # Only the experts that got rows are dequantized. A dry run on fake tensors cannot know which: it counts
+        # them all, the most this can take.
+        active = None if is_fake(counts) or bool((counts > 0).all()) else counts.nonzero().view(-1)
         kept = counts if active is None else counts.index_select(0, active)
         offsets = group_offsets(kept)
         dense = expert_weights(weight, n_experts, active, x.dtype)
