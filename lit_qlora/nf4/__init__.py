@@ -7,9 +7,11 @@ Modules, lowest first (each imports only those above it):
 * :mod:`~lit_qlora.nf4.native`: kernels.c, compiled on first use, self-tested, threaded (and whether the Triton
   kernel, :mod:`~lit_qlora.nf4.triton`, runs on CUDA);
 * :mod:`~lit_qlora.nf4.codec`: :func:`quantize_nf4` / :func:`dequantize_nf4` (bit-identical to torchao);
+* :mod:`~lit_qlora.nf4.gemv`: the decode kernel, a few rows of x times an NF4 weight without its dense copy (gemv.c);
 * :mod:`~lit_qlora.nf4.ops`: the dequantize as a custom op, so ``torch.compile`` traces through it;
 * :mod:`~lit_qlora.nf4.triton_matmul`: the linear's products with the dequantize fused in (``LIT_QLORA_NF4_FUSED=1``);
-* :mod:`~lit_qlora.nf4.linear`: the NF4 linear (autograd function) and the frozen NF4 module;
+* :mod:`~lit_qlora.nf4.linear`: the NF4 linear (autograd function; a decode step's forward goes to the decode
+  kernel) and the frozen NF4 module;
 * :mod:`~lit_qlora.nf4.convert`: every base linear of a model to NF4.
 
 Nothing here knows about LoRA: the adapter layer imports this package, never the reverse.

@@ -14,13 +14,6 @@ typedef uint8_t  v8b   __attribute__((vector_size(8)));
 
 int nf4_has_f16(void) { return HAS_F16; }
 
-static inline v16f round_to(v16f x, int fmt) {
-    if (fmt == 0) { v16u b = bf16_bits(x) << 16; v16f r; memcpy(&r, &b, 64); return r; }
-#if HAS_F16
-    if (fmt == 1) { v16hf h = __builtin_convertvector(x, v16hf); return __builtin_convertvector(h, v16f); }
-#endif
-    return x;
-}
 /* Codes zero-extended to wider lanes: 16 bytes to 16 uint32, 8 bytes to 8 uint64. One vpmovzx where the ISA has it:
    gcc 12 compiles __builtin_convertvector from 8-bit lanes a byte at a time, which made dequantize ~8x slower. */
 static inline v16u widen16(const uint8_t* p) {
@@ -51,14 +44,6 @@ static inline v8q widen8(const uint8_t* p) {
 #endif
     return r;
 }
-static inline float round1(float x, int fmt) {
-    if (fmt == 0) { uint32_t u = (uint32_t)bf16_bits1(x) << 16; float r; memcpy(&r, &u, 4); return r; }
-#if HAS_F16
-    if (fmt == 1) return (float)(_Float16)x;
-#endif
-    return x;
-}
-
 /* ---- quantize: blocks [b0, b1) of bs elements; absmax per block -> amax_out (storage format),
    code = #{i : round_to(x / absmax) >= thr[i]} (15 thresholds, NaN -> 0), two codes per byte, high first */
 void nf4_quantize(const void* w, int64_t b0, int64_t b1, int64_t bs, const float* thr, uint8_t* qout,

@@ -20,6 +20,9 @@ Under ``torch.compile`` the NF4 linear is traced, not a graph break: the dense w
 ``LIT_QLORA_NF4_SAVE_DENSE=1`` (a benchmark switch) saves the dense weight for backward instead of the NF4 one: with
 activation checkpointing, the recompute's dense weights are kept for the block's backward (speed against memory,
 benchmarks/README "GPU").
+A decode step (a few rows of x on CPU and no gradient to compute: generate, chat, serve, GRPO's rollouts) takes the
+NF4 decode kernel instead (:mod:`lit_qlora.nf4.gemv`, where :func:`decode_applies`): the product straight from the
+codes, no dense weight; ``LIT_QLORA_NF4_GEMV=0`` turns it off (the A/B of benchmarks/speed/nf4_decode.py).
 ``LIT_QLORA_NF4_FUSED=1`` (a benchmark switch, default off) computes the product without a dense weight where
 :func:`fused_matmul_applies`: forward and backward's dX each in one Triton kernel that dequantizes the weight's tiles
 in registers (:mod:`lit_qlora.nf4.triton_matmul`, custom ops under torch.compile); only the NF4 weight is saved.
@@ -38,9 +41,10 @@ import torch.nn.functional as F
 from torchao.quantization import NF4Tensor
 
 from lit_qlora.errors import switch_setting
+from lit_qlora.nf4 import gemv
 from lit_qlora.nf4.codec import dequantize_nf4, is_nf4
 from lit_qlora.nf4.layout import row_slices
-from lit_qlora.nf4.native import triton_available
+from lit_qlora.nf4.native import is_fake, triton_available
 from lit_qlora.nf4.ops import dequantize_op
 from lit_qlora.nf4.reference import SUPPORTED_DTYPES
 
@@ -81,6 +85,32 @@ def fused_matmul_applies(x: torch.Tensor, weight: NF4Tensor) -> bool:
     interpreted = x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
     return ((x.device.type == "cuda" or interpreted) and _compute_dtype(x) in SUPPORTED_DTYPES
             and weight.nf4.dtype in SUPPORTED_DTYPES and weight.numel() < 2**31 and _triton_ok())
+
+
+def decode_applies(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> bool:
+    """Whether NF4Linear's forward is the decode kernel (nf4/gemv.py): a 2-D NF4 weight and x on CPU, at most
+    ``gemv.MAX_ROWS`` rows of x, a float32 or bf16 compute dtype, nothing to differentiate (grad mode off, or neither
+    x nor the bias requires grad), not under torch.compile (ctypes kernels cannot be traced) nor on fake tensors,
+    ``LIT_QLORA_NF4_GEMV`` not 0, and the kernel built and checked."""
+    return _decode_dtype(x, weight, bias) is not None
+
+
+def _decode_dtype(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> Optional[torch.dtype]:
+    """The compute dtype where `decode_applies`, else None. Runs for every linear of every decode step, so it asks
+    the NF4 weight nothing through torch functions (its shape: `gemv.weight_shape`)."""
+    if torch.compiler.is_compiling() or not x.is_cpu or is_fake(x):  # first: no guards while tracing
+        return None
+    if type(weight) is not NF4Tensor or not weight.quantized_data.is_cpu:
+        return None
+    k = x.shape[-1] if x.dim() else -1
+    if gemv.weight_shape(weight)[1:] != (k,) or not 0 < x.numel() <= gemv.MAX_ROWS * k:
+        return None
+    if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
+        return None
+    dtype = _compute_dtype(x)
+    if dtype not in gemv.X_FORMATS or not switch_setting("LIT_QLORA_NF4_GEMV", default=True):
+        return None
+    return dtype if gemv.gemv_available(weight.nf4.dtype) and not fused_matmul_applies(x, weight) else None
 
 
 def _save_dense() -> bool:
@@ -207,8 +237,12 @@ def nf4_linear(x: torch.Tensor, weight: NF4Tensor, bias: Optional[torch.Tensor] 
     """``F.linear(x, dequantize_nf4(weight).to(x.dtype), bias)``; gradients flow to ``x`` and ``bias`` only.
 
     Under autocast the weight is dequantized straight to the autocast dtype. Under ``torch.compile`` it is traced
-    (the dense weight from the custom op ``lit_qlora::nf4_dequantize``), no graph break.
+    (the dense weight from the custom op ``lit_qlora::nf4_dequantize``), no graph break. A decode step
+    (:func:`decode_applies`) runs the decode kernel, which never dequantizes the weight.
     """
+    dtype = _decode_dtype(x, weight, bias)
+    if dtype is not None:
+        return gemv.nf4_matmul_rows(x.to(dtype), weight, bias)
     return NF4Linear.apply(x, weight, bias)
 
 

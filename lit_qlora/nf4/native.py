@@ -102,16 +102,17 @@ def _compile_native() -> ctypes.CDLL:
     return build_library("nf4", {"kernels.c": kernel_source(), "simd.h": simd_header()}, _SIGNATURES)
 
 
-def build_library(name: str, sources: dict[str, str], signatures: dict[str, list]) -> ctypes.CDLL:
+def build_library(name: str, sources: dict[str, str], signatures: dict[str, list],
+                  march: Optional[str] = None) -> ctypes.CDLL:
     """Compile `sources` (file name -> text: the first is compiled, the others are files it includes) into a shared
     library, cached under the kernel cache by texts, compiler, flags and CPU; with OpenMP where the compiler has it,
     else on one thread (one warning). Each of `signatures` names a kernel whose threaded entry point `NAME_mt` takes
-    a thread count, then those ctypes arguments; `lib.has_f16` is what `{name}_has_f16()` says: float16 compiled."""
+    a thread count, then those ctypes arguments; `lib.has_f16` is what `{name}_has_f16()` says: float16 compiled.
+    `march`: gcc's -march (default: `default_march()`), for a build of one instruction set whatever the CPU."""
     compiler = os.environ.get("LIT_QLORA_CC") or shutil.which("gcc") or shutil.which("cc")
     if not compiler:
         raise RuntimeError("no C compiler (gcc/cc) found")
-    # Under the AVX2 cap (lit_qlora.hardware.AVX2_ENV) the kernels are built for AVX2 too, as a user's CPU runs them.
-    march = "x86-64-v3" if avx2_capped() and platform.machine() in ("x86_64", "AMD64") else "native"
+    march = march or default_march()
     flags = ["-O3", f"-march={march}", "-std=gnu11", "-shared", "-fPIC"]
     flags += shlex.split(os.environ.get("LIT_QLORA_CFLAGS", ""))  # extra flags, e.g. for debugging
     try:
@@ -120,6 +121,16 @@ def build_library(name: str, sources: dict[str, str], signatures: dict[str, list
         log.warning("lit_qlora.%s: building the native kernels with -fopenmp failed (%s); they run on one thread",
                     name, str(e)[-300:])
         return _build(name, sources, signatures, compiler, flags)
+
+
+def is_x86() -> bool:
+    return platform.machine() in ("x86_64", "AMD64")
+
+
+def default_march() -> str:
+    """The kernels' -march: this CPU's, or AVX2 under the AVX2 cap (lit_qlora.hardware.AVX2_ENV), as a user's CPU
+    runs them."""
+    return "x86-64-v3" if avx2_capped() and is_x86() else "native"
 
 
 def _build(name: str, sources: dict[str, str], signatures: dict[str, list], compiler: str,

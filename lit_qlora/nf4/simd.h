@@ -46,6 +46,21 @@ static inline uint16_t bf16_bits1(float x) {
     if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
     return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
+/* x rounded to the storage format fmt and back to float32 (fmt 2, float32: unchanged): a vector, one value. */
+static inline v16f round_to(v16f x, int fmt) {
+    if (fmt == 0) { v16u b = bf16_bits(x) << 16; v16f r; memcpy(&r, &b, 64); return r; }
+#if HAS_F16
+    if (fmt == 1) { v16hf h = __builtin_convertvector(x, v16hf); return __builtin_convertvector(h, v16f); }
+#endif
+    return x;
+}
+static inline float round1(float x, int fmt) {
+    if (fmt == 0) { uint32_t u = (uint32_t)bf16_bits1(x) << 16; float r; memcpy(&r, &u, 4); return r; }
+#if HAS_F16
+    if (fmt == 1) return (float)(_Float16)x;
+#endif
+    return x;
+}
 static inline v16f load16(const void* src, int64_t i, int fmt) {
     v16f r;
     if (fmt == 0) {

@@ -1,0 +1,260 @@
+/* NF4 decode kernel for lit_qlora.nf4.gemv: y[m, n] = x[m, k] @ dequant(W)[n, k]^T for a few rows of x (a decode
+   step: one token per sequence), reading W's packed codes and int8 scalers and never writing its dense copy.
+   Dequantizing a whole weight to multiply one row by it moves ~8x the bytes the product needs (a dense fp32 weight
+   written, then read back, against 0.5 byte per weight read once).
+
+   The weights are the values kernels.c's dequantize writes, bit for bit: per block the double-quantized scale
+   s = round(round(qs / factor) + mean) (torchao's dequantize_scalers, each step rounded to the storage format),
+   then a 16-entry table round(level * s), rounded once more to bf16 when x is bf16 (the dense bf16 weight the
+   matmul it replaces reads). The products accumulate in float32; only their order differs from a matmul's.
+
+   Three builds of this one file, chosen at run time by lit_qlora.nf4.gemv (the build's -march: native, or AVX2
+   under the project's AVX2 cap, or a forced one): AVX-512 (a 16-entry table is one zmm; vpermps looks up 16 codes),
+   AVX2 (two 8-entry ymm halves, looked up with vpermps and blended on the code's bit 3), and portable C (any
+   layout; also the other builds' path for a layout whose rows are not whole blocks).
+
+   The fast paths read a row's codes 16 bytes (AVX-512) or 8 bytes (AVX2) at a time: the high nibbles are the even
+   elements, the low nibbles the odd ones. Rather than interleave the looked-up weights, x is reordered once per
+   call into the same order (per group of 32 or 16 elements: its even elements, then its odd ones), shared by every
+   output row. */
+#include "simd.h"
+
+int nf4_gemv_has_f16(void) { return HAS_F16; }
+
+#if defined(__AVX512F__)
+#define GROUP 32  /* elements per step of the fast path: 16 code bytes */
+int nf4_gemv_isa(void) { return 2; }
+#elif defined(__AVX2__) && defined(__FMA__)
+#define GROUP 16  /* 8 code bytes */
+int nf4_gemv_isa(void) { return 1; }
+#else
+#define GROUP 0   /* portable C only */
+int nf4_gemv_isa(void) { return 0; }
+#endif
+
+#define TILE 4  /* rows of x per pass over a weight row: their accumulators stay in registers */
+
+typedef struct {
+    const uint8_t* q;       /* packed codes, two a byte, the first element in the high nibble */
+    const int8_t* qs;       /* one int8 scaler per block */
+    const void* factor;     /* one per scaler group, storage format */
+    float mean;             /* scaler_mean */
+    int64_t n, k, bs, sbs;  /* rows, columns, elements per block, blocks per scaler group */
+    int wfmt, tfmt;         /* storage format; the format the table is rounded to for x (2: none) */
+} weight_t;
+
+/* The 16-entry tables of blocks [b0, b0 + nb) into tab (16 floats a block): each block's scale as torchao's
+   dequantize_scalers computes it (every step rounded to the storage format), then round(level * scale). The scales
+   are computed 16 blocks at a time: their divisions are independent, so they pipeline where a block that computed its
+   own table inside the product's loop waited on its division (the kernel ran at a quarter of its speed). */
+#if defined(__AVX512F__)
+static inline __m512 round512(__m512 x, int fmt) {
+    if (fmt == 0) {  /* bf16, nearest-even, NaN -> 0x7FC0 (simd.h's bf16_bits) */
+        __m512i u = _mm512_castps_si512(x);
+        __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+        __m512i r = _mm512_and_si512(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), odd),
+                                     _mm512_set1_epi32((int)0xFFFF0000u));
+        __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+        return _mm512_castsi512_ps(_mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC00000)));
+    }
+    if (fmt == 1) return _mm512_cvtph_ps(_mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    return x;
+}
+#elif defined(__AVX2__)
+static inline __m256 round256(__m256 x, int fmt) {
+    if (fmt == 0) {
+        __m256i u = _mm256_castps_si256(x);
+        __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+        __m256i r = _mm256_and_si256(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), odd),
+                                     _mm256_set1_epi32((int)0xFFFF0000u));
+        __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+        return _mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)), nan);
+    }
+#if defined(__F16C__)
+    if (fmt == 1) return _mm256_cvtph_ps(_mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+    return x;
+}
+#endif
+
+/* One block's 16 entries, round(level * scale) to the storage format, then to the table's: in registers (gcc kept a
+   64-byte vector extension on the stack here, a third of the kernel's time on AVX2). */
+static inline void block_table(const float* lv, float s, int wfmt, int tfmt, float* out) {
+#if defined(__AVX512F__)
+    __m512 t = round512(_mm512_mul_ps(_mm512_loadu_ps(lv), _mm512_set1_ps(s)), wfmt);
+    _mm512_storeu_ps(out, tfmt == wfmt ? t : round512(t, tfmt));
+#elif defined(__AVX2__) && (defined(__F16C__) || !HAS_F16)
+    for (int h = 0; h < 16; h += 8) {
+        __m256 t = round256(_mm256_mul_ps(_mm256_loadu_ps(lv + h), _mm256_set1_ps(s)), wfmt);
+        _mm256_storeu_ps(out + h, tfmt == wfmt ? t : round256(t, tfmt));
+    }
+#else
+    v16f l; memcpy(&l, lv, 64);
+    v16f t = round_to(l * s, wfmt);
+    if (tfmt != wfmt) t = round_to(t, tfmt);
+    memcpy(out, &t, 64);
+#endif
+}
+
+static void block_tables(const weight_t* w, const float* lv, int64_t b0, int64_t nb, float* tab) {
+    int64_t g = b0 / w->sbs, in_group = b0 % w->sbs;  /* the scaler group of block b0, and b0's place in it */
+    for (int64_t j0 = 0; j0 < nb; j0 += 16) {
+        const int cnt = nb - j0 < 16 ? (int)(nb - j0) : 16;
+        float qf[16] = {0}, ff[16], sf[16];
+        for (int j = 0; j < 16; ++j) ff[j] = 1.0f;
+        for (int j = 0; j < cnt; ++j) {
+            qf[j] = (float)w->qs[b0 + j0 + j];
+            ff[j] = load1(w->factor, g, w->wfmt);
+            if (++in_group == w->sbs) { in_group = 0; ++g; }
+        }
+        v16f qv, fv, mean = {0};
+        memcpy(&qv, qf, 64); memcpy(&fv, ff, 64);
+        v16f s = round_to(round_to(qv / fv, w->wfmt) + (mean + w->mean), w->wfmt);
+        memcpy(sf, &s, 64);
+        for (int j = 0; j < cnt; ++j) block_table(lv, sf[j], w->wfmt, w->tfmt, tab + (j0 + j) * 16);
+    }
+}
+
+/* ---- portable C: row r for x rows [i0, i0 + mt), any layout (a block may span rows, a row may start mid-byte);
+   xp in natural order, tab the tables of the blocks from the one holding the row's first element. */
+static void row_portable(const weight_t* w, const float* tab, const float* xp, int64_t i0, int mt, int64_t r,
+                         float* sums) {
+    float acc[TILE] = {0};
+    const int64_t e0 = r * w->k, b0 = e0 / w->bs;
+    for (int64_t e = e0; e < e0 + w->k; ++e) {
+        float v = tab[(e / w->bs - b0) * 16 + ((w->q[e >> 1] >> ((e & 1) ? 0 : 4)) & 15)];
+        const float* xc = xp + i0 * w->k + (e - e0);
+        for (int i = 0; i < mt; ++i) acc[i] += v * xc[i * w->k];
+    }
+    for (int i = 0; i < mt; ++i) sums[i] = acc[i];
+}
+
+#if GROUP == 32
+/* ---- AVX-512: a row of whole blocks of a multiple of 32 elements. */
+static inline __attribute__((always_inline)) void row_fast(const weight_t* w, const float* tab, const float* xp,
+                                                           int64_t i0, const int mt, int64_t r, float* sums) {
+    const __m512i low4 = _mm512_set1_epi32(15);
+    const int64_t bpr = w->k / w->bs, steps = w->bs / GROUP;
+    __m512 ae[TILE], ao[TILE];
+    for (int i = 0; i < mt; ++i) { ae[i] = _mm512_setzero_ps(); ao[i] = _mm512_setzero_ps(); }
+    const uint8_t* qr = w->q + r * (w->k / 2);
+    for (int64_t j = 0; j < bpr; ++j) {
+        const __m512 t = _mm512_loadu_ps(tab + j * 16);
+        for (int64_t s = 0; s < steps; ++s) {
+            const int64_t c = (j * steps + s) * GROUP;  /* the column this step starts at */
+            __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(qr + c / 2)));
+            __m512 we = _mm512_permutexvar_ps(_mm512_srli_epi32(d, 4), t);
+            __m512 wo = _mm512_permutexvar_ps(_mm512_and_si512(d, low4), t);
+            for (int i = 0; i < mt; ++i) {
+                const float* xc = xp + (i0 + i) * w->k + c;
+                ae[i] = _mm512_fmadd_ps(we, _mm512_loadu_ps(xc), ae[i]);
+                ao[i] = _mm512_fmadd_ps(wo, _mm512_loadu_ps(xc + 16), ao[i]);
+            }
+        }
+    }
+    for (int i = 0; i < mt; ++i) sums[i] = _mm512_reduce_add_ps(_mm512_add_ps(ae[i], ao[i]));
+}
+#elif GROUP == 16
+/* ---- AVX2: the same with 8 lanes; a code's bit 3 picks the table's half (blendv reads the sign bit). */
+static inline __m256 lookup16(__m256 lo, __m256 hi, __m256i idx) {
+    return _mm256_blendv_ps(_mm256_permutevar8x32_ps(lo, idx), _mm256_permutevar8x32_ps(hi, idx),
+                            _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
+}
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+static inline __attribute__((always_inline)) void row_fast(const weight_t* w, const float* tab, const float* xp,
+                                                           int64_t i0, const int mt, int64_t r, float* sums) {
+    const __m256i low4 = _mm256_set1_epi32(15);
+    const int64_t bpr = w->k / w->bs, steps = w->bs / GROUP;
+    __m256 ae[TILE], ao[TILE];
+    for (int i = 0; i < mt; ++i) { ae[i] = _mm256_setzero_ps(); ao[i] = _mm256_setzero_ps(); }
+    const uint8_t* qr = w->q + r * (w->k / 2);
+    for (int64_t j = 0; j < bpr; ++j) {
+        const __m256 tlo = _mm256_loadu_ps(tab + j * 16), thi = _mm256_loadu_ps(tab + j * 16 + 8);
+        for (int64_t s = 0; s < steps; ++s) {
+            const int64_t c = (j * steps + s) * GROUP;
+            __m256i d = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(qr + c / 2)));
+            __m256 we = lookup16(tlo, thi, _mm256_srli_epi32(d, 4));
+            __m256 wo = lookup16(tlo, thi, _mm256_and_si256(d, low4));
+            for (int i = 0; i < mt; ++i) {
+                const float* xc = xp + (i0 + i) * w->k + c;
+                ae[i] = _mm256_fmadd_ps(we, _mm256_loadu_ps(xc), ae[i]);
+                ao[i] = _mm256_fmadd_ps(wo, _mm256_loadu_ps(xc + 8), ao[i]);
+            }
+        }
+    }
+    for (int i = 0; i < mt; ++i) sums[i] = hsum8(_mm256_add_ps(ae[i], ao[i]));
+}
+#endif
+
+/* Row r's sums for one tile of x rows: the fast path where the layout allows, each tile height its own compiled loop
+   (the accumulators then live in registers). */
+static void row_tile(const weight_t* w, const float* tab, const float* xp, int64_t i0, int mt, int fast, int64_t r,
+                     float* sums) {
+#if GROUP
+    if (fast) {
+        switch (mt) {
+            case 1: row_fast(w, tab, xp, i0, 1, r, sums); return;
+            case 2: row_fast(w, tab, xp, i0, 2, r, sums); return;
+            case 3: row_fast(w, tab, xp, i0, 3, r, sums); return;
+            default: row_fast(w, tab, xp, i0, 4, r, sums); return;
+        }
+    }
+#endif
+    (void)fast;
+    row_portable(w, tab, xp, i0, mt, r, sums);
+}
+
+/* Element c of a row of x is stored at this position of its row in xp: the fast paths' even/odd order. */
+static inline int64_t reordered(int64_t c, int fast) {
+    if (!GROUP || !fast) return c;
+    const int64_t g = GROUP ? GROUP : 1, p = c % g;
+    return c - p + (p & 1) * (g / 2) + p / 2;
+}
+
+/* ---- Threaded entry point: x (m, k) in format xfmt (0 bf16, 2 float32), y (m, n) in the same format, bias (n)
+   in it or NULL. scratch (the caller's memory: nothing here can fail to allocate): m * k floats for x reordered, then
+   per thread the tables of cap blocks (cap >= k / bs + 3, the most one row touches). Each thread reorders a share of
+   x, then computes a share of the weight rows, the tables of as many rows as fit computed at once (one row's few
+   blocks cost their setup each time: half the time of a 64x64 product). On torch's OpenMP team (simd.h's my_share). */
+void nf4_gemv_mt(int32_t threads, const uint8_t* q, const int8_t* qs, const void* factor, const void* mean,
+                 const float* levels, int64_t n, int64_t k, int64_t bs, int64_t sbs, int32_t wfmt, const void* x,
+                 int64_t m, int32_t xfmt, const void* bias, void* y, float* scratch, int64_t cap) {
+    const weight_t w = {q, qs, factor, load1(mean, 0, wfmt), n, k, bs, sbs, wfmt, xfmt == 0 ? 0 : 2};
+    const int fast = GROUP && k % bs == 0 && bs % (GROUP ? GROUP : 1) == 0;
+    const int64_t rows_per_chunk = (cap - 2) * bs / k > 1 ? (cap - 2) * bs / k : 1;  /* spanning <= cap blocks */
+    float* xp = scratch;
+    #pragma omp parallel num_threads(threads)
+    {
+        int64_t a, b;
+        my_share(0, m * k, 1, &a, &b);
+        for (int64_t e = a; e < b; ++e) xp[e - e % k + reordered(e % k, fast)] = load1(x, e, xfmt);
+        #pragma omp barrier
+#ifdef _OPENMP
+        float* tab = scratch + m * k + (int64_t)omp_get_thread_num() * cap * 16;
+#else
+        float* tab = scratch + m * k;
+#endif
+        my_share(0, n, 16, &a, &b);
+        for (int64_t c0 = a; c0 < b; c0 += rows_per_chunk) {
+            const int64_t c1 = c0 + rows_per_chunk < b ? c0 + rows_per_chunk : b, cb0 = c0 * k / bs;
+            block_tables(&w, levels, cb0, (c1 * k - 1) / bs - cb0 + 1, tab);
+            for (int64_t r = c0; r < c1; ++r) {
+                const float* row_tab = tab + (r * k / bs - cb0) * 16;  /* from the block of the row's first element */
+                for (int64_t i0 = 0; i0 < m; i0 += TILE) {
+                    const int mt = m - i0 < TILE ? (int)(m - i0) : TILE;
+                    float sums[TILE];
+                    row_tile(&w, row_tab, xp, i0, mt, fast, r, sums);
+                    for (int i = 0; i < mt; ++i) {
+                        float v = sums[i] + (bias ? load1(bias, r, xfmt) : 0.0f);
+                        if (xfmt == 0) ((uint16_t*)y)[(i0 + i) * n + r] = bf16_bits1(v);
+                        else ((float*)y)[(i0 + i) * n + r] = v;
+                    }
+                }
+            }
+        }
+    }
+}
