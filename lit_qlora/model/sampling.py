@@ -35,6 +35,15 @@ def sample(logits: torch.Tensor, temperature: float, top_k: Optional[int], gener
     return int(sample_rows(logits[None], temperature, top_k, 1.0 if top_p is None else top_p, generator)[0])
 
 
+def last_logits(model: Transformer, idx: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+    """The (vocab,) logits of the last position of row 0: the head over that position alone, where the prefill's
+    every position through it was the largest matmul of a short reply (SmolLM2's 49152x576 head). Through the
+    model's own call where hooks wrap it (FSDP2 unshards its root parameters in a forward pre-hook)."""
+    if model._forward_hooks or model._forward_pre_hooks or idx.size(1) == 1:
+        return model(idx, input_pos=input_pos)[0, -1]
+    return model.logits(model.forward_hidden(idx, input_pos)[:, -1:])[0, -1]
+
+
 @torch.inference_mode()
 def generate(
     model: Transformer,
@@ -58,7 +67,7 @@ def generate(
         idx = torch.tensor([list(prompt)], device=device)
         input_pos = torch.arange(len(prompt), device=device)
         for _ in range(max_len - len(prompt)):
-            logits = model(idx, input_pos=input_pos)[0, -1]
+            logits = last_logits(model, idx, input_pos)
             token = sample(logits, temperature, top_k, generator, top_p)
             if token in stop_ids:
                 return
