@@ -47,6 +47,7 @@ _TABLE_BLOCKS = 128  # blocks whose tables a thread computes at once (8 KiB: the
 _WORK_PER_THREAD = 1 << 17  # multiply-adds (~30 us on one core) that pay for waking another thread
 
 _lock = threading.Lock()
+_scratch = threading.local()
 _libs: dict = {}
 _errors: dict = {}
 
@@ -133,21 +134,30 @@ def nf4_matmul_rows(x: torch.Tensor, weight: NF4Tensor, bias: Optional[torch.Ten
         raise RuntimeError(f"NF4 decode kernel unavailable: {gemv_error(isa)}")
     storage = weight.nf4.dtype
     n, k = weight_shape(weight)
-    x2 = x.reshape(-1, k).contiguous()
-    m = x2.shape[0]
-    y = torch.empty(m, n, dtype=x.dtype)
+    x = x.contiguous()  # (m, k) row-major, whatever its leading dims
+    m = x.numel() // k
+    y = torch.empty(*x.shape[:-1], n, dtype=x.dtype)
     threads = _threads(n, k, m)
     # x reordered for the kernel's loads, then each thread's tables: 8 KiB of them (16 floats a block) at least
     cap = max(_TABLE_BLOCKS, k // weight.block_size + 3)
-    scratch = torch.empty(m * k + threads * cap * 16, dtype=torch.float32)
+    scratch = _scratch_floats(m * k + threads * cap * 16)
     # The 16 levels as float: every NF4Tensor holds NF4_LEVELS rounded to its dtype (reference.level_table).
     levels = cached(("gemv_levels", storage), lambda: level_table(storage).float())
     b = None if bias is None else bias.to(x.dtype).contiguous()
     lib.nf4_gemv_mt(threads, weight.quantized_data.data_ptr(), weight.quantized_scalers.data_ptr(),
                     weight.quantization_factor.data_ptr(), weight.scaler_mean.data_ptr(), levels.data_ptr(), n, k,
-                    weight.block_size, weight.scaler_block_size, STORAGE_FORMATS[storage], x2.data_ptr(), m,
+                    weight.block_size, weight.scaler_block_size, STORAGE_FORMATS[storage], x.data_ptr(), m,
                     X_FORMATS[x.dtype], None if b is None else b.data_ptr(), y.data_ptr(), scratch.data_ptr(), cap)
-    return y.view(*x.shape[:-1], n)
+    return y
+
+
+def _scratch_floats(numel: int) -> torch.Tensor:
+    """This thread's scratch of at least `numel` floats, kept between calls (grown when too small): a decode step
+    calls the kernel for every linear, and a fresh allocation each time cost as much as a small product's work."""
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.numel() < numel:
+        buf = _scratch.buf = torch.empty(max(numel, 1 << 14), dtype=torch.float32)
+    return buf
 
 
 def reference_product(x: torch.Tensor, weight: NF4Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:

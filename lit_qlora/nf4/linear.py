@@ -242,7 +242,7 @@ def nf4_linear(x: torch.Tensor, weight: NF4Tensor, bias: Optional[torch.Tensor] 
     """
     dtype = _decode_dtype(x, weight, bias)
     if dtype is not None:
-        return gemv.nf4_matmul_rows(x.to(dtype), weight, bias)
+        return gemv.nf4_matmul_rows(x if x.dtype == dtype else x.to(dtype), weight, bias)
     return NF4Linear.apply(x, weight, bias)
 
 
