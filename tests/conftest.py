@@ -94,3 +94,37 @@ def finetune_sums(checkpoint_dir: Path, tmp_path: Path, max_steps: int, dropout:
                     train=TrainArgs(max_steps=max_steps, micro_batch_size=2, global_batch_size=4, max_seq_length=64,
                                     lr=1e-2, warmup_steps=1),
                     data=DataArgs(json_path=tmp_path / "rows.json", val_split=0.25))
+
+
+# Tiny mixtures of experts, by model_type: 8 experts of which each token takes 2 (Qwen3-MoE: 3, renormalized).
+MOE_FAMILIES = {
+    "qwen3_moe": dict(head_dim=16, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, norm_topk_prob=True),
+    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2),
+    "olmoe": dict(num_experts=8, num_experts_per_tok=2, clip_qkv=4.0),
+}
+
+
+def write_tiny_moe(model_type: str, out: Path, vocab_size: int = 256, tokenizer_dir: Path | None = None):
+    """A tiny random mixture of experts written by transformers (safetensors, the Hub's per-expert keys), its norms
+    not all ones and its router decisive (a near-uniform one ties on the top k); returns transformers' model."""
+    import torch
+    import transformers
+
+    from lit_qlora.checkpoint.hf import copy_tokenizer_files
+
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model(
+        model_type, vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
+        **MOE_FAMILIES[model_type])
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+            if name.endswith("gate.weight"):
+                p.normal_(0, 0.5)
+    model.save_pretrained(out, safe_serialization=True)
+    if tokenizer_dir is not None:
+        copy_tokenizer_files(tokenizer_dir, out)
+    return model

@@ -25,31 +25,10 @@ from lit_qlora.model.sampling import generate  # noqa: E402
 from lit_qlora.nf4 import count_linears, dequantize_nf4, is_nf4  # noqa: E402
 from lit_qlora.nf4.grouped import ExpertLinear, GroupedMM  # noqa: E402
 
+from conftest import MOE_FAMILIES as FAMILIES  # noqa: E402
+from conftest import write_tiny_moe  # noqa: E402
+
 VOCAB = 256
-SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2)
-# model_type -> its arguments beyond the shared shape: 8 experts of which each token takes 2 (Qwen3: 3, renormalized).
-FAMILIES = {
-    "qwen3_moe": dict(head_dim=16, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, norm_topk_prob=True),
-    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2),
-    "olmoe": dict(num_experts=8, num_experts_per_tok=2, clip_qkv=4.0),
-}
-
-
-def hf_checkpoint(model_type: str, out: Path):
-    """A tiny random MoE written by transformers (safetensors, the Hub's per-expert keys), norms not all ones."""
-    torch.manual_seed(0)
-    config = transformers.AutoConfig.for_model(model_type, **SHAPE, **FAMILIES[model_type])
-    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-            if name.endswith("gate.weight"):  # a router with opinions: a near-uniform one ties on the top k
-                p.normal_(0, 0.5)
-    model.save_pretrained(out, safe_serialization=True)
-    return model
-
 
 def tokens(shape: tuple[int, ...], seed: int = 2) -> torch.Tensor:
     return torch.randint(0, VOCAB, shape, generator=torch.Generator().manual_seed(seed))
@@ -58,7 +37,7 @@ def tokens(shape: tuple[int, ...], seed: int = 2) -> torch.Tensor:
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def family(request, tmp_path_factory) -> tuple[str, Path]:
     out = tmp_path_factory.mktemp(request.param)
-    hf_checkpoint(request.param, out)
+    write_tiny_moe(request.param, out)
     return request.param, out
 
 
@@ -266,13 +245,7 @@ def test_qlora_finetune_logs_the_router_load_and_exports_what_transformers_and_p
     in transformers and peft with the trained model's outputs."""
     from conftest import finetune_sums
 
-    from lit_qlora.checkpoint.hf import copy_tokenizer_files
-
-    torch.manual_seed(0)
-    config = transformers.AutoConfig.for_model("qwen3_moe", **{**SHAPE, "vocab_size": 49152},
-                                               **FAMILIES["qwen3_moe"])
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "hf")
-    copy_tokenizer_files(smollm2_dir, tmp_path / "hf")
+    write_tiny_moe("qwen3_moe", tmp_path / "hf", vocab_size=49152, tokenizer_dir=smollm2_dir)
     summary = finetune_sums(tmp_path / "hf", tmp_path, max_steps=5, dropout=0.05)
     out = tmp_path / "run"
     assert summary["quantized_linears"] == summary["total_linears"] == 2 * (4 + 3 * 8) + 1
@@ -325,8 +298,45 @@ def test_estimate_counts_the_nf4_experts_and_their_adapters(family, tmp_path, mo
     assert with_experts["LoRA weights"] - attention_only["LoRA weights"] == expert_lora
 
 
-def test_export_gguf_refuses_a_mixture_of_experts_with_the_way_out(family, tmp_path):
+def test_export_gguf_refuses_routing_llama_cpp_would_do_otherwise(family):
+    """llama.cpp renormalizes the top-k weights for qwen3moe and Mixtral and never for OLMoE, whatever config.json
+    says, and has experts in every layer: a checkpoint that differs is refused with the reason."""
     from lit_qlora.deploy.gguf_families import refusals
 
-    found = refusals(Config.from_checkpoint(family[1]))
-    assert len(found) == 1 and "convert_hf_to_gguf.py" in found[0] and family[0] in found[0]
+    config = Config.from_checkpoint(family[1])
+    assert refusals(config) == []
+    flipped = refusals(config.replace(norm_topk_prob=not config.norm_topk_prob))
+    assert len(flipped) == 1 and "renormalizes the top-k weights" in flipped[0]
+    assert "dense MLP layers [1]" in refusals(config.replace(dense_mlp_layers=[1]))[0]
+
+
+def test_gguf_export_stacks_each_projections_experts_as_llama_cpp_reads_them(smollm2_dir, tmp_path):
+    """export_gguf of each family (fp32): the router f32 as `ffn_gate_inp`, every projection's experts as one
+    `ffn_*_exps` tensor equal to ours, the expert counts (and Qwen3-MoE's expert width, OLMoE's clamp) in the
+    metadata; llama.cpp runs the files in tests/test_llama_cpp.py."""
+    import gguf
+    import numpy as np
+
+    from lit_qlora.deploy.gguf_export import export_gguf
+
+    for model_type, settings in FAMILIES.items():
+        write_tiny_moe(model_type, tmp_path / model_type, vocab_size=49152, tokenizer_dir=smollm2_dir)
+        reader = gguf.GGUFReader(export_gguf(tmp_path / model_type, tmp_path / f"{model_type}.gguf", dtype="q8_0"))
+        arch = {"qwen3_moe": "qwen3moe", "mixtral": "llama", "olmoe": "olmoe"}[model_type]
+        fields = {name: field.contents() for name, field in reader.fields.items()}
+        assert fields["general.architecture"] == arch
+        assert (fields[f"{arch}.expert_count"], fields[f"{arch}.expert_used_count"]) == (8, settings["num_experts_per_tok"])
+        assert fields.get(f"{arch}.expert_feed_forward_length") == settings.get("moe_intermediate_size")
+        assert fields.get(f"{arch}.attention.clamp_kqv") == settings.get("clip_qkv")
+        tensors = {t.name: t for t in reader.tensors}
+        model = load_model(tmp_path / model_type, "none", "32-true")
+        moe = model.model.layers[1].mlp
+        router = tensors["blk.1.ffn_gate_inp.weight"]
+        assert router.tensor_type == gguf.GGMLQuantizationType.F32
+        assert np.array_equal(np.asarray(router.data), moe.gate.weight.detach().numpy())
+        for proj in ("gate", "up", "down"):
+            stacked = tensors[f"blk.1.ffn_{proj}_exps.weight"]
+            ours = getattr(moe.experts, f"{proj}_proj").weight.detach().numpy()
+            assert stacked.tensor_type == gguf.GGMLQuantizationType.Q8_0
+            values = gguf.quants.dequantize(stacked.data, stacked.tensor_type).reshape(ours.shape)
+            assert np.abs(values - ours).max() <= 0.01 * np.abs(ours).max()  # q8_0 rounding

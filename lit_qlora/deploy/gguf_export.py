@@ -115,12 +115,13 @@ def write_gguf(model, checkpoint_dir: Path, out: Path, dtype: GGUFType = "f16", 
     try:
         _write_metadata(writer, config, arch, tokenizer, Path(checkpoint_dir).name, dtype, length)
         for name, shape, _ in tensors:
-            _add_tensor_info(writer, name, shape, storage(shape))
+            _add_tensor_info(writer, name, shape, storage(shape, name))
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
-        for _name, shape, pieces in tensors:
-            writer.write_tensor_data(_Streamed(pieces, storage(shape), _nbytes(shape, storage(shape))))
+        for name, shape, pieces in tensors:
+            kind = storage(shape, name)
+            writer.write_tensor_data(_Streamed(pieces, kind, _nbytes(shape, kind)))
         writer.close()
         tmp.replace(out)
     except BaseException:
@@ -131,16 +132,17 @@ def write_gguf(model, checkpoint_dir: Path, out: Path, dtype: GGUFType = "f16", 
     return out
 
 
-def storage_types(dtype: str) -> Callable[[tuple[int, ...]], Any]:
-    """Each tensor's GGUF storage type in a file of `dtype`, by its shape: vectors in f32, rows that do not split into
-    the quantization's blocks in f16, the rest in `dtype`."""
+def storage_types(dtype: str) -> Callable[..., Any]:
+    """Each tensor's GGUF storage type in a file of `dtype`, by its shape and name: vectors and a mixture of experts'
+    router (`ffn_gate_inp`: its top-k choice flips on small changes, llama.cpp's converter keeps it so too) in f32,
+    rows that do not split into the quantization's blocks in f16, the rest in `dtype`."""
     import gguf
 
     qtype = getattr(gguf.GGMLQuantizationType, dtype.upper())
     block = gguf.GGML_QUANT_SIZES[qtype][0]
 
-    def storage(shape: tuple[int, ...]) -> Any:
-        if len(shape) == 1 or dtype == "f32":
+    def storage(shape: tuple[int, ...], name: str = "") -> Any:
+        if len(shape) == 1 or dtype == "f32" or name.endswith(".ffn_gate_inp.weight"):
             return gguf.GGMLQuantizationType.F32
         if shape[-1] % block:
             return gguf.GGMLQuantizationType.F16  # the rows do not split into the quantization's blocks
@@ -154,7 +156,7 @@ def gguf_data_bytes(model, dtype: str, merged: bool = True) -> int:
     config = gguf_config(model, merged)
     arch = architecture(config)
     storage = storage_types(dtype)
-    return sum(_nbytes(shape, storage(shape)) for _, shape, _ in gguf_tensors(model, config, arch, merged))
+    return sum(_nbytes(shape, storage(shape, name)) for name, shape, _ in gguf_tensors(model, config, arch, merged))
 
 
 def gguf_tensors(model, config, arch: str, merged: bool) -> list[tuple[str, tuple[int, ...], Any]]:
@@ -166,10 +168,10 @@ def gguf_tensors(model, config, arch: str, merged: bool) -> list[tuple[str, tupl
     import torch
 
     from lit_qlora.deploy.export import hf_tensor_specs
-    from lit_qlora.model.hf_layout import fuse_plan
+    from lit_qlora.model.hf_layout import experts_plan, fuse_plan
 
     specs = {spec.name: spec for spec in hf_tensor_specs(model, torch.float32, merge=merged)}
-    plan = fuse_plan(config, specs)
+    plan = {**fuse_plan(config, specs), **experts_plan(config, specs)}
     offset = norm_offset(arch)
 
     def pieces_of(spec, heads: Optional[int] = None):
@@ -190,6 +192,8 @@ def gguf_tensors(model, config, arch: str, merged: bool) -> list[tuple[str, tupl
         if not fused:
             continue  # written inside the fused tensor of its first part
         shape = (sum(specs[m].shape[0] for m in members), *spec.shape[1:])
+        if fused.endswith("_exps"):  # a mixture of experts' projection: its experts stacked, (n, out, in)
+            shape, fused = (len(members), *spec.shape), fused.removesuffix("_exps")
         gname = gguf_name(fused, arch)
         heads = None
         if permutes_rope_rows(arch):
@@ -280,6 +284,13 @@ def _write_metadata(writer, config, arch: str, tok: dict[str, Any], name: str, f
     writer.add_embedding_length(config.n_embd)
     writer.add_block_count(config.n_layer)
     writer.add_feed_forward_length(config.intermediate_size)
+    if config.n_experts:
+        writer.add_expert_count(config.n_experts)
+        writer.add_expert_used_count(config.n_experts_per_token)
+        if arch == "qwen3moe":
+            writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    if config.clip_qkv is not None:
+        writer.add_clamp_kqv(float(config.clip_qkv))
     writer.add_head_count(config.n_head)
     writer.add_head_count_kv(config.n_query_groups)
     writer.add_rope_freq_base(float(config.rope_base))

@@ -9,6 +9,11 @@ Facts about llama.cpp these follow (its converter, convert_hf_to_gguf.py, writes
 * Gemma's RMSNorm scales by (1 + w): its GGUF norm weights are stored as w + 1 (llama.cpp multiplies by w).
 * Gemma's sandwich norms have their own names (`post_attention_norm`, `ffn_norm` before the MLP, `post_ffw_norm`).
 * Phi-3's q/k/v are one `attn_qkv` and its gate and up one `ffn_up` (gate rows first), as in its checkpoints.
+* A mixture of experts stores each projection's experts as one (n_experts, out, in) tensor (`ffn_gate_exps`,
+  `ffn_up_exps`, `ffn_down_exps`) and the router as `ffn_gate_inp` (kept f32 by llama.cpp's converter); Mixtral is
+  `llama` with experts, Qwen3-MoE `qwen3moe` (its expert width `expert_feed_forward_length`), OLMoE `olmoe` (q/k
+  norms over the whole projection, `clamp_kqv`). llama.cpp renormalizes the top-k weights of qwen3moe and llama and
+  never of olmoe, whatever norm_topk_prob says.
 * llama.cpp hard-codes Gemma's sliding layers (every other layer from the first for Gemma 2, five in six for Gemma
   3) and its query scale (head_dim ** -0.5, n_embd / n_head for the 27B models); it has no sliding window for
   `llama` or `phi3` (Phi-3's is switched off in llama.cpp) and no final soft-cap for Gemma 3.
@@ -21,7 +26,8 @@ import re
 from lit_qlora.errors import UserError
 
 ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
-                 "gemma3_text": "gemma3", "phi3": "phi3"}
+                 "gemma3_text": "gemma3", "phi3": "phi3", "qwen3_moe": "qwen3moe", "mixtral": "llama",
+                 "olmoe": "olmoe"}
 """Hugging Face model_type -> llama.cpp architecture."""
 MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2", "gemma3": "gemma3_text",
                "phi3": "phi3"}
@@ -41,6 +47,11 @@ _PLAIN_NORMS = {"post_attention_layernorm": "ffn_norm"}
 _GEMMA_NORMS = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
                 "post_feedforward_layernorm": "post_ffw_norm"}
 _PHI3_FUSED = {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
+# A mixture of experts: the router, and each projection of every expert as one (n_experts, out, in) tensor.
+_EXPERTS = {"mlp.gate": "ffn_gate_inp", "mlp.experts.gate_proj": "ffn_gate_exps", "mlp.experts.up_proj": "ffn_up_exps",
+            "mlp.experts.down_proj": "ffn_down_exps"}
+RENORMALIZES_TOP_K = {"qwen3moe": True, "llama": True, "olmoe": False}
+"""Whether llama.cpp renormalizes an architecture's top-k routing weights (it does not read norm_topk_prob)."""
 
 
 class GGUFExportError(UserError, ValueError):
@@ -53,6 +64,8 @@ def block_names(arch: str) -> dict[str, str]:
     if arch == "phi3":
         del names["mlp.gate_proj"], names["mlp.up_proj"]
         names.update(_PHI3_FUSED)
+    if arch in RENORMALIZES_TOP_K:
+        names.update(_EXPERTS)
     return names
 
 
@@ -109,12 +122,15 @@ def gemma_query_scalar(arch: str, n_layer: int, n_embd: int, n_head: int, head_d
 def refusals(config) -> list[str]:
     """Why llama.cpp would not run `config` as lit-qlora does (empty: exportable)."""
     arch = ARCHITECTURES.get(config.model_type)
-    if config.n_experts:
-        return [f"lit-qlora does not write mixtures of experts ({config.model_type}) to GGUF yet: export the merged "
-                "model (`litqlora merge`) and convert it with llama.cpp's convert_hf_to_gguf.py"]
     if arch is None:
         return [f"llama.cpp has no architecture for model_type {config.model_type!r}"]
     found = []
+    if config.n_experts and config.norm_topk_prob != RENORMALIZES_TOP_K[arch]:
+        found.append(f"norm_topk_prob {str(config.norm_topk_prob).lower()} on a {config.model_type} model (llama.cpp's "
+                     f"{arch} {'always' if RENORMALIZES_TOP_K[arch] else 'never'} renormalizes the top-k weights)")
+    if config.dense_mlp_layers:
+        found.append(f"dense MLP layers {config.dense_mlp_layers} among the experts (llama.cpp's {arch} has experts "
+                     "in every layer)")
     scaling = config.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type"))
     allowed = {"llama": ("llama3", "linear"), "phi3": ("longrope", "linear")}.get(arch, ("linear",))

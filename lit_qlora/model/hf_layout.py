@@ -209,3 +209,18 @@ def peft_expert_lora(adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], alp
         ranks["gate_up_proj"] = 2 * r
         alphas["gate_up_proj"] = alpha * (math.sqrt(2) if rslora else 2)
     return out, ranks, alphas
+
+
+def experts_plan(config: Config, names: Iterable[str]) -> dict[str, tuple[str, list[str]]]:
+    """fuse_plan's form for a GGUF file, which keeps each projection of a block's experts as one tensor: {expert 0's
+    name: (the stacked weight's name + "_exps", every expert's name in order)}, {other experts': ("", [])}."""
+    plan: dict[str, tuple[str, list[str]]] = {}
+    if not config.n_experts:
+        return plan
+    for name in names:
+        found = expert_key(name)
+        if found is not None and found[1] == 0:
+            members = expert_names(found[0], config.n_experts)
+            plan[name] = (found[0] + "_exps", members)
+            plan.update({member: ("", []) for member in members[1:]})
+    return plan
