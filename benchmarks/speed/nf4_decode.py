@@ -5,8 +5,9 @@ NF4 base, in fp32 and bf16 (issue 56 item 1).
     python benchmarks/speed/nf4_decode.py --tokens 8 --rounds 1   # a smoke run
 
 Each round generates with the kernel (lit_qlora/nf4/gemv.c) and then without it (``LIT_QLORA_NF4_GEMV=0``: every
-NF4 weight dequantized, then a one-row matmul), alternating which goes first, on the same loaded model; both must give
-the same tokens. Reported per precision: tokens/s (all new tokens over the whole call, prefill included, as a user
+NF4 weight dequantized, then a one-row matmul), alternating which goes first, on the same loaded model, and counts the
+greedy tokens both give before the first that differs (the sums' order differs: in bf16 a last-bit difference can
+flip a near tie, after which the texts part; the run's length stays the same, no stop tokens). Reported per precision: tokens/s (all new tokens over the whole call, prefill included, as a user
 waits for them) and decode tokens/s (after the first token), their medians over rounds, and the median of the
 per-round ratios with its range. The model's linears run the kernel where nf4/linear.py routes them (a head tied to
 the embedding stays dense). The CPU's ISA flags (lscpu) and the kernel's build come first: the figures belong to
@@ -91,12 +92,12 @@ def run_precision(name: str, args: argparse.Namespace) -> dict:
     os.environ[SWITCH] = "1"
     with torch.no_grad():
         routed = decode_applies(x, model.model.layers[0].self_attn.o_proj.weight)
-    rows = {True: [], False: []}
+    rows, agree = {True: [], False: []}, []
     for r in range(args.rounds):
         order = (True, False) if r % 2 == 0 else (False, True)
         got = {kernel: timed_generate(model, ids, args.tokens, kernel) for kernel in order}
-        if got[True][0] != got[False][0]:
-            raise SystemExit(f"{name}: the kernel changed the greedy tokens in round {r}")
+        same = [a == b for a, b in zip(got[True][0], got[False][0])] + [False]
+        agree.append(same.index(False))  # tokens equal before the first that differs
         for kernel, (out, total, decode) in got.items():
             rows[kernel].append((len(out) / total, (len(out) - 1) / decode if len(out) > 1 else float("nan")))
     os.environ.pop(SWITCH, None)
@@ -108,7 +109,8 @@ def run_precision(name: str, args: argparse.Namespace) -> dict:
     return {"precision": name, "prompt_tokens": len(ids), "new_tokens": args.tokens, "rounds": args.rounds,
             "kernel_routed": routed, "on_tok_s": med(True, 0), "off_tok_s": med(False, 0),
             "on_decode_tok_s": med(True, 1), "off_decode_tok_s": med(False, 1),
-            "ratio_median": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios)}
+            "ratio_median": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
+            "same_tokens": min(agree)}
 
 
 def main() -> None:
@@ -129,13 +131,15 @@ def main() -> None:
     print(f"kernel build: {lib.isa if lib else 'unavailable: ' + str(gemv.gemv_error())}; torch threads "
           f"{torch.get_num_threads()}; torch {torch.__version__}, ATen {torch.backends.cpu.get_cpu_capability()}")
     results = []
-    print(f"{'precision':9} {'on tok/s':>9} {'off tok/s':>9} {'on decode':>10} {'off decode':>10}  ratio (range)")
+    print(f"{'precision':9} {'on tok/s':>9} {'off tok/s':>9} {'on decode':>10} {'off decode':>10}  ratio (range)  "
+          "same tokens")
     for name in args.precisions:
         row = run_precision(name, args)
         results.append(row)
         print(f"{name:9} {row['on_tok_s']:9.1f} {row['off_tok_s']:9.1f} {row['on_decode_tok_s']:10.1f} "
               f"{row['off_decode_tok_s']:10.1f}  {row['ratio_median']:.2f}x ({row['ratio_min']:.2f}-"
-              f"{row['ratio_max']:.2f}){'' if row['kernel_routed'] else '  (kernel not routed)'}", flush=True)
+              f"{row['ratio_max']:.2f})  {row['same_tokens']}/{args.tokens}"
+              f"{'' if row['kernel_routed'] else '  (kernel not routed)'}", flush=True)
     if args.json:
         args.json.write_text(json.dumps({"cpu": isa_flags(), "kernel": lib.isa if lib else None, "rows": results},
                                         indent=2))
