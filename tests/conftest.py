@@ -101,6 +101,8 @@ MOE_FAMILIES = {
     "qwen3_moe": dict(head_dim=16, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, norm_topk_prob=True),
     "mixtral": dict(num_local_experts=8, num_experts_per_tok=2),
     "olmoe": dict(num_experts=8, num_experts_per_tok=2, clip_qkv=4.0),
+    # Sliding layers of 4 tokens between full ones, attention sinks, YaRN, the clamped SwiGLU, biases everywhere.
+    "gpt_oss": dict(head_dim=16, num_local_experts=8, num_experts_per_tok=2, sliding_window=4),
 }
 
 
@@ -120,11 +122,29 @@ def write_tiny_moe(model_type: str, out: Path, vocab_size: int = 256, tokenizer_
     model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:
+            if "norm" in name or "sinks" in name or name.endswith("bias"):
                 p.add_(torch.randn_like(p) * 0.1)
-            if name.endswith("gate.weight"):
+            if name.endswith(("gate.weight", "router.weight")):
                 p.normal_(0, 0.5)
     model.save_pretrained(out, safe_serialization=True)
     if tokenizer_dir is not None:
         copy_tokenizer_files(tokenizer_dir, out)
     return model
+
+
+def random_adapter(model, out_dir: Path, quantize: str, targets: list[str] = ["all"], r: int = 4,  # noqa: B006
+                   alpha: float = 8):
+    """LoRA on `targets` of `model` (fp32) with a random B, so every adapted layer changes the output, saved as a
+    fine-tune's adapter in out_dir; returns that folder."""
+    import torch
+
+    from lit_qlora.checkpoint.adapter import save_adapter
+    from lit_qlora.lora.layer import apply_lora, lora_modules
+
+    apply_lora(model, r=r, alpha=alpha, dtype=torch.float32, targets=targets)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for layer in lora_modules(model).values():
+            layer.lora_B.normal_(0, 0.05)
+    return save_adapter(model, out_dir, {"r": r, "alpha": alpha, "targets": targets, "quantize": quantize,
+                                         "base_dtype": "float32", "lora_dtype": "float32"})

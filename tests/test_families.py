@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
+from conftest import random_adapter  # noqa: E402
 from lit_qlora.checkpoint.hf import copy_tokenizer_files  # noqa: E402
 from lit_qlora.model.config import HF_DEFAULTS, Config  # noqa: E402
 from lit_qlora.model.presets import PRESETS  # noqa: E402
@@ -24,7 +25,6 @@ from lit_qlora.deploy.export import export_peft, merge  # noqa: E402
 from lit_qlora.model.sampling import generate  # noqa: E402
 from lit_qlora.checkpoint.loading import load_model  # noqa: E402
 from lit_qlora.lora.layer import apply_lora, lora_modules  # noqa: E402
-from lit_qlora.checkpoint.adapter import save_adapter  # noqa: E402
 from lit_qlora.nf4 import count_linears, is_nf4  # noqa: E402
 
 VOCAB = 49152  # SmolLM2's tokenizer, so `litqlora finetune` can tokenize text for these models
@@ -103,17 +103,6 @@ def hf_checkpoint(kind: str, extra: dict, out: Path, tokenizer_dir: Path | None 
     if tokenizer_dir is not None:
         copy_tokenizer_files(tokenizer_dir, out)
     return model
-
-
-def random_adapter(model, out_dir: Path, quantize: str, targets: list[str] = ["all"]) -> Path:  # noqa: B006
-    """LoRA on `targets` with a random B, so every adapted layer changes the output."""
-    apply_lora(model, r=4, alpha=8, dtype=torch.float32, targets=targets)
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for layer in lora_modules(model).values():
-            layer.lora_B.normal_(0, 0.05)
-    return save_adapter(model, out_dir, {"r": 4, "alpha": 8, "targets": targets, "quantize": quantize,
-                                         "base_dtype": "float32", "lora_dtype": "float32"})
 
 
 def tied_head(checkpoint_dir: Path) -> set[str]:

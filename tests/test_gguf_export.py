@@ -15,7 +15,8 @@ from lit_qlora.deploy.gguf_export import GGUFExportError, export_gguf, permute_r
 from lit_qlora.deploy.gguf_import import convert_gguf, unpermute_rope_rows
 from lit_qlora.checkpoint.loading import load_model
 from lit_qlora.checkpoint.tokenizer import Tokenizer
-from test_families import hf_checkpoint, random_adapter, tokens
+from conftest import random_adapter  # noqa: E402
+from test_families import hf_checkpoint, tokens
 
 # Every family llama.cpp runs, in shapes it runs as we do (gguf_families.py): Gemma's query scale is head_dim, Gemma 2's
 # head stays tied (so its adapter leaves lm_head out), Gemma 3's six layers slide but the last.

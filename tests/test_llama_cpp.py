@@ -100,3 +100,28 @@ def test_llama_cpp_computes_each_familys_exported_logits(family, smollm2_dir, tm
     tolerance = GELU_TABLE_TOLERANCE if family.startswith("gemma") else 1e-5
     assert np.abs(got - want).max() <= tolerance * np.abs(want).max()
     assert (got.argmax(-1) == want.argmax(-1)).all()
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "olmoe"])
+def test_llama_cpp_computes_a_mixture_of_experts_exported_logits(model_type, smollm2_dir, tmp_path):
+    """A tiny random mixture of experts with a random adapter on attention and every expert, merged and exported at
+    f32: llama.cpp's logits at every position are ours (its router, top k and expert matmuls equal to lit-qlora's)."""
+    import numpy as np
+    import torch
+
+    from conftest import random_adapter, write_tiny_moe
+    from lit_qlora.checkpoint.loading import load_model
+    from lit_qlora.deploy.gguf_export import export_gguf
+
+    write_tiny_moe(model_type, tmp_path / "hf", vocab_size=49152, tokenizer_dir=smollm2_dir)
+    model = load_model(tmp_path / "hf", "none", "32-true")
+    adapter = random_adapter(model, tmp_path / "a", "none")
+    path = export_gguf(tmp_path / "hf", tmp_path / "m.gguf", adapter_dir=adapter, dtype="f32")
+    ids = torch.randint(0, 49152, (1, 24), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = model.eval()(ids)[0].numpy()
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, logits_all=True, verbose=False, type_k=0, type_v=0)
+    llm.eval(ids[0].tolist())
+    got = np.array(llm.scores[: ids.shape[1]])
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+    assert (got.argmax(-1) == want.argmax(-1)).all()

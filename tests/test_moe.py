@@ -15,7 +15,6 @@ from safetensors import safe_open
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-from lit_qlora.checkpoint.adapter import save_adapter  # noqa: E402
 from lit_qlora.checkpoint.loading import load_model  # noqa: E402
 from lit_qlora.deploy.export import merge  # noqa: E402
 from lit_qlora.lora.experts import LoRAExpertLinear  # noqa: E402
@@ -45,11 +44,13 @@ def test_checkpoint_is_in_the_hubs_per_expert_layout_and_reads_as_a_mixture(fami
     model_type, path = family
     with safe_open(str(path / "model.safetensors"), "pt") as f:
         keys = set(f.keys())
-    expert = "block_sparse_moe.experts.7.w2" if model_type == "mixtral" else "mlp.experts.7.down_proj"
-    assert f"model.layers.1.{expert}.weight" in keys
+    expert = {"mixtral": "block_sparse_moe.experts.7.w2.weight", "gpt_oss": "mlp.experts.gate_up_proj_bias"}.get(
+        model_type, "mlp.experts.7.down_proj.weight")  # gpt-oss: stacked and transposed, gate and up interleaved
+    assert f"model.layers.1.{expert}" in keys
     config = Config.from_checkpoint(path)
     assert (config.n_experts, config.n_experts_per_token) == (8, FAMILIES[model_type]["num_experts_per_tok"])
-    assert config.norm_topk_prob == (model_type != "olmoe")
+    assert config.norm_topk_prob == (model_type in ("qwen3_moe", "mixtral"))
+    assert config.router_topk_softmax == config.attn_sinks == config.expert_bias == (model_type == "gpt_oss")
     assert config.moe_intermediate_size == (32 if model_type == "qwen3_moe" else 96)
 
 
@@ -83,10 +84,14 @@ def test_nf4_stacks_every_experts_projections_and_keeps_the_router_precise(famil
     with torch.no_grad():
         for i in range(2):
             ours = model.model.layers[i].mlp.experts
-            stack = [dequantize_nf4(getattr(ours, p).weight).view(8, -1, getattr(ours, p).in_features)
-                     for p in ("gate_proj", "up_proj", "down_proj")]
-            hf_state[f"model.layers.{i}.mlp.experts.gate_up_proj"].copy_(torch.cat(stack[:2], dim=1))
-            hf_state[f"model.layers.{i}.mlp.experts.down_proj"].copy_(stack[2])
+            gate, up, down = [dequantize_nf4(getattr(ours, p).weight).view(8, -1, getattr(ours, p).in_features)
+                              for p in ("gate_proj", "up_proj", "down_proj")]
+            if model_type == "gpt_oss":  # (E, in, out), gate and up in alternate columns
+                gate_up, down = torch.stack([gate, up], dim=2).reshape(8, -1, 64).transpose(1, 2), down.transpose(1, 2)
+            else:
+                gate_up = torch.cat([gate, up], dim=1)
+            hf_state[f"model.layers.{i}.mlp.experts.gate_up_proj"].copy_(gate_up)
+            hf_state[f"model.layers.{i}.mlp.experts.down_proj"].copy_(down)
             for proj in "qkvo":
                 name = f"model.layers.{i}.self_attn.{proj}_proj.weight"
                 hf_state[name].copy_(dequantize_nf4(state[name]))
@@ -194,15 +199,11 @@ def test_grouped_mm_pads_unaligned_widths_without_changing_values():
 
 def test_merged_export_loads_in_transformers_with_our_logits(family, tmp_path):
     model_type, path = family
+    from conftest import random_adapter
+
     model = load_model(path, "nf4", "32-true")
-    apply_lora(model, r=4, alpha=8, dtype=torch.float32, targets=["all"])
+    adapter = random_adapter(model, tmp_path / "a", "nf4")
     assert {type(m) for m in lora_modules(model).values()} >= {LoRAExpertLinear}
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for layer in lora_modules(model).values():
-            layer.lora_B.normal_(0, 0.05)
-    adapter = save_adapter(model, tmp_path / "a", {"r": 4, "alpha": 8, "targets": ["all"], "quantize": "nf4",
-                                                   "base_dtype": "float32", "lora_dtype": "float32"})
     idx = tokens((2, 12))
     with torch.no_grad():
         ours = model.eval()(idx)
@@ -304,6 +305,10 @@ def test_export_gguf_refuses_routing_llama_cpp_would_do_otherwise(family):
     from lit_qlora.deploy.gguf_families import refusals
 
     config = Config.from_checkpoint(family[1])
+    if family[0] == "gpt_oss":
+        found = refusals(config)
+        assert len(found) == 1 and "convert_hf_to_gguf.py" in found[0] and "MXFP4" in found[0]
+        return
     assert refusals(config) == []
     flipped = refusals(config.replace(norm_topk_prob=not config.norm_topk_prob))
     assert len(flipped) == 1 and "renormalizes the top-k weights" in flipped[0]
@@ -320,6 +325,8 @@ def test_gguf_export_stacks_each_projections_experts_as_llama_cpp_reads_them(smo
     from lit_qlora.deploy.gguf_export import export_gguf
 
     for model_type, settings in FAMILIES.items():
+        if model_type == "gpt_oss":
+            continue  # refused (test above)
         write_tiny_moe(model_type, tmp_path / model_type, vocab_size=49152, tokenizer_dir=smollm2_dir)
         reader = gguf.GGUFReader(export_gguf(tmp_path / model_type, tmp_path / f"{model_type}.gguf", dtype="q8_0"))
         arch = {"qwen3_moe": "qwen3moe", "mixtral": "llama", "olmoe": "olmoe"}[model_type]
@@ -340,3 +347,39 @@ def test_gguf_export_stacks_each_projections_experts_as_llama_cpp_reads_them(smo
             assert stacked.tensor_type == gguf.GGMLQuantizationType.Q8_0
             values = gguf.quants.dequantize(stacked.data, stacked.tensor_type).reshape(ours.shape)
             assert np.abs(values - ours).max() <= 0.01 * np.abs(ours).max()  # q8_0 rounding
+
+
+def test_gpt_oss_mxfp4_experts_dequantize_as_transformers_does_and_load(tmp_path):
+    """gpt-oss's released checkpoints keep the experts in MXFP4 (`*_blocks`, `*_scales`): our dequantization equals
+    transformers' own on random codes and exponents, and a checkpoint in that form loads (then NF4-quantizes) the
+    experts it holds: gate and up from alternate rows, down as is."""
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from lit_qlora.model.hf_layout import dequantize_mxfp4
+
+    generator = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 40, 2, 16), dtype=torch.uint8, generator=generator)
+    scales = torch.randint(120, 134, (3, 40, 2), dtype=torch.uint8, generator=generator)
+    theirs = convert_moe_packed_tensors(blocks, scales, dtype=torch.bfloat16)  # (E, in, out): x @ W
+    assert torch.equal(dequantize_mxfp4(blocks, scales, chunk_rows=7), theirs.transpose(1, 2))
+
+    write_tiny_moe("gpt_oss", tmp_path)
+    state = load_file(str(tmp_path / "model.safetensors"))
+    packed = {}
+    for name in [n for n in state if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        experts, in_features, out_features = state.pop(name).shape
+        packed[name] = (torch.randint(0, 256, (experts, out_features, in_features // 32, 16), dtype=torch.uint8,
+                                      generator=generator),
+                        torch.randint(122, 130, (experts, out_features, in_features // 32), dtype=torch.uint8,
+                                      generator=generator))
+        state[name + "_blocks"], state[name + "_scales"] = packed[name]
+    save_file(state, str(tmp_path / "model.safetensors"))
+    model = load_model(tmp_path, "none", "32-true")
+    experts = model.model.layers[1].mlp.experts
+    gate_up = dequantize_mxfp4(*packed["model.layers.1.mlp.experts.gate_up_proj"]).float()
+    assert torch.equal(experts.gate_proj.weight, gate_up[:, 0::2]) and torch.equal(experts.up_proj.weight,
+                                                                                   gate_up[:, 1::2])
+    assert torch.equal(experts.down_proj.weight,
+                       dequantize_mxfp4(*packed["model.layers.1.mlp.experts.down_proj"]).float())
+    assert is_nf4(load_model(tmp_path, "nf4", "bf16-true").model.layers[1].mlp.experts.down_proj.weight)

@@ -23,7 +23,8 @@ from lit_qlora.checkpoint.files import (CheckpointError, TensorSpec, atomic_writ
                                         write_safetensors)
 from lit_qlora.memory.accounting import release_free_memory
 from lit_qlora.model.config import Config, require_checkpoint_dir
-from lit_qlora.model.hf_layout import ExpertStacker, fuse_plan, hub_name, model_name, split_fused
+from lit_qlora.model.hf_layout import (ExpertStacker, GptOssLayout, fuse_plan, hub_name, model_name,
+                                        split_fused)
 from lit_qlora.model.transformer import Transformer
 
 TOKENIZER_FILES = (
@@ -138,7 +139,10 @@ def load_checkpoint(
     tied = config.tie_embeddings
     loaded: set[str] = set()
     experts = ExpertStacker(config.n_experts)  # per-expert tensors -> each projection's stack
+    gpt_oss = GptOssLayout() if config.model_type == "gpt_oss" else None  # (its own expert layout, MXFP4)
     parts = (part for name, tensor in iter_tensors(checkpoint_dir) for part in split_fused(config, name, tensor))
+    if gpt_oss is not None:
+        parts = (part for name, tensor in parts for part in gpt_oss.add(name, tensor))
     stacked = (item for name, tensor in parts for item in experts.add(model_name(config, name), tensor))
     for name, tensor in stacked:
         if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
@@ -168,6 +172,7 @@ def load_checkpoint(
             release_free_memory()
     missing = sorted(set(expected) - loaded - ({"lm_head.weight"} if tied else set()))
     missing = experts.missing() + [name for name in missing if name not in experts.pending]  # per expert, as stored
+    missing += gpt_oss.missing() if gpt_oss is not None else []
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise CheckpointError(f"{checkpoint_dir} is missing tensors the model needs: {shown}.")

@@ -33,6 +33,10 @@ def hf_tensor_specs(model: nn.Module, dtype: torch.dtype, merge: bool = True) ->
             continue
         module = model.get_submodule(module_name)
         out_dtype = dtype if tensor.is_floating_point() else tensor.dtype
+        if isinstance(module, ExpertLinear) and model.config.model_type == "gpt_oss":
+            if leaf == "weight" and module_name.endswith(".gate_proj"):  # the block's experts, in gpt-oss's layout
+                specs.extend(_gpt_oss_experts(model, module_name.removesuffix(".gate_proj"), dtype, merge))
+            continue
         if isinstance(module, ExpertLinear) and leaf == "weight":  # the Hub's layout: a tensor per expert
             shape = (module.out_features, module.in_features)
             specs.extend(TensorSpec(expert, shape, dtype, chunks=lambda m=module, e=e: iter([expert_tensor(m, e, dtype,
@@ -46,6 +50,22 @@ def hf_tensor_specs(model: nn.Module, dtype: torch.dtype, merge: bool = True) ->
             chunks = lambda t=tensor, d=out_dtype: row_chunks(t, lambda rows: weight_rows(t, d, rows))  # noqa: E731
         specs.append(TensorSpec(name, tensor.shape, out_dtype, chunks=chunks))
     return specs
+
+
+def _gpt_oss_experts(model, experts_name: str, dtype, merge: bool) -> list:
+    """A gpt-oss block's expert tensors as its checkpoints hold them (lit_qlora.model.hf_layout), made when written."""
+    from lit_qlora.checkpoint.files import TensorSpec
+    from lit_qlora.lora.experts import expert_tensor
+    from lit_qlora.model.hf_layout import gpt_oss_expert_tensors
+
+    experts = model.get_submodule(experts_name)
+    parts = gpt_oss_expert_tensors(experts_name, experts.gate_proj, experts.up_proj, experts.down_proj)
+
+    def weight_of(module, e):
+        return expert_tensor(module, e, dtype, merge)
+
+    return [TensorSpec(name, shape, dtype, chunks=lambda pieces=pieces: (t.to(dtype) for t in pieces(weight_of)))
+            for name, shape, pieces in parts]
 
 
 def merged_bytes(model: nn.Module, dtype: torch.dtype) -> int:  # noqa: F821
@@ -177,7 +197,8 @@ def peft_adapters(model: nn.Module, alpha: float, rslora: bool, factors=None):  
 
     factors = factors or (lambda m: (m.lora_A.detach(), m.lora_B.detach()))
     adapters = {name: factors(m) for name, m in lora_modules(model).items()}
-    adapters, expert_ranks, expert_alphas = peft_expert_lora(adapters, alpha, rslora)
+    adapters, expert_ranks, expert_alphas = peft_expert_lora(adapters, alpha, rslora,
+                                                             interleaved=model.config.model_type == "gpt_oss")
     adapters, ranks, alphas = fuse_lora(model.config, adapters, alpha, rslora)
     return adapters, {**ranks, **expert_ranks}, {**alphas, **expert_alphas}
 

@@ -122,6 +122,10 @@ def gemma_query_scalar(arch: str, n_layer: int, n_embd: int, n_head: int, head_d
 def refusals(config) -> list[str]:
     """Why llama.cpp would not run `config` as lit-qlora does (empty: exportable)."""
     arch = ARCHITECTURES.get(config.model_type)
+    if config.model_type == "gpt_oss":
+        return ["lit-qlora does not write gpt-oss to GGUF yet (llama.cpp's gpt-oss keeps its experts in MXFP4 and "
+                "its attention sinks as tensors of their own): convert the merged model with llama.cpp's "
+                "convert_hf_to_gguf.py"]
     if arch is None:
         return [f"llama.cpp has no architecture for model_type {config.model_type!r}"]
     found = []

@@ -23,7 +23,7 @@ class LoRAExpertLinear(ExpertLinear):
         nn.Module.__init__(self)
         dtype = set_rank(self, r, alpha, rslora, base.weight, dtype)
         self.n_experts, self.in_features, self.out_features = base.n_experts, base.in_features, base.out_features
-        self.weight = base.weight
+        self.weight, self.bias = base.weight, base.bias
         self.weight.requires_grad_(False)
         device = self.weight.device
         self.lora_A = nn.Parameter(torch.empty(self.n_experts, r, self.in_features, device=device, dtype=dtype))

@@ -6,6 +6,7 @@
 | causal, no window shorter than the row, unpacked, no soft cap  | SDPA `is_causal` (O(L)) | SDPA `is_causal`       |
 | sliding window shorter than the row, packed documents          | flex_attention (O(L))   | SDPA + dense bool mask |
 | Gemma 2's attention soft cap (any mask)                        | flex_attention (O(L))   | `capped_attention`     |
+| gpt-oss's attention sinks (any mask)                           | `sink_attention`        | `sink_attention`       |
 | KV-cache decoding (generation)                                 | dense, as on CPU        | dense                  |
 
 The mask is built once per forward by `lit_qlora.model.attention_mask.attention_mask`, from one rule (`mask_mod`): a
@@ -109,11 +110,30 @@ def capped_attention(q, k, v, mask: Optional[torch.Tensor], scale: float, cap: f
     return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
 
 
+def sink_attention(q, k, v, mask: Optional[torch.Tensor], scale: float, sinks: torch.Tensor) -> torch.Tensor:
+    """Attention with gpt-oss's sinks, which SDPA cannot do: each head's learned logit joins every query's softmax as
+    one more column and takes its share of the probability, with no value (the dense path, O(L^2))."""
+    if k.size(1) != q.size(1):
+        k = k.repeat_interleave(q.size(1) // k.size(1), dim=1)
+        v = v.repeat_interleave(q.size(1) // v.size(1), dim=1)
+    scores = (q @ k.transpose(-2, -1) * scale).float()
+    if mask is None:
+        mask = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return probs.to(q.dtype) @ v
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float,
-           cap: Optional[float] = None, gqa: Optional[bool] = None) -> torch.Tensor:
+           cap: Optional[float] = None, gqa: Optional[bool] = None,
+           sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Attention of (B, n_head, T, d) queries over (B, n_kv, S, d) keys and values, (B, n_head, T, d) out. `mask`:
     a flex_attention BlockMask (then flex_attention, with the soft cap as its score_mod), a boolean mask (True:
-    attend) or None (plain causal); `cap`: Gemma 2's attention soft cap."""
+    attend) or None (plain causal); `cap`: Gemma 2's attention soft cap; `sinks`: gpt-oss's per-head sink logits
+    (the transformer builds dense masks for them)."""
+    if sinks is not None:
+        return sink_attention(q, k, v, mask, scale, sinks)
     if mask is not None and not isinstance(mask, torch.Tensor):
         return flex.flex_attend(q, k, v, mask, scale, cap, gqa)
     if cap is not None:

@@ -15,9 +15,9 @@ from lit_qlora.errors import InvalidInput, MissingFile
 from lit_qlora.hardware import PRECISIONS
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "qwen3_moe", "mixtral",
-                         "olmoe")
+                         "olmoe", "gpt_oss")
 GEMMA = ("gemma2", "gemma3_text")
-MOE = ("qwen3_moe", "mixtral", "olmoe")
+MOE = ("qwen3_moe", "mixtral", "olmoe", "gpt_oss")
 """Mixtures of experts: some or all blocks route each token to the top k of n experts (lit_qlora.model.moe)."""
 
 # transformers' defaults for fields a family's config.json may leave out, where they differ from Llama's: a field
@@ -40,6 +40,12 @@ HF_DEFAULTS: dict[str, dict[str, Any]] = {
     "olmoe": {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "num_experts_per_tok": 8,
               "norm_topk_prob": False, "router_aux_loss_coef": 0.01, "bos_token_id": None, "eos_token_id": 50279,
               "pad_token_id": 1},
+    "gpt_oss": {"head_dim": 64, "sliding_window": 128, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+                "num_experts_per_tok": 4, "router_aux_loss_coef": 0.001, "attention_bias": True, "swiglu_alpha": 1.702,
+                "swiglu_limit": 7.0, "rope_parameters": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                                                         "beta_slow": 1.0, "truncate": False,
+                                                         "original_max_position_embeddings": 4096,
+                                                         "rope_theta": 150000.0}},
 }
 
 # The one precision/dtype table: Lightning's precision name, the dtype's name in our files (adapter_config.json's
@@ -165,6 +171,17 @@ class Config:
     dense_mlp_layers: list[int] | None = None
     """Layers of an MoE model with a dense MLP of intermediate_size instead of experts (Qwen3-MoE's mlp_only_layers
     and decoder_sparse_step); None: every layer has experts."""
+    # gpt-oss.
+    attn_sinks: bool = False
+    """Each head has a learned sink logit that joins its softmax and takes a share of the probability, no value."""
+    router_topk_softmax: bool = False
+    """The router picks the top k of its logits and softmaxes those k (gpt-oss), not the top k of a softmax over all."""
+    expert_bias: bool = False
+    """The router and every expert projection have a bias."""
+    swiglu_limit: float | None = None
+    """gpt-oss's clamped SwiGLU: gate clamped to <= limit, up to [-limit, limit], out = (up + 1) * gate *
+    sigmoid(alpha * gate)."""
+    swiglu_alpha: float = 1.702
     bos_token_id: int | None = 1
     eos_token_id: int | list[int] | None = 2
     pad_token_id: int | None = None
@@ -187,9 +204,9 @@ class Config:
             raise InvalidInput(f"n_head ({self.n_head}) must be a multiple of n_query_groups ({self.n_query_groups}).")
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
-            if kind not in ("default", "llama3", "linear", "longrope"):
-                raise InvalidInput(f"rope scaling type {kind!r} is not supported (default, linear, llama3, longrope "
-                                   "are).")
+            if kind not in ("default", "llama3", "linear", "longrope", "yarn"):
+                raise InvalidInput(f"rope scaling type {kind!r} is not supported (default, linear, llama3, longrope, "
+                                   "yarn are).")
             if kind == "default":
                 self.rope_scaling = None
             if kind == "longrope":
@@ -238,7 +255,9 @@ class Config:
         if model_type in ("qwen2", "qwen3", "qwen3_moe") and not hf.get("use_sliding_window", False):
             window = None
         gemma = model_type in GEMMA
-        layer_types = hf.get("layer_types") if gemma else None
+        layer_types = hf.get("layer_types") if gemma or model_type == "gpt_oss" else None
+        if model_type == "gpt_oss" and layer_types is None:  # transformers: sliding first, then full, alternating
+            layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(hf["num_hidden_layers"])]
         if gemma and layer_types is None:  # transformers' defaults: Gemma 2 alternates, Gemma 3 every 6th is full
             every = 2 if model_type == "gemma2" else hf.get("sliding_window_pattern", 6)
             layer_types = sliding_pattern(hf["num_hidden_layers"], every)
@@ -270,6 +289,11 @@ class Config:
             max_seq_length=hf.get("max_position_embeddings", 4096),
             # Qwen2 always has q/k/v biases; Llama's `attention_bias` covers q, k, v and o.
             qkv_bias=model_type == "qwen2" or bool(hf.get("attention_bias", False)),
+            attn_sinks=model_type == "gpt_oss",
+            router_topk_softmax=model_type == "gpt_oss",
+            expert_bias=model_type == "gpt_oss",
+            swiglu_limit=hf.get("swiglu_limit") if model_type == "gpt_oss" else None,
+            swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)),
             o_bias=model_type != "qwen2" and bool(hf.get("attention_bias", False)),
             mlp_bias=bool(hf.get("mlp_bias", False)),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
@@ -321,7 +345,7 @@ class Config:
         arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                 "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
                 "phi3": "Phi3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
-                "olmoe": "OlmoeForCausalLM"}
+                "olmoe": "OlmoeForCausalLM", "gpt_oss": "GptOssForCausalLM"}
         hf: dict[str, Any] = {
             "architectures": [arch[self.model_type]],
             "model_type": self.model_type,
@@ -378,6 +402,10 @@ class Config:
                       mlp_only_layers=list(self.dense_mlp_layers or []))
         if self.model_type == "olmoe":
             hf["clip_qkv"] = self.clip_qkv
+        if self.model_type == "gpt_oss":
+            del hf["norm_topk_prob"]
+            hf.update(attention_bias=self.qkv_bias, sliding_window=self.sliding_window, layer_types=self.layer_types,
+                      swiglu_limit=self.swiglu_limit, swiglu_alpha=self.swiglu_alpha)
         return hf
 
     def replace(self, **changes: Any) -> "Config":
@@ -387,7 +415,7 @@ class Config:
         return asdict(self)
 
 
-_DEFAULT_EXPERTS = {"qwen3_moe": 128, "mixtral": 8, "olmoe": 64}  # transformers', when config.json names none
+_DEFAULT_EXPERTS = {"qwen3_moe": 128, "mixtral": 8, "olmoe": 64, "gpt_oss": 128}  # transformers', when config.json names none
 
 
 def _moe_fields(model_type: str, hf: dict[str, Any], written: dict[str, Any]) -> dict[str, Any]:
@@ -406,7 +434,7 @@ def _moe_fields(model_type: str, hf: dict[str, Any], written: dict[str, Any]) ->
         n_experts=int(n_experts),
         n_experts_per_token=int(hf["num_experts_per_tok"]),
         moe_intermediate_size=hf.get("moe_intermediate_size") if model_type == "qwen3_moe" else None,
-        norm_topk_prob=True if model_type == "mixtral" else bool(hf.get("norm_topk_prob", False)),
+        norm_topk_prob=model_type == "mixtral" or (model_type != "gpt_oss" and bool(hf.get("norm_topk_prob", False))),
         router_aux_loss_coef=float(hf.get("router_aux_loss_coef") or 0.0),
         dense_mlp_layers=dense,
     )

@@ -123,7 +123,9 @@ def model_name(config: Config, name: str) -> str:
 
 
 def hub_name(config: Config, name: str) -> str:
-    """A model tensor's name in the family's Hub checkpoints (model_name's inverse)."""
+    """A model tensor's name in the family's Hub checkpoints (model_name's inverse; gpt-oss's router)."""
+    if config.model_type == "gpt_oss":
+        return name.replace(".mlp.gate.", ".mlp.router.")
     if config.model_type == "mixtral" and ".mlp." in name and config.n_experts:
         for hub, ours in _MIXTRAL_NAMES:
             name = name.replace(ours, hub)
@@ -182,7 +184,8 @@ PEFT_EXPERT_PARAMETERS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 (n_experts, 2 * I, hidden) parameter, down as (n_experts, hidden, I)."""
 
 
-def peft_expert_lora(adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], alpha: float, rslora: bool
+def peft_expert_lora(adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], alpha: float, rslora: bool,
+                     interleaved: bool = False
                      ) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, int], dict[str, float]]:
     """Stacked expert adapters {module: (A (E, r, in), B (E, out, r))} as peft's ParamWrappers hold them, with its rank
     and alpha overrides; other adapters pass as they are.
@@ -191,7 +194,7 @@ def peft_expert_lora(adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], alp
     (out, r * E) (expert e's column j at j * E + e). Gate and up share peft's gate_up_proj: their A's stack (rank 2r)
     and B is block-diagonal, so each keeps its own update; alpha doubles with the rank so the scale stays ours. peft
     nests the wrappers in the order of the parameters' names: down_proj outside (`experts`), gate_up_proj inside
-    (`experts.base_layer`)."""
+    (`experts.base_layer`). `interleaved` (gpt-oss): gate_up_proj holds gate and up in alternate rows of B."""
     out, ranks, alphas = {}, {}, {}
     for name, (a, b) in adapters.items():
         if not name.endswith(".mlp.experts.gate_proj"):
@@ -201,8 +204,10 @@ def peft_expert_lora(adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], alp
         prefix = name.removesuffix(".gate_proj")
         (up_a, up_b), (down_a, down_b) = adapters[prefix + ".up_proj"], adapters[prefix + ".down_proj"]
         n, i, r = b.shape
-        block = b.new_zeros(n, 2 * i, 2 * r)
-        block[:, :i, :r], block[:, i:, r:] = b, up_b
+        block = b.new_zeros(n, i, 2, 2 * r) if interleaved else b.new_zeros(n, 2, i, 2 * r)
+        gate_rows, up_rows = (block[:, :, 0], block[:, :, 1]) if interleaved else (block[:, 0], block[:, 1])
+        gate_rows[..., :r], up_rows[..., r:] = b, up_b
+        block = block.reshape(n, 2 * i, 2 * r)
         out[prefix + ".base_layer"] = (torch.cat([a, up_a], dim=1).reshape(n * 2 * r, -1),
                                        block.permute(1, 2, 0).reshape(2 * i, 2 * r * n))
         out[prefix] = (down_a.reshape(n * r, -1), down_b.permute(1, 2, 0).reshape(down_b.size(1), r * n))
@@ -224,3 +229,95 @@ def experts_plan(config: Config, names: Iterable[str]) -> dict[str, tuple[str, l
             plan[name] = (found[0] + "_exps", members)
             plan.update({member: ("", []) for member in members[1:]})
     return plan
+
+
+# -- gpt-oss ---------------------------------------------------------------------------------------------------------
+# Its checkpoints keep experts stacked and transposed (x @ W): gate_up_proj (E, hidden, 2I) with gate and up in
+# alternate columns, down_proj (E, I, hidden), a bias each, the router as mlp.router (with a bias); the released ones
+# store the two expert weights in MXFP4 (`*_blocks`: (E, out, in / 32, 16) bytes of two 4-bit values, `*_scales`:
+# (E, out, in / 32) power-of-two exponents biased by 127), which dequantize to (E, out, in), our own orientation.
+FP4_LEVELS = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+"""The 16 values of an MXFP4 (e2m1) code, by code."""
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16,
+                     chunk_rows: int = 1 << 16) -> torch.Tensor:
+    """MXFP4 blocks (..., groups, 16) bytes and scales (..., groups) as (..., groups * 32) values of `dtype`: each
+    byte's low nibble the even value and its high nibble the odd one, times 2 ** (scale - 127); a chunk of rows at a
+    time, so the transient stays small beside the result."""
+    *prefix, groups, width = blocks.shape
+    rows = math.prod(prefix) * groups
+    flat_blocks, exponents = blocks.reshape(rows, width), scales.reshape(rows, 1).to(torch.int32) - 127
+    levels = torch.tensor(FP4_LEVELS, dtype=torch.float32, device=blocks.device)
+    out = torch.empty(rows, width * 2, dtype=dtype, device=blocks.device)
+    for r0 in range(0, rows, chunk_rows):
+        part = flat_blocks[r0:r0 + chunk_rows].to(torch.int64)
+        values = torch.stack([levels[part & 0x0F], levels[part >> 4]], dim=-1).reshape(part.size(0), -1)
+        out[r0:r0 + chunk_rows] = torch.ldexp(values, exponents[r0:r0 + chunk_rows].float()).to(dtype)
+    return out.reshape(*prefix, groups * width * 2)
+
+
+class GptOssLayout:
+    """gpt-oss checkpoint tensors as the model's: the router renamed, gate and up split from their alternate columns,
+    the experts' weights transposed to (E, out, in), MXFP4 pairs dequantized once both halves arrived."""
+
+    def __init__(self) -> None:
+        self.halves: dict[str, dict[str, torch.Tensor]] = {}
+
+    def add(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        name = name.replace(".mlp.router.", ".mlp.gate.")
+        if name.endswith(("_blocks", "_scales")):
+            stem, _, half = name.rpartition("_")
+            pair = self.halves.setdefault(stem, {})
+            pair[half] = tensor
+            if len(pair) < 2:
+                return []
+            del self.halves[stem]
+            return self._experts(stem, dequantize_mxfp4(pair["blocks"], pair["scales"]), transposed=False)
+        if name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")):
+            return self._experts(name, tensor, transposed=True)
+        if name.endswith(".mlp.experts.gate_up_proj_bias"):
+            prefix = name.removesuffix("gate_up_proj_bias")
+            return [(prefix + "gate_proj.bias", tensor[:, 0::2]), (prefix + "up_proj.bias", tensor[:, 1::2])]
+        if name.endswith(".mlp.experts.down_proj_bias"):
+            return [(name.removesuffix("_bias") + ".bias", tensor)]
+        return [(name, tensor)]
+
+    @staticmethod
+    def _experts(name: str, tensor: torch.Tensor, transposed: bool) -> list[tuple[str, torch.Tensor]]:
+        if transposed:  # the checkpoint's (E, in, out) -> (E, out, in)
+            tensor = tensor.transpose(1, 2)
+        if name.endswith("down_proj"):
+            return [(name + ".weight", tensor.contiguous())]
+        prefix = name.removesuffix("gate_up_proj")
+        return [(prefix + "gate_proj.weight", tensor[:, 0::2].contiguous()),
+                (prefix + "up_proj.weight", tensor[:, 1::2].contiguous())]
+
+    def missing(self) -> list[str]:
+        return [f"{stem}_{'scales' if 'blocks' in pair else 'blocks'}" for stem, pair in self.halves.items()]
+
+
+def gpt_oss_expert_tensors(module_name: str, gate, up, down) -> list[tuple[str, tuple[int, ...], object]]:
+    """The checkpoint's expert tensors of one gpt-oss block from our projections (ExpertLinear-like: `n_experts`,
+    `in_features`, `out_features`, `bias`), as (name, shape, pieces(expert_weight) -> row blocks) for a streaming
+    writer: gate_up_proj one expert at a time (gate and up interleaved, transposed), its bias, down_proj, its bias."""
+    n, hidden, inter = gate.n_experts, gate.in_features, gate.out_features
+
+    def gate_up(weight_of):
+        for e in range(n):
+            yield torch.stack([weight_of(gate, e), weight_of(up, e)], dim=1).reshape(2 * inter, hidden).t()[None]
+
+    def down_rows(weight_of):
+        for e in range(n):
+            yield weight_of(down, e).t()[None]
+
+    def gate_up_bias(_):
+        yield torch.stack([gate.bias.detach(), up.bias.detach()], dim=-1).reshape(n, 2 * inter)
+
+    def down_bias(_):
+        yield down.bias.detach()
+
+    return [(f"{module_name}.gate_up_proj", (n, hidden, 2 * inter), gate_up),
+            (f"{module_name}.gate_up_proj_bias", (n, 2 * inter), gate_up_bias),
+            (f"{module_name}.down_proj", (n, inter, hidden), down_rows),
+            (f"{module_name}.down_proj_bias", (n, hidden), down_bias)]

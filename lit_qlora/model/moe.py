@@ -23,15 +23,20 @@ class Experts(nn.Module):
 
     def __init__(self, config: Config) -> None:
         super().__init__()
-        n, h, i = config.n_experts, config.n_embd, config.moe_intermediate_size
-        self.gate_proj = ExpertLinear(n, h, i)
-        self.up_proj = ExpertLinear(n, h, i)
-        self.down_proj = ExpertLinear(n, i, h)
+        n, h, i, bias = config.n_experts, config.n_embd, config.moe_intermediate_size, config.expert_bias
+        self.gate_proj = ExpertLinear(n, h, i, bias)
+        self.up_proj = ExpertLinear(n, h, i, bias)
+        self.down_proj = ExpertLinear(n, i, h, bias)
         self.act = partial(F.gelu, approximate="tanh") if config.mlp_activation == "gelu_tanh" else F.silu
+        self.limit, self.alpha = config.swiglu_limit, config.swiglu_alpha
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x: rows sorted by expert, counts[e] rows for expert e."""
-        return self.down_proj(self.act(self.gate_proj(x, counts)) * self.up_proj(x, counts), counts)
+        gate, up = self.gate_proj(x, counts), self.up_proj(x, counts)
+        if self.limit is not None:  # gpt-oss's clamped SwiGLU
+            gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+            return self.down_proj((up + 1) * gate * torch.sigmoid(gate * self.alpha), counts)
+        return self.down_proj(self.act(gate) * up, counts)
 
 
 class SparseMoE(nn.Module):
@@ -40,8 +45,8 @@ class SparseMoE(nn.Module):
     def __init__(self, config: Config) -> None:
         super().__init__()
         self.n_experts, self.top_k = config.n_experts, config.n_experts_per_token
-        self.norm_topk_prob = config.norm_topk_prob
-        self.gate = nn.Linear(config.n_embd, config.n_experts, bias=False)
+        self.norm_topk_prob, self.topk_softmax = config.norm_topk_prob, config.router_topk_softmax
+        self.gate = nn.Linear(config.n_embd, config.n_experts, bias=config.expert_bias)
         """The router: kept in high precision (never NF4) and frozen unless `router` is a LoRA target."""
         self.gate.keeps_precision = True
         self.experts = Experts(config)
@@ -55,8 +60,12 @@ class SparseMoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         logits = self.gate(x)
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        if self.topk_softmax:  # gpt-oss: the top k logits, then a softmax over those k
+            weights, chosen = torch.topk(logits, self.top_k, dim=-1)
+            weights = torch.softmax(weights, dim=-1)
+        else:
+            probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+            weights, chosen = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         weights = weights.to(x.dtype)

@@ -96,6 +96,12 @@ PRESETS: dict[str, Config] = {
         Config("OLMoE-1B-7B", "olmoe", 50304, 16, 2048, 16, 16, 128, 1024, 1e-5, 10000.0, None, 4096,
                qk_norm=True, qk_norm_width="all", bos_token_id=None, eos_token_id=50279, pad_token_id=1,
                n_experts=64, n_experts_per_token=8, router_aux_loss_coef=0.01),
+        Config("gpt-oss-20b", "gpt_oss", 201088, 24, 2880, 64, 8, 64, 2880, 1e-5, 150000.0,
+               {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                "original_max_position_embeddings": 4096}, 131072, qkv_bias=True, o_bias=True, sliding_window=128,
+               layer_types=["sliding_attention", "full_attention"] * 12, bos_token_id=199998, eos_token_id=200002,
+               pad_token_id=199999, n_experts=32, n_experts_per_token=4, router_aux_loss_coef=0.9,
+               attn_sinks=True, router_topk_softmax=True, expert_bias=True, swiglu_limit=7.0),
         Config("Qwen2.5-7B", "qwen2", 152064, 28, 3584, 28, 4, 128, 18944, 1e-6, 1000000.0, None, 32768,
                qkv_bias=True, bos_token_id=151643, eos_token_id=151643),
     ]

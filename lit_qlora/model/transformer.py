@@ -129,6 +129,8 @@ class Attention(nn.Module):
             whole = config.qk_norm_width == "all"  # OLMoE: over the whole projection, before the heads split
             self.q_norm = RMSNorm(nh * hd if whole else hd, config.norm_eps, config.norm_plus_one)
             self.k_norm = RMSNorm(nkv * hd if whole else hd, config.norm_eps, config.norm_plus_one)
+        if config.attn_sinks:
+            self.sinks = nn.Parameter(torch.zeros(nh))
         self.scale = attention_scale(config)
         self.kv_cache: Optional[KVCache] = None
 
@@ -151,7 +153,7 @@ class Attention(nn.Module):
             k, v = self.kv_cache.update(input_pos, k, v)
             k, v = k.to(q.dtype), v.to(q.dtype)
         y = attend(q, k, v, mask, self.scale, self.config.attn_softcap,  # SDPA, flex_attention or capped (dense)
-                   self.config.n_head != self.config.n_query_groups)
+                   self.config.n_head != self.config.n_query_groups, getattr(self, "sinks", None))
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -289,7 +291,8 @@ class Transformer(nn.Module):
             x = x * torch.tensor(self.config.n_embd**0.5, dtype=x.dtype)
         kv_len = self.max_cache_len if self.max_cache_len else T
         kinds = {block.sliding for block in self.model.layers}
-        flex = use_flex_attention(idx.device)  # BlockMasks for flex_attention (CUDA) where a mask or soft cap is needed
+        # BlockMasks for flex_attention (CUDA) where a mask or soft cap is needed; gpt-oss's sinks take dense masks
+        flex = use_flex_attention(idx.device) and not self.config.attn_sinks
         masks = {sliding: attention_mask(row_pos, kv_len, self.config.sliding_window if sliding else None,
                                          self.max_cache_len > 0, positions, flex, self.config.attn_softcap is not None)
                  for sliding in kinds}

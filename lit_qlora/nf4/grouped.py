@@ -141,16 +141,22 @@ class ExpertLinear(nn.Module):
     """One projection of every expert of a block, frozen: `forward(x, counts)` with x's rows sorted by expert,
     counts[e] of them for expert e, gives each row times its own expert's weight (one grouped matmul).
 
-    `weight` is (n_experts, out, in), or NF4 (n_experts * out, in)."""
+    `weight` is (n_experts, out, in), or NF4 (n_experts * out, in); `bias` (gpt-oss) (n_experts, out), or None."""
 
-    def __init__(self, n_experts: int, in_features: int, out_features: int, device=None, dtype=None) -> None:
+    def __init__(self, n_experts: int, in_features: int, out_features: int, bias: bool = False, device=None,
+                 dtype=None) -> None:
         super().__init__()
         self.n_experts, self.in_features, self.out_features = n_experts, in_features, out_features
         self.weight = nn.Parameter(torch.empty(n_experts, out_features, in_features, device=device, dtype=dtype),
                                    requires_grad=False)
+        self.bias = (nn.Parameter(torch.zeros(n_experts, out_features, device=device, dtype=dtype),
+                                  requires_grad=False) if bias else None)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        return _ExpertMatmul.apply(x, self.weight, self.n_experts, counts)
+        out = _ExpertMatmul.apply(x, self.weight, self.n_experts, counts)
+        if self.bias is not None:  # each row its expert's bias
+            out = out + self.bias.to(out.dtype).repeat_interleave(counts, dim=0, output_size=x.size(0))
+        return out
 
     def expert_weight(self, expert: int, dtype: torch.dtype) -> torch.Tensor:
         """Expert `expert`'s (out, in) weight in `dtype` (dequantized from NF4)."""
