@@ -189,3 +189,30 @@ def test_generate_gives_the_same_greedy_tokens_with_and_without_the_kernel(monke
     without = list(generate(model, prompt, 20))
     assert not calls
     assert with_kernel == without and len(with_kernel) == 20
+
+
+def test_an_adapted_nf4_model_decodes_every_projection_with_the_kernel(monkeypatch):
+    """With adapters on q/k/v and gate/up, a decode step runs each projection's own kernel call instead of one
+    dequantized stack (fused_projections steps aside), and greedy tokens are those of the kernel switched off."""
+    from lit_qlora.lora.layer import apply_lora, lora_modules
+
+    config = Config(vocab_size=320, n_layer=2, n_embd=128, n_head=4, n_query_groups=2, intermediate_size=352,
+                    max_seq_length=64, tie_embeddings=False)
+    torch.manual_seed(0)
+    model = Transformer(config)
+    model.init_weights(std=0.1)
+    quantize_linears(model)
+    apply_lora(model, r=4, alpha=8, dtype=torch.float32)
+    with torch.no_grad():
+        for layer in lora_modules(model).values():
+            layer.lora_B.normal_(0, 0.05)
+    model.eval()
+    weights = []
+    kernel = gemv.nf4_matmul_rows
+    monkeypatch.setattr(gemv, "nf4_matmul_rows", lambda x, w, *a, **k: weights.append(w.quantized_data.data_ptr()) or kernel(x, w, *a, **k))
+    with_kernel = list(generate(model, [5, 17, 33], 6))
+    every = {m.weight.quantized_data.data_ptr() for m in lora_modules(model).values()}
+    # q, k, v, gate and up too, each its own kernel call at every step (the rest: the kernel's first-use self-test)
+    assert len(every) == 2 * 7 + 1 and all(weights.count(w) == 6 for w in every)
+    monkeypatch.setenv("LIT_QLORA_NF4_GEMV", "0")
+    assert list(generate(model, [5, 17, 33], 6)) == with_kernel

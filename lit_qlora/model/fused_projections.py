@@ -64,6 +64,8 @@ def _base_kind(weights: Sequence[torch.Tensor], x: torch.Tensor) -> Optional[str
     if any(w.dim() != 2 or w.shape[1] != x.shape[-1] for w in weights):
         return None
     if names == {"NF4Tensor"}:
+        if nf4_linear.decode_applies(x, weights[0]):  # a decode step: each projection's own NF4 decode kernel
+            return None
         fits = sum(w.numel() for w in weights) <= nf4_linear.DENSE_CHUNK_ELEMS
         on_x = all(w.quantized_data.device == x.device for w in weights)
         return "nf4" if fits and on_x else None
