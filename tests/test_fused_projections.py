@@ -124,7 +124,8 @@ def test_fallbacks(monkeypatch):
     monkeypatch.setattr(lora_dropout, "hash_dropout_applies", lambda x: False)  # dropout off the CPU: nn.Dropout per module
     assert fp.fusion_plan(x, modules) is None
     model.eval()
-    assert fp.fusion_plan(x, modules) is not None  # no dropout in eval
+    assert fp.fusion_plan(x, modules) is None  # 16 rows at inference: each projection's own NF4 decode kernel
+    assert fp.fusion_plan(torch.randn(2, 9, 128, dtype=torch.bfloat16), modules) is not None  # no dropout in eval
     dense = lora_model("none", 0.0).model.layers[0].self_attn
     assert fp.fusion_plan(x, (attn.q_proj, dense.k_proj)) is None  # mixed NF4 / dense
     assert fp.fusion_plan(x.half(), (dense.q_proj, dense.k_proj)) is None  # other dtype than the weights

@@ -64,8 +64,6 @@ def _base_kind(weights: Sequence[torch.Tensor], x: torch.Tensor) -> Optional[str
     if any(w.dim() != 2 or w.shape[1] != x.shape[-1] for w in weights):
         return None
     if names == {"NF4Tensor"}:
-        if nf4_linear.decode_applies(x, weights[0]):  # a decode step: each projection's own NF4 decode kernel
-            return None
         fits = sum(w.numel() for w in weights) <= nf4_linear.DENSE_CHUNK_ELEMS
         on_x = all(w.quantized_data.device == x.device for w in weights)
         return "nf4" if fits and on_x else None
@@ -81,6 +79,8 @@ def fusion_plan(x: torch.Tensor, modules: Sequence[nn.Module]) -> Optional[Fusio
     if not all(_fusable_module(m) for m in modules):
         return None
     kind = _base_kind([m.weight for m in modules], x)
+    if kind == "nf4" and not modules[0].training and nf4_linear.decode_applies(x, modules[0].weight):
+        return None  # inference on a few rows: each projection's own NF4 decode kernel, no dequantized stack
     biases = [m.bias for m in modules]
     if kind is None or (None in biases and any(b is not None for b in biases)):
         return None
