@@ -262,6 +262,7 @@ class GRPOModule(FinetuneModule):
                         lambda last: nullcontext() if last else no_gradient_sync(self, strategy),
                         lambda loss: self.manual_backward(loss * data_ranks))
         loss_sum, kl_sum, low, high = sums
+        self.count_routed_tokens()  # a mixture of experts' router load, from the step's last micro-batch
         self.extra_metrics = self.step_metrics(r, kl_sum, low, high, totals[1].clamp(min=1))
         return self.sum_over_data(loss_sum)
 

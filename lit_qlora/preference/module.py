@@ -51,6 +51,7 @@ class PreferenceModule(FinetuneModule):
             last = i == len(micro_batches) - 1
             with nullcontext() if last else no_gradient_sync(self, self.trainer.strategy):
                 sums = self.micro_sums(mb, "train")
+                self.count_routed_tokens()  # a mixture of experts' router load (FinetuneModule)
                 loss = sums.pair_loss / pairs + sums.nll_sum / tokens
                 self.manual_backward(loss * data_ranks)
             step_sums.append(sums)
