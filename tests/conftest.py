@@ -100,7 +100,7 @@ def finetune_sums(checkpoint_dir: Path, tmp_path: Path, max_steps: int, dropout:
 MOE_FAMILIES = {
     "qwen3_moe": dict(head_dim=16, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, norm_topk_prob=True),
     "mixtral": dict(num_local_experts=8, num_experts_per_tok=2),
-    "olmoe": dict(num_experts=8, num_experts_per_tok=2, clip_qkv=4.0),
+    "olmoe": dict(num_experts=8, num_experts_per_tok=2, clip_qkv=4.0, num_key_value_heads=4),  # (as OLMoE: no GQA)
     # Sliding layers of 4 tokens between full ones, attention sinks, YaRN, the clamped SwiGLU, biases everywhere.
     "gpt_oss": dict(head_dim=16, num_local_experts=8, num_experts_per_tok=2, sliding_window=4),
 }
@@ -115,10 +115,10 @@ def write_tiny_moe(model_type: str, out: Path, vocab_size: int = 256, tokenizer_
     from lit_qlora.checkpoint.hf import copy_tokenizer_files
 
     torch.manual_seed(0)
-    config = transformers.AutoConfig.for_model(
-        model_type, vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
-        **MOE_FAMILIES[model_type])
+    shape = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1,
+                 eos_token_id=2)
+    config = transformers.AutoConfig.for_model(model_type, **{**shape, **MOE_FAMILIES[model_type]})
     model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -313,6 +313,8 @@ def test_export_gguf_refuses_routing_llama_cpp_would_do_otherwise(family):
     flipped = refusals(config.replace(norm_topk_prob=not config.norm_topk_prob))
     assert len(flipped) == 1 and "renormalizes the top-k weights" in flipped[0]
     assert "dense MLP layers [1]" in refusals(config.replace(dense_mlp_layers=[1]))[0]
+    if family[0] == "olmoe":
+        assert "grouped-query attention" in refusals(config.replace(n_query_groups=2))[0]
 
 
 def test_gguf_export_stacks_each_projections_experts_as_llama_cpp_reads_them(smollm2_dir, tmp_path):

@@ -132,6 +132,9 @@ def refusals(config) -> list[str]:
     if config.n_experts and config.norm_topk_prob != RENORMALIZES_TOP_K[arch]:
         found.append(f"norm_topk_prob {str(config.norm_topk_prob).lower()} on a {config.model_type} model (llama.cpp's "
                      f"{arch} {'always' if RENORMALIZES_TOP_K[arch] else 'never'} renormalizes the top-k weights)")
+    if arch == "olmoe" and config.n_query_groups != config.n_head:
+        found.append(f"grouped-query attention ({config.n_query_groups} key/value heads for {config.n_head}) in an "
+                     "OLMoE model (llama.cpp's olmoe sizes its key norm for as many key heads as query heads)")
     if config.dense_mlp_layers:
         found.append(f"dense MLP layers {config.dense_mlp_layers} among the experts (llama.cpp's {arch} has experts "
                      "in every layer)")
