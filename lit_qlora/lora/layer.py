@@ -166,13 +166,15 @@ def resolve_targets(targets: Iterable[str] | str, tied_head: bool = False) -> li
     return [t for t in TARGETS if t in names]  # canonical order
 
 
-def tied_head_note(targets: Iterable[str] | str, tied_head: bool) -> Optional[str]:
+def tied_head_note(targets: Iterable[str] | str, tied_head: bool, experts: bool = False) -> Optional[str]:
     """What a run says about a head tied to the embedding: left out by `all` (and how to adapt it), or adapted by
-    name (and what that does to the exports); None for an untied head."""
+    name (and what that does to the exports); None for an untied head. The targets it lists leave out a mixture of
+    experts' unless the model has experts (`experts`)."""
     if not tied_head:
         return None
-    if "lm_head" not in resolve_targets(targets, tied_head):
-        return (f"LoRA targets: {', '.join(resolve_targets(targets, tied_head))} (lm_head is tied to the embedding, "
+    resolved = [t for t in resolve_targets(targets, tied_head) if experts or t not in ("experts", "router")]
+    if "lm_head" not in resolved:
+        return (f"LoRA targets: {', '.join(resolved)} (lm_head is tied to the embedding, "
                 "so `all` leaves it out and every export keeps it tied; to adapt it anyway, name it: --lora.targets "
                 "'[all, lm_head]', which unties it in the exports)")
     return ("LoRA targets include lm_head, which is tied to the embedding: the merged, PEFT and GGUF exports untie it "

@@ -42,11 +42,11 @@ HF_DEFAULTS: dict[str, dict[str, Any]] = {
               "pad_token_id": 1},
     "gpt_oss": {"head_dim": 64, "sliding_window": 128, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
                 "num_experts_per_tok": 4, "router_aux_loss_coef": 0.001, "attention_bias": True, "swiglu_alpha": 1.702,
-                "swiglu_limit": 7.0, "rope_parameters": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
-                                                         "beta_slow": 1.0, "truncate": False,
-                                                         "original_max_position_embeddings": 4096,
-                                                         "rope_theta": 150000.0}},
+                "swiglu_limit": 7.0, "rope_theta": 150000.0},
 }
+
+GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                "original_max_position_embeddings": 4096}
 
 # The one precision/dtype table: Lightning's precision name, the dtype's name in our files (adapter_config.json's
 # base_dtype / lora_dtype, `convert_gguf --dtype`), the torch dtype of the base and the compute, the adapters' dtype.
@@ -239,6 +239,8 @@ class Config:
                                "google/gemma-3-1b-it).")
         moe = _moe_fields(model_type, {**HF_DEFAULTS.get(model_type, {}), **hf}, hf)
         hf = {**HF_DEFAULTS.get(model_type, {}), **hf}
+        if model_type == "gpt_oss" and not (hf.get("rope_scaling") or hf.get("rope_parameters")):
+            hf["rope_scaling"] = GPT_OSS_ROPE  # transformers' default for gpt_oss
         rope = dict(hf.get("rope_parameters") or {})
         local_rope = {}
         if "full_attention" in rope:  # transformers 5's Gemma 3 layout: one RoPE per layer type

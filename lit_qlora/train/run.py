@@ -234,7 +234,7 @@ def setup(spec: RunSpec, decided: Optional[Decided] = None, hooks: Optional[RunH
     apply_lora(model, lora.r, lora.alpha, lora.dropout, lora.targets, lora.rslora, dtype=config.lora_dtype)
     if train.init_adapter is not None:  # a finished run's adapter to go on from (a resume then restores its own)
         load_adapter(model, train.init_adapter)
-    note = tied_head_note(lora.targets, config.tied_head)
+    note = tied_head_note(lora.targets, config.tied_head, experts=model.config.n_experts > 0)
     if note and trainer.is_global_zero:
         print(note)
     n_ckpt = train.activation_checkpointing
