@@ -56,6 +56,7 @@ class Decoder:
         self.cache_len = cache_len
         self.backend = backend or os.environ.get("LIT_QLORA_DECODE_BACKEND") or COMPILE_BACKEND
         self._compiled = None
+        self._threads = 0  # torch's thread count when the step compiled
         self._kept: dict = {}  # CUDA: the caches kept between groups, by (rows, device): the blocks' caches
 
     @property
@@ -91,8 +92,18 @@ class Decoder:
             self._compiled = torch.compile(_decode_step, backend=self.backend, fullgraph=True, dynamic=False,
                                            **({"mode": "reduce-overhead"} if cuda and self.backend == "inductor"
                                               else {}))
-        with _block_hooks_aside(model):
-            logits = self._compiled(model, token, pos)
+            self._threads = torch.get_num_threads()
+        # The graph keeps the thread count it was compiled with: dynamo guards on it, and a thread governor's change
+        # between steps (a busy machine) would compile the whole step again (35-49 s on a 2-core CPU).
+        threads = torch.get_num_threads()
+        if threads != self._threads:
+            torch.set_num_threads(self._threads)
+        try:
+            with _block_hooks_aside(model):
+                logits = self._compiled(model, token, pos)
+        finally:
+            if threads != self._threads:
+                torch.set_num_threads(threads)
         if token.device.type == "cpu":  # what the blocks' hooks would do: the thread governor (lit_qlora.threads)
             process_governor()()
         return logits
