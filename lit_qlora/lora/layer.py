@@ -149,13 +149,14 @@ def adapters_disabled(model: nn.Module) -> Iterator[None]:
             layer.scale = scale
 
 
-def resolve_targets(targets: Iterable[str] | str, tied_head: bool = False) -> list[str]:
+def resolve_targets(targets: Iterable[str] | str, tied_head: bool = False, experts: bool = True) -> list[str]:
     """The targets `targets` names, in canonical order. `all` leaves out a head tied to the embedding (`tied_head`):
     adapting it would untie it in every export (a larger file, `tie_word_embeddings` false, peft's warning); naming
     lm_head adapts it anyway."""
     names = [targets] if isinstance(targets, str) else list(targets)
-    if "all" in names:
-        return [t for t in TARGETS if not ((tied_head and t == "lm_head") or t in NOT_IN_ALL) or t in names]
+    if "all" in names:  # (a model without experts, `experts` false: none to name)
+        left_out = set(NOT_IN_ALL) | ({"lm_head"} if tied_head else set()) | (set() if experts else {"experts"})
+        return [t for t in TARGETS if t not in left_out or t in names]
     unknown = [t for t in names if t not in TARGETS]
     if unknown:
         raise InvalidInput(f"Unknown LoRA target(s) {unknown} (--lora.targets): choose from {', '.join(TARGETS)} or "
@@ -168,11 +169,10 @@ def resolve_targets(targets: Iterable[str] | str, tied_head: bool = False) -> li
 
 def tied_head_note(targets: Iterable[str] | str, tied_head: bool, experts: bool = False) -> Optional[str]:
     """What a run says about a head tied to the embedding: left out by `all` (and how to adapt it), or adapted by
-    name (and what that does to the exports); None for an untied head. The targets it lists leave out a mixture of
-    experts' unless the model has experts (`experts`)."""
+    name (and what that does to the exports); None for an untied head. `experts`: the model has experts."""
     if not tied_head:
         return None
-    resolved = [t for t in resolve_targets(targets, tied_head) if experts or t not in ("experts", "router")]
+    resolved = resolve_targets(targets, tied_head, experts)
     if "lm_head" not in resolved:
         return (f"LoRA targets: {', '.join(resolved)} (lm_head is tied to the embedding, "
                 "so `all` leaves it out and every export keeps it tied; to adapt it anyway, name it: --lora.targets "

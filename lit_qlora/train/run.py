@@ -71,6 +71,7 @@ class RunConfig:
     prompt_style: Optional[str] = None  # the style rows were rendered in (--data.prompt_style, auto resolved)
     hooks: RunHooks = field(default_factory=lambda: RunHooks())  # what trains: SFT, or a verb's objective
     initial_val_metrics: dict[str, float] = field(default_factory=dict)  # a resumed run's, from its checkpoint
+    experts: bool = False  # the base is a mixture of experts: `all` names them
 
     # The spec's settings and the decisions, by the names the run's parts read them.
     checkpoint_dir = property(lambda self: Path(self.spec.checkpoint_dir))
@@ -115,7 +116,7 @@ class RunConfig:
         lora_dtype_name = DTYPE_NAMES[self.lora_dtype]
         return {
             "r": lora.r, "alpha": lora.alpha, "dropout": lora.dropout,
-            "targets": resolve_targets(lora.targets, self.tied_head),
+            "targets": resolve_targets(lora.targets, self.tied_head, self.experts),
             "rslora": lora.rslora, "quantize": self.quantize.value, "precision": self.precision, "base_dtype": dtype_name,
             "lora_dtype": lora_dtype_name, "base_model": str(Path(self.checkpoint_dir).resolve()),
             "ignore_modules": self.ignore_modules, "nf4_world_size": self.nf4_shards,
@@ -192,10 +193,11 @@ def setup(spec: RunSpec, decided: Optional[Decided] = None, hooks: Optional[RunH
     if resume_from and nf4_shards is None and spec.strategy != "tp":  # keep the NF4 bits on another number of devices
         saved = resume_state.get("run", {}).get("nf4_shards")
         nf4_shards = saved if saved and (spec.strategy != "fsdp" or saved % world_size == 0) else None
+    base = Config.from_checkpoint(checkpoint_dir)
     config = RunConfig(spec, decided, world_size, nf4_shards_for(spec.strategy, world_size, nf4_shards),
                        resume_state.get("step", 0), total_steps, resume_state.get("initial_val_loss"),
-                       Config.from_checkpoint(checkpoint_dir).tie_embeddings, dm.style.name, hooks,
-                       resume_state.get("initial_val_metrics") or {})
+                       base.tie_embeddings, dm.style.name, hooks, resume_state.get("initial_val_metrics") or {},
+                       base.n_experts > 0)
 
     checkpoints = ResumableCheckpoints(out_dir, train.save_interval, train.keep_last, total_steps, config.as_json(),
                                        resume_from, started)
@@ -234,7 +236,7 @@ def setup(spec: RunSpec, decided: Optional[Decided] = None, hooks: Optional[RunH
     apply_lora(model, lora.r, lora.alpha, lora.dropout, lora.targets, lora.rslora, dtype=config.lora_dtype)
     if train.init_adapter is not None:  # a finished run's adapter to go on from (a resume then restores its own)
         load_adapter(model, train.init_adapter)
-    note = tied_head_note(lora.targets, config.tied_head, experts=model.config.n_experts > 0)
+    note = tied_head_note(lora.targets, config.tied_head, config.experts)
     if note and trainer.is_global_zero:
         print(note)
     n_ckpt = train.activation_checkpointing
