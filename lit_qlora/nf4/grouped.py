@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torchao.quantization import NF4Tensor
 
-from lit_qlora.nf4.codec import block_scales, is_nf4
+from lit_qlora.nf4.codec import block_scales, dequantize_nf4, is_nf4
 from lit_qlora.nf4.native import dequantize_blocks, is_fake, use_native
 from lit_qlora.nf4.reference import dequantize_eager
 
@@ -159,9 +159,12 @@ class ExpertLinear(nn.Module):
         return out
 
     def expert_weight(self, expert: int, dtype: torch.dtype) -> torch.Tensor:
-        """Expert `expert`'s (out, in) weight in `dtype` (dequantized from NF4)."""
-        return expert_weights(self.weight, self.n_experts, torch.tensor([expert], device=self.weight.device),
-                              dtype)[0]
+        """Expert `expert`'s (out, in) weight in `dtype` (dequantized from NF4: only its rows' blocks and scales, so an
+        export that asks for every expert in turn reads each block once)."""
+        if is_nf4(self.weight):
+            rows = self.out_features
+            return dequantize_nf4(self.weight, dtype, rows=(expert * rows, (expert + 1) * rows))
+        return self.weight.detach()[expert].to(dtype)
 
     def extra_repr(self) -> str:
         kind = "nf4" if is_nf4(self.weight) else str(self.weight.dtype).removeprefix("torch.")
