@@ -347,3 +347,41 @@ def test_the_sdpa_backend_setting_restricts_the_kernel_and_keeps_the_values(monk
     monkeypatch.setenv(attention.SDPA_ENV, "flash,fast")
     with pytest.raises(InvalidInput, match=r"LIT_QLORA_SDPA_BACKEND='flash,fast': unknown SDPA kernel\(s\) \['fast'\]"):
         attend(q, k, v, None, 0.25)
+
+
+def _sink_reference(q, k, v, mask, scale, sinks):
+    """gpt-oss's definition: the head's sink logit as one more softmax column with no value (dense scores, fp32)."""
+    k = k.repeat_interleave(q.size(1) // k.size(1), dim=1)
+    v = v.repeat_interleave(q.size(1) // v.size(1), dim=1)
+    scores = (q @ k.transpose(-2, -1)) * scale
+    scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1] @ v
+
+
+@pytest.mark.parametrize("kind", ["causal", "sliding", "decode"])
+def test_sink_attention_through_sdpa_equals_the_sink_softmax_outputs_and_gradients(kind):
+    """gpt-oss's sinks run as SDPA over one extra key (no L x L scores kept): outputs and the gradients of q, k, v and
+    the sinks equal the definition's, with grouped-query heads (8 query heads on 2 kv heads, width 64)."""
+    gen = torch.Generator().manual_seed(0)
+    b, h, kv, t, d = 2, 8, 2, 37, 64
+    s = t + 5 if kind == "decode" else t
+    q = torch.randn(b, h, t, d, generator=gen, requires_grad=True)
+    k = torch.randn(b, kv, s, d, generator=gen, requires_grad=True)
+    v = torch.randn(b, kv, s, d, generator=gen, requires_grad=True)
+    sinks = (torch.randn(h, generator=gen) * 2).requires_grad_()
+    causal = torch.ones(t, s, dtype=torch.bool).tril(s - t)
+    mask = None if kind == "causal" else causal & ~torch.ones(t, s, dtype=torch.bool).tril(s - t - 9)
+    if kind == "decode":
+        mask = causal[None, None].expand(b, 1, t, s)
+    scale = d ** -0.5
+    out = attention.sink_attention(q, k, v, mask, scale, sinks)
+    ref = _sink_reference(q, k, v, causal if mask is None else mask, scale, sinks)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    grad = torch.randn(out.shape, generator=gen)
+    ours = torch.autograd.grad(out, (q, k, v, sinks), grad)
+    theirs = torch.autograd.grad(ref, (q, k, v, sinks), grad)
+    for name, a, r in zip("qkv", ours, theirs):
+        torch.testing.assert_close(a, r, atol=1e-5, rtol=1e-5, msg=f"d{name}")
+    torch.testing.assert_close(ours[3], theirs[3], atol=1e-5, rtol=1e-5)
+    assert theirs[3].abs().min() > 1e-3  # every sink takes a share, so its gradient checks something

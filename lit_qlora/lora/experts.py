@@ -42,9 +42,11 @@ class LoRAExpertLinear(ExpertLinear):
         if self.scale == 0:  # adapters_disabled
             return out
         offsets = group_offsets(counts)
-        a, b = self.lora_A.to(x.dtype), self.lora_B.to(x.dtype)
+        # The scale goes on B (out x r per expert), not on the rows x out product, and the sum is in place: at
+        # 8 experts a token these are the largest tensors of the block.
+        a, b = self.lora_A.to(x.dtype), self.lora_B.to(x.dtype) * self.scale
         down = GroupedMM.apply(self.lora_dropout(x), a.transpose(1, 2), offsets)
-        return out + GroupedMM.apply(down, b.transpose(1, 2), offsets) * self.scale
+        return out.add_(GroupedMM.apply(down, b.transpose(1, 2), offsets))
 
     def delta_weight(self, expert: int) -> torch.Tensor:
         """scale * B_e @ A_e in fp32: what merging adds to expert `expert`'s weight."""

@@ -6,7 +6,7 @@
 | causal, no window shorter than the row, unpacked, no soft cap  | SDPA `is_causal` (O(L)) | SDPA `is_causal`       |
 | sliding window shorter than the row, packed documents          | flex_attention (O(L))   | SDPA + dense bool mask |
 | Gemma 2's attention soft cap (any mask)                        | flex_attention (O(L))   | `capped_attention`     |
-| gpt-oss's attention sinks (any mask)                           | `sink_attention`        | `sink_attention`       |
+| gpt-oss's attention sinks (any mask)                           | SDPA over a sink key    | SDPA over a sink key   |
 | KV-cache decoding (generation)                                 | dense, as on CPU        | dense                  |
 
 The mask is built once per forward by `lit_qlora.model.attention_mask.attention_mask`, from one rule (`mask_mod`): a
@@ -111,18 +111,31 @@ def capped_attention(q, k, v, mask: Optional[torch.Tensor], scale: float, cap: f
 
 
 def sink_attention(q, k, v, mask: Optional[torch.Tensor], scale: float, sinks: torch.Tensor) -> torch.Tensor:
-    """Attention with gpt-oss's sinks, which SDPA cannot do: each head's learned logit joins every query's softmax as
-    one more column and takes its share of the probability, with no value (the dense path, O(L^2))."""
-    if k.size(1) != q.size(1):
+    """Attention with gpt-oss's sinks: each head's learned logit joins every query's softmax as one more column and
+    takes its share of the probability, with no value.
+
+    Run as SDPA over one more key, so no L x L scores are kept (gpt-oss-20b's 64 heads at 2048 tokens held 1 GiB of
+    fp32 scores per layer, three times over in backward): every query gains a feature holding its head's sink / scale
+    (zero-padded to a multiple of 8 wide), the real keys a zero there and the sink key a one there and zeros
+    elsewhere, so the sink key's score is exactly the sink; its value is zero and every query may see it. The sinks'
+    gradient comes back through that feature. (For gpt-oss's head width 64, scale is 1/8 and sink / scale is exact in
+    bf16.)"""
+    if k.size(1) != q.size(1):  # the sink feature differs per query head, so every query head gets its own keys
         k = k.repeat_interleave(q.size(1) // k.size(1), dim=1)
         v = v.repeat_interleave(q.size(1) // v.size(1), dim=1)
-    scores = (q @ k.transpose(-2, -1) * scale).float()
+    b, h, t, d = q.shape
+    s = k.size(-2)
+    width = d + 1 + (-(d + 1) % 8)
+    sink = (sinks / scale).to(q.dtype).view(1, h, 1, 1).expand(b, h, t, 1)
+    q = torch.cat([q, sink, q.new_zeros(b, h, t, width - d - 1)], dim=-1)
+    sink_key = q.new_zeros(b, h, 1, width)
+    sink_key[..., d] = 1
+    k = torch.cat([sink_key, F.pad(k, (0, width - d))], dim=-2)
+    v = F.pad(v, (0, width - d, 1, 0))  # the sink's value row: zeros
     if mask is None:
-        mask = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device).tril()
-    scores = scores.masked_fill(~mask, float("-inf"))
-    sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
-    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
-    return probs.to(q.dtype) @ v
+        mask = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(s - t)
+    mask = torch.cat([mask.new_ones(*mask.shape[:-1], 1), mask], dim=-1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)[..., :d]
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float,

@@ -12,6 +12,7 @@ operands are zero-padded to one that is, which changes no value.
 
 from __future__ import annotations
 
+import threading
 from typing import Optional
 
 import torch
@@ -42,7 +43,7 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch
     if b.stride(1) != 1 and b.stride(2) != 1:
         b = b.contiguous()
     out = torch._grouped_mm(a, b, offs=offsets)
-    return out if out.size(1) == n else out[:, :n]
+    return out if out.size(1) == n else out[:, :n].contiguous()  # not a view: callers add into it in place
 
 
 def grouped_weight_grad(a: torch.Tensor, g: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -77,12 +78,29 @@ def group_offsets(counts: torch.Tensor) -> torch.Tensor:
     return counts.cumsum(0).to(torch.int32)
 
 
+_workspace = threading.local()
+
+
+def _cpu_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A flat buffer reused by every projection on this thread. A fresh tensor of a projection's experts (33 MiB
+    in fp32 for 64 experts of 256 x 512) is a new mmap that the kernel then page-faults in: that cost 4x the
+    dequantization itself (glibc maps every block over 32 MiB and unmaps it on free)."""
+    buf = getattr(_workspace, "buf", None)
+    if buf is None or buf.dtype != dtype or buf.numel() < numel:
+        _workspace.buf = None  # free the old one before the new one is allocated
+        buf = _workspace.buf = torch.empty(numel, dtype=dtype)
+    return buf[:numel]
+
+
 @torch.compiler.disable  # raw-pointer kernels
 @torch.no_grad()
 def dequantize_experts(weight: NF4Tensor, n_experts: int, experts: Optional[torch.Tensor],
                        dtype: torch.dtype) -> torch.Tensor:
     """The dense (len(experts), out, in) weights of the experts `experts` (all with None) of a stacked NF4
-    projection: only their codes are read, so a token routed to 8 of 128 experts dequantizes 8."""
+    projection: only their codes are read, so a token routed to 8 of 128 experts dequantizes 8.
+
+    On the CPU the result lives in a buffer the next call on this thread overwrites: use it before then (the
+    grouped matmul does, and its backward dequantizes again)."""
     rows, cols = weight.shape
     out_rows = rows // n_experts
     if experts is None:
@@ -92,8 +110,12 @@ def dequantize_experts(weight: NF4Tensor, n_experts: int, experts: Optional[torc
         codes = weight.quantized_data.view(n_experts, -1).index_select(0, experts).view(-1)
         scales = block_scales(weight).view(n_experts, -1).index_select(0, experts).view(-1)
     storage = weight.nf4.dtype
-    out = torch.empty(count, out_rows, cols, dtype=dtype, device=codes.device)
-    flat = out.view(-1)
+    numel = count * out_rows * cols
+    if codes.device.type == "cpu" and not is_fake(codes):
+        flat = _cpu_buffer(numel, dtype)
+    else:
+        flat = torch.empty(numel, dtype=dtype, device=codes.device)
+    out = flat.view(count, out_rows, cols)
     if codes.device.type == "cpu" and dtype in (storage, torch.float32) and use_native(storage):
         dequantize_blocks(codes, scales, weight.nf4, storage, flat)
     elif dtype == storage:
@@ -121,8 +143,10 @@ class _ExpertMatmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, n_experts: int, counts: torch.Tensor):
         # Only the experts that got rows are dequantized. A dry run on fake tensors cannot know which: it counts
-        # them all, the most this can take.
-        active = None if is_fake(counts) or bool((counts > 0).all()) else counts.nonzero().view(-1)
+        # them all, the most this can take. A dense stack is used whole (empty groups cost nothing; selecting the
+        # active experts would copy their weights).
+        dense_stack = not is_nf4(weight)
+        active = None if dense_stack or is_fake(counts) or bool((counts > 0).all()) else counts.nonzero().view(-1)
         kept = counts if active is None else counts.index_select(0, active)
         offsets = group_offsets(kept)
         dense = expert_weights(weight, n_experts, active, x.dtype)

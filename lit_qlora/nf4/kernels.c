@@ -115,6 +115,23 @@ void nf4_dequant16(const uint8_t* q, const float* scale, const float* levels, in
         const uint8_t* qb = q + b * hb;
         uint16_t* ob = out + 2 * b * hb;
         int64_t j = 0;
+#if defined(__AVX2__) && !defined(__AVX512BW__)
+        /* No 16-bit permute on AVX2 (gcc made the one below scalar): the table's low and high bytes as two pshufb
+           tables, each byte's high and low code interleaved as indices, the two result bytes zipped into words. */
+        uint8_t tl[16], th[16];
+        for (int k = 0; k < 16; ++k) { tl[k] = (uint8_t)table[k]; th[k] = (uint8_t)(table[k] >> 8); }
+        __m256i tlo = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)tl));
+        __m256i thi = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)th));
+        for (; j + 16 <= hb; j += 16) {
+            __m128i c = _mm_loadu_si128((const __m128i*)(qb + j));
+            __m128i h = _mm_and_si128(_mm_srli_epi16(c, 4), _mm_set1_epi8(15)), l = _mm_and_si128(c, _mm_set1_epi8(15));
+            __m256i idx = _mm256_set_m128i(_mm_unpackhi_epi8(h, l), _mm_unpacklo_epi8(h, l));
+            __m256i lb = _mm256_shuffle_epi8(tlo, idx), hbyte = _mm256_shuffle_epi8(thi, idx);
+            __m256i w0 = _mm256_unpacklo_epi8(lb, hbyte), w1 = _mm256_unpackhi_epi8(lb, hbyte);
+            _mm256_storeu_si256((__m256i*)(ob + 2 * j), _mm256_permute2x128_si256(w0, w1, 0x20));
+            _mm256_storeu_si256((__m256i*)(ob + 2 * j + 16), _mm256_permute2x128_si256(w0, w1, 0x31));
+        }
+#endif
         for (; j + 16 <= hb; j += 16) {
             v16u d = widen16(qb + j);
             v16u idx = (d >> 4) | ((d & 15u) << 16);
@@ -138,6 +155,23 @@ void nf4_dequant32(const uint8_t* q, const float* scale, const float* levels, in
         const uint8_t* qb = q + b * hb;
         float* ob = out + 2 * b * hb;
         int64_t j = 0;
+#if defined(__AVX2__) && !defined(__AVX512F__)
+        /* gcc lowers the 16-lane permute below to scalar code on AVX2 (dequantize ran at ~1/5 of memory speed):
+           here two 8-entry vpermps halves, the code's bit 3 choosing between them, and unpack to interleave
+           each byte's high and low code. */
+        __m256 t0 = _mm256_loadu_ps((const float*)&p), t1 = _mm256_loadu_ps((const float*)&p + 8);
+        for (; j + 8 <= hb; j += 8) {
+            __m256i d = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(qb + j)));
+            __m256i hi = _mm256_srli_epi32(d, 4), lo = _mm256_and_si256(d, _mm256_set1_epi32(15));
+            __m256 vh = _mm256_blendv_ps(_mm256_permutevar8x32_ps(t0, hi), _mm256_permutevar8x32_ps(t1, hi),
+                                         _mm256_castsi256_ps(_mm256_slli_epi32(hi, 28)));
+            __m256 vl = _mm256_blendv_ps(_mm256_permutevar8x32_ps(t0, lo), _mm256_permutevar8x32_ps(t1, lo),
+                                         _mm256_castsi256_ps(_mm256_slli_epi32(lo, 28)));
+            __m256 a = _mm256_unpacklo_ps(vh, vl), c = _mm256_unpackhi_ps(vh, vl);
+            _mm256_storeu_ps(ob + 2 * j, _mm256_permute2f128_ps(a, c, 0x20));
+            _mm256_storeu_ps(ob + 2 * j + 8, _mm256_permute2f128_ps(a, c, 0x31));
+        }
+#endif
         for (; j + 8 <= hb; j += 8) {
             v8q d = widen8(qb + j);
             v8q idx = (d >> 4) | ((d & 15u) << 32);
