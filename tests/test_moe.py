@@ -184,6 +184,36 @@ def test_grouped_lora_equals_one_expert_at_a_time():
     assert torch.equal(grads[1][1], torch.zeros(3, 12))  # an expert that got no rows gets no gradient
 
 
+@pytest.mark.parametrize("empty", [False, True])
+def test_nf4_experts_in_chunks_equal_one_grouped_matmul(empty, monkeypatch):
+    """An NF4 projection whose dense experts exceed EXPERT_CHUNK_BYTES goes through the grouped matmul a few experts at
+    a time (gpt-oss's 0.5 GiB of bf16 experts stayed beside the step's peak): outputs and input gradients equal the
+    one-call path's, also where experts get no rows (only the active ones are dequantized, then chunked)."""
+    from lit_qlora.nf4 import grouped
+    from lit_qlora.nf4.convert import quantize_weight
+
+    torch.manual_seed(0)
+    layer = ExpertLinear(6, 64, 128)
+    layer.weight = torch.nn.Parameter(quantize_weight(torch.randn(6, 128, 64)), requires_grad=False)
+    counts = torch.tensor([3, 0, 5, 2, 0, 4]) if empty else torch.tensor([3, 1, 5, 2, 2, 4])
+    x = torch.randn(int(counts.sum()), 64, requires_grad=True)
+    g = torch.randn(x.size(0), 128)
+    whole = layer(x, counts)
+    (grad_whole,) = torch.autograd.grad(whole, x, g)
+    calls = []
+    dequantize = grouped.dequantize_experts
+    monkeypatch.setattr(grouped, "dequantize_experts", lambda w, n, e, d: calls.append(len(e)) or dequantize(w, n, e, d))
+    monkeypatch.setattr(grouped, "EXPERT_CHUNK_BYTES", 2 * 128 * 64 * 4)  # two fp32 experts a chunk
+    chunked = layer(x, counts)
+    (grad_chunked,) = torch.autograd.grad(chunked, x, g)
+    assert calls == ([2, 2] if empty else [2, 2, 2]) * 2  # forward, then backward
+    torch.testing.assert_close(chunked, whole, rtol=0, atol=1e-6)
+    torch.testing.assert_close(grad_chunked, grad_whole, rtol=0, atol=1e-6)
+    rows = torch.repeat_interleave(torch.arange(6), counts)
+    dense = dequantize_nf4(layer.weight, torch.float32).view(6, 128, 64)
+    torch.testing.assert_close(chunked, torch.einsum("ti,toi->to", x, dense[rows]), rtol=1e-5, atol=1e-5)
+
+
 def test_grouped_mm_pads_unaligned_widths_without_changing_values():
     """bf16 operands whose widths are not 16-byte multiples (rank 3, 12 features) are padded, not refused."""
     torch.manual_seed(0)
@@ -290,13 +320,61 @@ def test_estimate_counts_the_nf4_experts_and_their_adapters(family, tmp_path, mo
         out = tmp_path / targets.strip("[]").replace(",", "-")
         main(["estimate", "--checkpoint_dir", str(path), "--train.max_seq_length", "32", "--lora.r", "4",
               "--lora.targets", targets, "--out_dir", str(out)])
-        by_targets[targets] = json.loads((out / "estimate.json").read_text())["by_category"]
+        result = json.loads((out / "estimate.json").read_text())
+        by_targets[targets] = result["by_category"]
     model = load_model(path, "nf4", "bf16-true")
+    # the load's host peak: the model as it trains plus one block's expert stacks as the checkpoint stores them (fp32)
+    intermediate = FAMILIES[model_type].get("moe_intermediate_size", 96)
+    stacks = 3 * 8 * 64 * intermediate * 4
+    assert result["load_held_bytes"] == stacks and "expert stacks" in result["load_held"]
+    assert result["load_host_bytes"] == (result["by_category"]["frozen base"]
+                                         + result["by_category"]["embeddings and norms"] + stacks)
     experts = sum(nf4_nbytes(m.weight) for m in model.modules() if isinstance(m, ExpertLinear))
     attention_only, with_experts = by_targets["[q,k,v,o]"], by_targets["[q,k,v,o,experts]"]
     assert attention_only["frozen base"] >= experts
     expert_lora = 2 * 8 * 4 * (64 + FAMILIES[model_type].get("moe_intermediate_size", 96)) * 3 * 2  # bf16, 2 blocks
     assert with_experts["LoRA weights"] - attention_only["LoRA weights"] == expert_lora
+
+
+def test_an_nf4_mixture_loads_tensor_by_tensor_near_its_nf4_size(tmp_path):
+    """A sharded bf16 mixture of experts (transformers' per-expert keys, 216 MB in 100 MB shards) loads as NF4 with a
+    host peak within the estimate's prediction (the NF4 model plus one block's expert stacks) and under a third of the
+    checkpoint: no shard, and no block but one, is ever held whole in bf16."""
+    import subprocess
+    import sys
+
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model(
+        "olmoe", hidden_size=512, intermediate_size=256, num_hidden_layers=8, num_attention_heads=8,
+        num_key_value_heads=8, num_experts=32, num_experts_per_tok=4, vocab_size=2048, bos_token_id=1, eos_token_id=2)
+    path = tmp_path / "moe"
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(
+        path, max_shard_size="100MB")
+    checkpoint = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    assert len(list(path.glob("*.safetensors"))) >= 2
+    code = f"""
+import json
+from pathlib import Path
+from lit_qlora.checkpoint.loading import load_model
+from lit_qlora.estimate.load import largest_held
+from lit_qlora.memory.accounting import module_bytes, peak_rss_bytes
+from lit_qlora.nf4 import nf4_backend
+import torch
+nf4_backend()
+torch.zeros(1) + 1
+before = peak_rss_bytes()
+model = load_model({str(path)!r}, "nf4", "bf16-true")
+held = largest_held(model.config, True, torch.bfloat16)[0]
+print(json.dumps({{"load": peak_rss_bytes() - before, "model": module_bytes(model), "held": held}}))
+"""
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
+    measured = json.loads(out.strip().splitlines()[-1])
+    predicted = measured["model"] + measured["held"]
+    assert measured["held"] == 3 * 32 * 256 * 512 * 2  # one block's gate, up and down stacks in bf16
+    assert measured["load"] <= 1.25 * predicted, measured
+    assert measured["load"] < checkpoint / 3, (measured, checkpoint)
 
 
 def test_export_gguf_refuses_routing_llama_cpp_would_do_otherwise(family):

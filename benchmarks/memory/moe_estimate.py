@@ -1,19 +1,30 @@
-"""`litqlora estimate` for Qwen3-30B-A3B QLoRA (r 16, 2048 tokens, micro-batch 1, activation checkpointing) with
-adapters on attention and on attention + every expert, and gpt-oss-20b's with adapters on attention; results in
+"""`litqlora estimate` for the MoE goals of issue 54 item 7, QLoRA r 16, micro-batch 1, activation checkpointing, bf16
+(a GPU's auto): Qwen3-30B-A3B at 2048 tokens with adapters on attention and on attention + every expert, its longest
+context on a 24 GiB card (an RTX 3090; adapters on attention), the largest r of adapters on attention + every expert
+that fits one at 2048 tokens, and gpt-oss-20b at 2048 tokens with adapters on attention. Results in
 benchmarks/memory/results/moe_*.json and tutorials/memory.md#mixtures-of-experts. Needs no weights: the published
 config.json files are enough (written here).
 
-    python benchmarks/memory/moe_estimate.py   # ~2-4 minutes a row on a 2-core CPU
+    python benchmarks/memory/moe_estimate.py [--rows attention longest largest_r gpt-oss]   # ~2-4 min a trace
+
+"Fits" is `estimate --device_memory rtx3090`'s rule: the peak x 1.10 (the caching allocator's fragmentation) plus 0.5
+GiB (CUDA's context) within the card's 24,576 MiB, so a peak of at most 21.4 GiB. The largest r: the peak grows by the
+same bytes per unit of r (adapters, their gradients and AdamW's two moments, all linear in r), so it is traced at r 16
+and r 32, the largest r that fits read off that line, and that r traced to check it fits (and r + 1 that it does not).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from lit_qlora.estimate.cards import CARDS
+from lit_qlora.estimate.search import CUDA_RESERVE, FRAGMENTATION, fits
 
 RESULTS = Path(__file__).parent / "results"
 # Qwen/Qwen3-30B-A3B's config.json, as published.
@@ -66,24 +77,62 @@ GPT_OSS_20B = {
     "transformers_version": "4.55.0.dev0",
     "use_cache": True,
     "vocab_size": 201088}
-ROWS = {("qwen3-30b-a3b", "attention"): (QWEN3_30B_A3B, "[q,k,v,o]"),
-        ("qwen3-30b-a3b", "all"): (QWEN3_30B_A3B, "[all]"),
-        ("gpt-oss-20b", "attention"): (GPT_OSS_20B, "[q,k,v,o]")}
+GIB = 2**30
+CARD = CARDS["rtx3090"] * 2**20  # 24 GiB, as nvidia-smi reports an RTX 3090
+
+
+def estimate(work: Path, model: str, config: dict, name: str, targets: str, r: int = 16, *extra: str) -> dict:
+    checkpoint = work / model
+    checkpoint.mkdir(exist_ok=True)
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    out = work / f"{model}-{name}"
+    cmd = ["litqlora", "estimate", "--checkpoint_dir", str(checkpoint), "--train.micro_batch_size", "1",
+           "--lora.r", str(r), "--lora.targets", targets, "--train.activation_checkpointing", "true",
+           "--out_dir", str(out), *(extra or ("--train.max_seq_length", "2048"))]
+    subprocess.run(cmd, check=True)
+    result = json.loads((out / "estimate.json").read_text())
+    result["command"] = " ".join(["litqlora", *cmd[1:]]).replace(str(work), "CONFIGS")
+    (RESULTS / f"moe_{model}_{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(f"{model} {name}: peak {result['peak_bytes'] / GIB:.2f} GiB", file=sys.stderr, flush=True)
+    return result
+
+
+def largest_r(work: Path) -> None:
+    """The largest r of adapters on attention + every expert whose 2048-token step fits 24 GiB (module doc)."""
+    low = estimate(work, "qwen3-30b-a3b", QWEN3_30B_A3B, "all", "[all]", 16)["peak_bytes"]
+    high = estimate(work, "qwen3-30b-a3b", QWEN3_30B_A3B, "all-r32", "[all]", 32)["peak_bytes"]
+    per_r = (high - low) / 16
+    usable = (CARD - CUDA_RESERVE) / FRAGMENTATION  # what `estimate --device_memory rtx3090` lets a peak reach
+    r = max(1, 16 + int((usable - low) // per_r))
+    peaks = {16: low, 32: high}
+    for rank in (r, r + 1):
+        peaks[rank] = peaks.get(rank) or estimate(work, "qwen3-30b-a3b", QWEN3_30B_A3B, f"all-r{rank}", "[all]",
+                                                  rank)["peak_bytes"]
+    checked = fits(peaks[r], CARD, "cuda") and not fits(peaks[r + 1], CARD, "cuda")
+    summary = {"card": "rtx3090 (24,576 MiB)", "usable_peak_bytes": round(usable),
+               "largest_r": r if checked else None, "bytes_per_unit_of_r": round(per_r),
+               "peaks": {str(k): v for k, v in sorted(peaks.items())}}
+    (RESULTS / "moe_qwen3-30b-a3b_largest_r.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(f"largest r on 24 GiB: {summary}", file=sys.stderr)
+
+
+ROWS = {
+    "attention": lambda w: estimate(w, "qwen3-30b-a3b", QWEN3_30B_A3B, "attention", "[q,k,v,o]"),
+    "longest": lambda w: estimate(w, "qwen3-30b-a3b", QWEN3_30B_A3B, "attention-longest-24gib", "[q,k,v,o]", 16,
+                                  "--train.max_seq_length", "auto", "--device_memory", "rtx3090"),
+    "largest_r": largest_r,  # its r 16 trace is the "all" row
+    "gpt-oss": lambda w: estimate(w, "gpt-oss-20b", GPT_OSS_20B, "attention", "[q,k,v,o]"),
+}
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", nargs="+", choices=list(ROWS), default=list(ROWS))
+    args = parser.parse_args()
     work = Path(tempfile.mkdtemp())
-    for (model, name), (config, targets) in ROWS.items():
-        checkpoint = work / model
-        checkpoint.mkdir(exist_ok=True)
-        (checkpoint / "config.json").write_text(json.dumps(config))
-        out = work / f"{model}-{name}"
-        subprocess.run(["litqlora", "estimate", "--checkpoint_dir", str(checkpoint), "--train.max_seq_length", "2048",
-                        "--train.micro_batch_size", "1", "--lora.r", "16", "--lora.targets", targets,
-                        "--train.activation_checkpointing", "true", "--out_dir", str(out)], check=True)
-        shutil.copyfile(out / "estimate.json", RESULTS / f"moe_{model}_{name}.json")
-        result = json.loads((out / "estimate.json").read_text())
-        print(f"{model} {name}: peak {result['peak_bytes'] / 2**30:.2f} GiB", file=sys.stderr)
+    for row in args.rows:
+        ROWS[row](work)
+    shutil.rmtree(work)
 
 
 if __name__ == "__main__":

@@ -127,13 +127,36 @@ def dequantize_experts(weight: NF4Tensor, n_experts: int, experts: Optional[torc
     return out
 
 
-def expert_weights(weight: torch.Tensor, n_experts: int, experts: Optional[torch.Tensor],
-                   dtype: torch.dtype) -> torch.Tensor:
-    """(experts, out, in) in `dtype`: dequantized from NF4, or the stacked dense weight's rows."""
-    if is_nf4(weight):
-        return dequantize_experts(weight, n_experts, experts, dtype)
-    weight = weight.detach()
-    return (weight if experts is None else weight.index_select(0, experts)).to(dtype)
+EXPERT_CHUNK_BYTES = 64 << 20
+"""The most dense expert weight dequantized at once: an NF4 projection's experts go through the grouped matmul in
+chunks of this many bytes, each over its own experts' rows (gpt-oss-20b's 32 experts of 2880 x 2880 are 0.5 GiB in
+bf16, which sat beside a step's peak; in 64 MiB chunks, 4 experts, its predicted peak is 0.44 GiB lower)."""
+
+
+def expert_products(rows: torch.Tensor, weight: torch.Tensor, n_experts: int, experts: Optional[torch.Tensor],
+                    kept: torch.Tensor, forward: bool) -> torch.Tensor:
+    """Each row times its expert's NF4 weight, W_e^T (`forward`) or W_e (the input gradient): `rows` sorted by expert,
+    kept[j] of them for the j-th of `experts` (every expert with None), dequantized EXPERT_CHUNK_BYTES at a time."""
+    out_rows, cols = weight.size(0) // n_experts, weight.size(1)
+    count = n_experts if experts is None else experts.numel()
+    per_chunk = max(1, EXPERT_CHUNK_BYTES // (out_rows * cols * rows.element_size()))
+    if count <= per_chunk:
+        dense = dequantize_experts(weight, n_experts, experts, rows.dtype)
+        return grouped_mm(rows, dense.transpose(1, 2) if forward else dense, group_offsets(kept))
+    ids = torch.arange(n_experts, device=kept.device) if experts is None else experts
+    # Each chunk's rows: one host sync for the boundaries (a dry run, whose counts have no values, splits evenly).
+    ends = ([round(rows.size(0) * (j + 1) / count) for j in range(count)] if is_fake(kept)
+            else kept.cumsum(0).tolist())
+    out = rows.new_empty(rows.size(0), out_rows if forward else cols)
+    for first in range(0, count, per_chunk):
+        last = min(count, first + per_chunk)
+        begin, end = (ends[first - 1] if first else 0), ends[last - 1]
+        if end > begin:
+            dense = dequantize_experts(weight, n_experts, ids[first:last], rows.dtype)
+            out[begin:end] = grouped_mm(rows[begin:end], dense.transpose(1, 2) if forward else dense,
+                                        group_offsets(kept[first:last]))
+            del dense  # before the next chunk's: one chunk alive at a time
+    return out
 
 
 class _ExpertMatmul(torch.autograd.Function):
@@ -142,23 +165,26 @@ class _ExpertMatmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, n_experts: int, counts: torch.Tensor):
-        # Only the experts that got rows are dequantized. A dry run on fake tensors cannot know which: it counts
-        # them all, the most this can take. A dense stack is used whole (empty groups cost nothing; selecting the
-        # active experts would copy their weights).
-        dense_stack = not is_nf4(weight)
-        active = None if dense_stack or is_fake(counts) or bool((counts > 0).all()) else counts.nonzero().view(-1)
-        kept = counts if active is None else counts.index_select(0, active)
-        offsets = group_offsets(kept)
-        dense = expert_weights(weight, n_experts, active, x.dtype)
-        ctx.save_for_backward(weight, offsets, active)
         ctx.n_experts = n_experts
-        return grouped_mm(x, dense.transpose(1, 2), offsets)
+        if not is_nf4(weight):  # a dense stack is used whole: empty groups cost nothing, selecting would copy
+            ctx.save_for_backward(weight, group_offsets(counts))
+            return grouped_mm(x, weight.detach().to(x.dtype).transpose(1, 2), group_offsets(counts))
+        # Only the experts that got rows are dequantized. A dry run on fake tensors cannot know which: it counts
+        # them all, the most this can take.
+        active = None if is_fake(counts) or bool((counts > 0).all()) else counts.nonzero().view(-1)
+        kept = counts if active is None else counts.index_select(0, active)
+        ctx.save_for_backward(weight, kept, active)
+        return expert_products(x, weight, n_experts, active, kept, forward=True)
 
     @staticmethod
     def backward(ctx, grad):
-        weight, offsets, active = ctx.saved_tensors
-        dense = expert_weights(weight, ctx.n_experts, active, grad.dtype)
-        return grouped_mm(grad.contiguous(), dense, offsets), None, None, None
+        grad = grad.contiguous()
+        saved = ctx.saved_tensors  # (unpacked once: a checkpointed block's recompute allows no second unpack)
+        if not is_nf4(saved[0]):
+            weight, offsets = saved
+            return grouped_mm(grad, weight.detach().to(grad.dtype), offsets), None, None, None
+        weight, kept, active = saved
+        return expert_products(grad, weight, ctx.n_experts, active, kept, forward=False), None, None, None
 
 
 class ExpertLinear(nn.Module):
