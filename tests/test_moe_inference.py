@@ -192,3 +192,30 @@ def test_serve_answers_chat_completions_on_a_mixture_as_generate_does(mixture):
     assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (len(prompt), len(reply))
     assert answer.model == adapter.name
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == tok.decode(reply)
+
+
+def test_download_keeps_gpt_oss_chat_template_and_skips_its_original_weights(monkeypatch, tmp_path):
+    """`litqlora download openai/gpt-oss-20b`: its chat template is in chat_template.jinja (tokenizer_config.json has
+    none; chat and serve need it) and its original/ folder holds a second copy of the weights for OpenAI's own code:
+    the filter keeps the first and skips the second (the Hub's own filtering, on the repository's kinds of files)."""
+    import huggingface_hub
+    from huggingface_hub.utils import filter_repo_objects
+
+    from lit_qlora.checkpoint.download import download
+
+    listing = ["config.json", "generation_config.json", "model.safetensors.index.json",
+               "model-00000-of-00002.safetensors", "model-00001-of-00002.safetensors", "chat_template.jinja",
+               "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "original/config.json",
+               "original/dtypes.json", "original/model.safetensors", "metal/model.bin", "LICENSE", "README.md"]
+
+    def snapshot_download(repo_id, local_dir, allow_patterns=None, ignore_patterns=None, **kwargs):
+        for name in filter_repo_objects(listing, allow_patterns=allow_patterns, ignore_patterns=ignore_patterns):
+            (Path(local_dir) / name).parent.mkdir(parents=True, exist_ok=True)
+            (Path(local_dir) / name).write_text("")
+        return str(local_dir)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    out = download("openai/gpt-oss-20b", tmp_path / "gpt-oss-20b")
+    got = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
+    assert got == sorted(n for n in listing if not n.startswith(("original/", "metal/"))
+                         and n not in ("LICENSE", "README.md"))

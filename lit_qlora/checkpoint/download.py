@@ -10,8 +10,12 @@ from lit_qlora.errors import UserError
 # Where the bundled SmolLM2 is converted on first use (lit_qlora.deploy.gguf_import): every command's default checkpoint.
 DEFAULT_CHECKPOINT = Path("checkpoints/SmolLM2-135M-Instruct")
 
-# What a fine-tune needs; skips other frameworks' weights and large extras.
-ALLOW_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.txt"]
+# What a fine-tune needs; skips other frameworks' weights and large extras. `chat_template.jinja`: where recent
+# checkpoints keep the chat template instead of tokenizer_config.json (gpt-oss).
+ALLOW_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.txt", "chat_template.jinja"]
+# Weights for other runtimes in a subfolder, which "*.safetensors" matches too: gpt-oss's original/ (the reference
+# checkpoint of OpenAI's own code, as large as the weights; Llama 3's original/ holds .pth files).
+IGNORE_PATTERNS = ["original/*"]
 
 
 class DownloadError(UserError, RuntimeError):
@@ -33,8 +37,8 @@ def download(repo_id: str, out_dir: Optional[Path] = None, token: Optional[str] 
 
     out_dir = Path(out_dir) if out_dir is not None else Path("checkpoints") / repo_id
     try:
-        path = snapshot_download(repo_id, local_dir=out_dir, allow_patterns=ALLOW_PATTERNS, token=token,
-                                 revision=revision)
+        path = snapshot_download(repo_id, local_dir=out_dir, allow_patterns=ALLOW_PATTERNS,
+                                 ignore_patterns=IGNORE_PATTERNS, token=token, revision=revision)
     except GatedRepoError:
         raise DownloadError(f"{repo_id} is gated: accept its license on the Hub and pass --token (or set HF_TOKEN).") from None
     except RepositoryNotFoundError:
