@@ -16,7 +16,6 @@ from lit_qlora.estimate.preference import SEQUENCES_PER_PAIR, PreferenceStep, re
 from lit_qlora.estimate.search import AUTO_LENGTH_TRACES, LENGTH_STEP, largest_batches, longest_context
 from lit_qlora.estimate.args import EstimateSpec
 from lit_qlora.estimate.cards import GiB, device_memory as card_memory
-from lit_qlora.estimate.load import load_host_bytes, render_load
 from lit_qlora.estimate.step import offload_decision, other_temporaries, parallel_bytes, trace_step
 from lit_qlora.errors import InvalidInput
 from lit_qlora.hardware import choose_precision
@@ -162,6 +161,8 @@ def estimate(spec: Optional[EstimateSpec] = None, **settings: Any) -> dict[str, 
         "offload_pinned_bytes": pinned, "max_micro_batch_size": None, **breakdown,
     }
     if world_size == 1:  # (ranks of a parallel run each hold their shard, which by_category counts instead)
+        from lit_qlora.estimate.load import load_host_bytes
+
         weights = by_category["frozen base"] + by_category["embeddings and norms"]
         result.update(load_host_bytes(config, Path(source), quantize is Quantize.NF4, weights))
     if auto_length:
@@ -249,6 +250,8 @@ def render(result: dict[str, Any]) -> str:
     if result.get("grpo"):
         lines += render_grpo(result)
     if "load_host_bytes" in result:
+        from lit_qlora.estimate.load import render_load
+
         lines += render_load(result)
     if result.get("offload_activations"):
         lines += ["", f"Host memory for offloaded activations: {result['offload_host_bytes'] / GiB:.2f} GiB (not in "
