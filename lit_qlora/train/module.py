@@ -159,6 +159,12 @@ class FinetuneModule(L.LightningModule):
             steps = self.routed_tokens or [torch.zeros_like(load) for load in loads]
             self.routed_tokens = [total + load for total, load in zip(steps, loads)]
 
+    def global_router_load(self) -> dict[str, float]:
+        """The step's router load over every rank's tokens (each rank routed its own share of the batch)."""
+        if not self.routed_tokens:
+            return {}
+        return router_load(list(self.sum_over_data(torch.stack(self.routed_tokens).double())))
+
     def global_target_count(self, micro_batches: list[dict[str, Any]]) -> torch.Tensor:
         count = torch.tensor(float(sum(target_count(mb["labels"]) for mb in micro_batches)), device=self.device,
                              dtype=torch.float32)
@@ -231,7 +237,7 @@ class FinetuneModule(L.LightningModule):
         self._last_step_end = time.perf_counter()
         seconds = self._last_step_end - started
         peak_memory = max(peak_memory_stats(self.device).values())
-        routing, self.routed_tokens = router_load(self.routed_tokens), []
+        routing, self.routed_tokens = self.global_router_load(), []
         row = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                "tokens_per_sec": tokens / max(seconds, 1e-9), "peak_memory_bytes": peak_memory, "tokens": tokens,
                **self.extra_metrics, **routing, **({"skipped": skipped} if skipped else {}), **self._step_compile_seconds()}
