@@ -112,7 +112,6 @@ def test_the_router_load_counts_every_tokens_top_k(family):
         assert (block.mlp.load > 0).sum() >= 2  # more than one expert is used
 
 
-@pytest.mark.parametrize("quantize", ["none", "nf4"])
 def _peft_keys(adapters: dict) -> dict[str, torch.Tensor]:
     """{peft's parameter name: tensor} for adapters laid out as peft holds them."""
     return {f"base_model.model.{name}.{leaf}.default.weight": t for name, pair in adapters.items()
