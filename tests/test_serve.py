@@ -152,6 +152,12 @@ def test_a_seed_repeats_a_sampled_reply_and_no_seed_samples_afresh(server):
     assert seeded[0] == seeded[1]
     unseeded = {create(server, q, temperature=1.0, max_tokens=16).choices[0].message.content for _ in range(3)}
     assert len(unseeded) > 1
+    # n choices with a seed: distinct draws (each seeded from the seed and its index), the same on a repeat, and the
+    # first choice is the n = 1 reply of that seed
+    three = [[c.message.content for c in create(server, q, temperature=1.0, max_tokens=16, seed=7, n=3).choices]
+             for _ in range(2)]
+    assert three[0] == three[1] and len(set(three[0])) == 3
+    assert three[0][0] == seeded[0]
 
 
 def test_the_models_routes_list_and_name_the_served_model(server, smollm2_dir):

@@ -8,6 +8,7 @@ The worker's `encode_response` yields `{"content": piece}` for each piece of a r
 
 from __future__ import annotations
 
+import hashlib
 import json
 import secrets
 import time
@@ -21,7 +22,7 @@ from litserve.specs.openai import (ChatCompletionChunk, ChatCompletionRequest, C
                                    ChatCompletionResponseChoice, ChatCompletionStreamingChoice, ChatMessage,
                                    ChoiceDelta, OpenAISpec, UsageInfo, shortuuid)
 from litserve.utils import LitAPIStatus
-from pydantic import BaseModel
+from pydantic import BaseModel, PrivateAttr
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.base import BaseHTTPMiddleware
 
@@ -99,6 +100,23 @@ class ChatRequest(ChatCompletionRequest):
 
     stream_options: Optional[StreamOptions] = None
     seed: Optional[int] = None
+    _choice: int = PrivateAttr(default=0)
+    """Which of the request's n choices this copy answers: LitServe queues one copy per choice (`model_copy`, n set
+    to 1), which would otherwise draw the same tokens from the same seed."""
+    _copies: int = PrivateAttr(default=0)
+
+    def model_copy(self, *args: Any, **kwargs: Any) -> "ChatRequest":
+        copy = super().model_copy(*args, **kwargs)
+        copy._choice, self._copies = self._copies, self._copies + 1
+        return copy
+
+
+def choice_seed(seed: int, choice: int) -> int:
+    """The sampling seed of choice `choice` of a request with `seed`: the seed itself for the first (so n = 1 draws as
+    it always did), a hash of both for the others (distinct draws, the same on every repeat of the request)."""
+    if choice == 0:
+        return seed % 2**63
+    return int.from_bytes(hashlib.sha256(f"{seed}:{choice}".encode()).digest()[:8], "little") >> 1
 
 
 def check_request(request: ChatRequest) -> None:
@@ -188,7 +206,7 @@ class ChatAPI(ls.LitAPI):
         limit = min(asked, self.max_new_tokens, self.model.config.max_seq_length - len(ids))
         temperature = 0.7 if request.temperature is None else request.temperature
         top_p = request.top_p if request.top_p is not None and request.top_p < 1 else None
-        seed = secrets.randbits(63) if request.seed is None else request.seed % 2**63
+        seed = secrets.randbits(63) if request.seed is None else choice_seed(request.seed, request._choice)
         generated = 0
 
         def counted(tokens: Iterator[int]) -> Iterator[int]:
