@@ -465,13 +465,25 @@ def test_gpt_oss_mxfp4_experts_dequantize_as_transformers_does_and_load(tmp_path
 
 
 @pytest.mark.parametrize("verb", ["dpo", "grpo"])
-def test_dpo_and_grpo_train_every_experts_adapter_on_an_nf4_mixture(verb, smollm2_dir, tmp_path):
+def test_dpo_and_grpo_train_every_experts_adapter_on_an_nf4_mixture(verb, smollm2_dir, tmp_path, monkeypatch):
     """`litqlora dpo` and `grpo` on an NF4 Qwen3-MoE (their demo data): two steps train and log the router's load
     beside the method's metrics; DPO's move every expert's adapter (B starts at zero). (GRPO's cannot here: a random
-    model's completions all score 0, so every advantage is 0.)"""
+    model's completions all score 0, so every advantage is 0.) With `router` a target, every training forward's
+    load-balancing term joins the loss that is backpropagated."""
     from safetensors.torch import load_file
 
+    import lit_qlora.train.module as module
     from lit_qlora.cli import main
+
+    terms = []
+    real = module.auxiliary_loss
+
+    def recorded(model):
+        aux = real(model)
+        terms.append(aux)
+        return aux
+
+    monkeypatch.setattr(module, "auxiliary_loss", recorded)
 
     write_tiny_moe("qwen3_moe", tmp_path / "hf", vocab_size=49152, tokenizer_dir=smollm2_dir)
     out = tmp_path / verb
@@ -479,11 +491,14 @@ def test_dpo_and_grpo_train_every_experts_adapter_on_an_nf4_mixture(verb, smollm
              else ["--train.max_seq_length", "128"])
     main([verb, "--checkpoint_dir", str(tmp_path / "hf"), "--out_dir", str(out), "--train.max_steps", "2",
           "--train.micro_batch_size", "2", "--train.global_batch_size", "2", "--lora.r", "4", "--lora.alpha", "8",
-          "--export.merged", "false", "--export.peft", "false", *extra])
+          "--export.merged", "false", "--export.peft", "false", "--lora.targets", "[all,router]", *extra])
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and all("router/max_load" in row for row in rows)
+    # a term for each training forward of the two steps, each positive and part of the graph backpropagated
+    assert len(terms) >= 2 and all(t is not None and t.requires_grad and t.item() > 0 for t in terms)
     assert ("rewards/margins" if verb == "dpo" else "reward") in rows[-1]
     adapter = load_file(str(out / "final" / "adapter.safetensors"))
     experts_b = [t for name, t in adapter.items() if ".mlp.experts." in name and name.endswith("lora_B")]
+    assert any(".mlp.gate." in name for name in adapter)  # the router trained too
     assert len(experts_b) == 2 * 3
     assert all(t.abs().sum() > 0 for t in experts_b) if verb == "dpo" else rows[-1]["reward"] == 0.0

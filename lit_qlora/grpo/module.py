@@ -260,7 +260,7 @@ class GRPOModule(FinetuneModule):
         # scaled by the ranks (the parts of all ranks then sum to the step's loss).
         sums = train_on(self.model, r, g, size, self.pad_id, self.device, counts,
                         lambda last: nullcontext() if last else no_gradient_sync(self, strategy),
-                        lambda loss: self.manual_backward(loss * data_ranks))
+                        lambda loss: self.manual_backward(self.with_router_aux(loss, 1 / len(parts)) * data_ranks))
         loss_sum, kl_sum, low, high = sums
         self.count_routed_tokens()  # a mixture of experts' router load, from the step's last micro-batch
         self.extra_metrics = self.step_metrics(r, kl_sum, low, high, totals[1].clamp(min=1))

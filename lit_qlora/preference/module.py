@@ -52,7 +52,7 @@ class PreferenceModule(FinetuneModule):
             with nullcontext() if last else no_gradient_sync(self, self.trainer.strategy):
                 sums = self.micro_sums(mb, "train")
                 self.count_routed_tokens()  # a mixture of experts' router load (FinetuneModule)
-                loss = sums.pair_loss / pairs + sums.nll_sum / tokens
+                loss = self.with_router_aux(sums.pair_loss / pairs + sums.nll_sum / tokens, 1 / len(micro_batches))
                 self.manual_backward(loss * data_ranks)
             step_sums.append(sums)
         loss, self.extra_metrics = self.reduce(step_sums)

@@ -152,6 +152,12 @@ class FinetuneModule(L.LightningModule):
         aux = auxiliary_loss(self.model)  # a mixture of experts whose router trains: its load-balancing term
         return loss if aux is None else loss + aux * target_count(batch["labels"])
 
+    def with_router_aux(self, loss: torch.Tensor, weight: float) -> torch.Tensor:
+        """`loss` plus `weight` x the last forward's load-balancing term while a mixture of experts' router trains
+        (dpo and grpo: each forward's term, averaged over the step's forwards, as transformers adds it per forward)."""
+        aux = auxiliary_loss(self.model)
+        return loss if aux is None else loss + aux * weight
+
     def count_routed_tokens(self) -> None:
         """Add the last forward's tokens per expert of every MoE block to the step's (logged as the router's load)."""
         loads = [block.load for block in moe_blocks(self.model) if block.load is not None]
