@@ -17,9 +17,7 @@ from typing import Any
 
 import torch
 
-from lit_qlora.model.config import Config
-
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+from lit_qlora.model.config import DTYPES, Config
 
 
 def checkpoint_dtype(source: Path) -> torch.dtype:
