@@ -148,3 +148,37 @@ def random_adapter(model, out_dir: Path, quantize: str, targets: list[str] = ["a
             layer.lora_B.normal_(0, 0.05)
     return save_adapter(model, out_dir, {"r": r, "alpha": alpha, "targets": targets, "quantize": quantize,
                                          "base_dtype": "float32", "lora_dtype": "float32"})
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a `litqlora serve` a test starts)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until_serving(url: str, proc, timeout: float = 240) -> None:
+    """Poll `url`/health until the server started as `proc` (in its own process group) answers ok; if it exits or
+    `timeout` s pass first, kill its group and fail the test with the end of its output."""
+    import signal
+    import time
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                if r.status == 200 and r.read() == b"ok":
+                    return
+        except OSError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+            pytest.fail(f"the server did not come up:\n{proc.stdout.read()[-3000:]}")
+        time.sleep(0.5)

@@ -13,11 +13,8 @@ from __future__ import annotations
 import io
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -29,7 +26,7 @@ from lit_qlora.checkpoint.loading import load_model  # noqa: E402
 from lit_qlora.data.inference import trained_tokenizer  # noqa: E402
 from lit_qlora.model.sampling import generate  # noqa: E402
 
-from conftest import random_adapter, write_tiny_moe  # noqa: E402
+from conftest import free_port, random_adapter, wait_until_serving, write_tiny_moe  # noqa: E402
 
 QUESTION = "What is the capital of France?"
 NEW_TOKENS = 12
@@ -131,12 +128,6 @@ def test_chat_turns_on_a_mixture_equal_generation_over_the_whole_conversation(mi
     assert replies == expected
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def stop(proc: subprocess.Popen, signum: int) -> None:
     """Stop the server's process group (LitServe's workers with it), at once after 30 s."""
     for sig in (signum, signal.SIGKILL):
@@ -168,18 +159,7 @@ def test_serve_answers_chat_completions_on_a_mixture_as_generate_does(mixture):
         prompt = tok.encode_chat([{"role": "user", "content": QUESTION}])
         reply = list(generate(model, prompt, NEW_TOKENS, stop_ids=tok.eos_ids))
         del model
-        deadline = time.monotonic() + 240
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                    if r.status == 200 and r.read() == b"ok":
-                        break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                stop(proc, signal.SIGKILL)
-                pytest.fail(f"the server did not come up:\n{proc.stdout.read()[-3000:]}")
-            time.sleep(0.5)
+        wait_until_serving(url, proc)
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=300)
         ask = dict(model="gpt-oss", messages=[{"role": "user", "content": QUESTION}], temperature=0,
                    max_tokens=NEW_TOKENS)

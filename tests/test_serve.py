@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,14 +20,10 @@ import pytest
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("litserve")
+
+from conftest import free_port, wait_until_serving  # noqa: E402
 KEY = "test-key"
 QUESTIONS = ["What is the capital of France?", "Name a primary color.", "What is 2 + 2?"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -38,18 +33,7 @@ def server(smollm2_dir):
                              "--port", str(port), "--api_key", KEY, "--precision", "32-true"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 240
-    while True:
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                if r.status == 200 and r.read() == b"ok":
-                    break
-        except OSError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            os.killpg(proc.pid, signal.SIGKILL)
-            pytest.fail(f"the server did not come up:\n{proc.stdout.read()[-3000:]}")
-        time.sleep(1)
+    wait_until_serving(url, proc)
     yield url
     os.killpg(proc.pid, signal.SIGTERM)
     try:
