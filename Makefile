@@ -24,8 +24,9 @@ demo: install
 	@litqlora generate --checkpoint_dir $(SMOLLM2_DIR) --adapter_dir out/finetune/smollm2-135m-qlora \
 		--prompt "Is 167 even or odd?" --compare_base true
 
+# One pytest-xdist worker per core, at most 4 (each test may start processes of its own); worksteal evens out the end.
 test: install-test
-	$(PYTHON) -m pytest -q tests
+	$(PYTHON) -m pytest -q -n auto --maxprocesses 4 --dist worksteal tests
 
 # ruff with the rules in pyproject.toml ([tool.ruff]): bugs such as undefined or unused names, not style.
 lint: install-test

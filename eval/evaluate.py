@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any, Literal, Optional, Sequence
 
 from lit_qlora.checkpoint.download import DownloadError
-from lit_qlora.errors import InvalidInput, MissingFile
+from lit_qlora.base.errors import InvalidInput, MissingFile
 from lit_qlora.eval.truthfulqa import LOCAL_TASKS, check_truthfulqa_file, prepare_local_tasks
-from lit_qlora.hardware import PrecisionChoice, resolved
+from lit_qlora.base.hardware import PrecisionChoice, resolved
 
 
 # lm-eval (our LM adapter subclasses its LM; its evaluator, task index and utils take over a second), torch and
@@ -128,7 +128,7 @@ def evaluate(
     from lit_qlora.memory.accounting import module_bytes, peak_rss_bytes
     from lit_qlora.checkpoint.tokenizer import Tokenizer
     from lit_qlora.checkpoint.hf import require_checkpoint
-    from lit_qlora.threads import govern_threads
+    from lit_qlora.base.threads import govern_threads
 
     started = time.perf_counter()
     names = split_tasks(tasks)
@@ -161,7 +161,7 @@ def evaluate(
         quantize = resolve_quantize(quantize, acfg)
         precision = resolved(precision, run_device.type)  # results.json records what ran
         model = load_model(checkpoint_dir, quantize, precision, adapter_dir, device=run_device)
-        govern_threads(model)  # an evaluation shares the CPU with other processes (lit_qlora.threads)
+        govern_threads(model)  # an evaluation shares the CPU with other processes (lit_qlora.base.threads)
         loaded = time.perf_counter()
         if run_device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(run_device)

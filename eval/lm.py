@@ -28,7 +28,7 @@ import torch
 from lm_eval.api.model import LM
 from tqdm import tqdm
 
-from lit_qlora.errors import InvalidInput
+from lit_qlora.base.errors import InvalidInput
 from lit_qlora.model.sampling import generate
 from lit_qlora.model.transformer import Transformer
 from lit_qlora.checkpoint.tokenizer import Tokenizer

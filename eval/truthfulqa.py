@@ -11,7 +11,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from lit_qlora.errors import InvalidInput, MissingFile
+from lit_qlora.base.errors import InvalidInput, MissingFile
 from lit_qlora.eval import TASKS_DIR
 
 LOCAL_TASKS = ("truthfulqa_mc1", "truthfulqa_mc2")

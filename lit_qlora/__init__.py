@@ -8,19 +8,19 @@ import os
 from typing import Any, Callable
 
 # OpenMP workers spin ~0.3 ms for the next op before they sleep (libgomp's own ~3 ms; a short spin paid a wake-up
-# per op), and lit_qlora.threads.ThreadGovernor hands cores back to any other busy process. libgomp reads the spin
+# per op), and lit_qlora.base.threads.ThreadGovernor hands cores back to any other busy process. libgomp reads the spin
 # once, when torch loads it, hence here, before anything imports torch; a user's own GOMP_SPINCOUNT or
 # OMP_WAIT_POLICY wins.
-from lit_qlora.threads import set_openmp_spin
+from lit_qlora.base.threads import set_openmp_spin
 
 set_openmp_spin()
 
-# Under an ISA cap (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA: lit_qlora.hardware.AVX2_ENV), torch.compile gets an
+# Under an ISA cap (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA: lit_qlora.base.hardware.AVX2_ENV), torch.compile gets an
 # inductor cache of its own: inductor's cache keys do not tell the capped process from the uncapped one, and a
 # compiled SmolLM2-shaped step that reused the uncapped process's cached kernels gave NaN losses (tests/test_compile.py
 # under the cap; the same tests pass with a fresh cache). A user's own TORCHINDUCTOR_CACHE_DIR wins.
 if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
-    from lit_qlora.hardware import isa_cap_label
+    from lit_qlora.base.hardware import isa_cap_label
 
     _cap = isa_cap_label()
     if _cap:

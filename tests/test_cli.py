@@ -50,7 +50,7 @@ def test_version_and_lightnings_names_and_misplaced_flags_are_understood():
 
 
 def test_lightnings_short_precision_names_mean_what_they_mean_there():
-    from lit_qlora.hardware import choose_precision
+    from lit_qlora.base.hardware import choose_precision
 
     for short, full in (("bf16", "bf16-mixed"), ("16", "16-mixed"), ("32", "32-true")):
         chosen, why = choose_precision(short, "cpu")
@@ -213,7 +213,7 @@ import torch
 
 import lit_qlora.cli as cli
 from lit_qlora.checkpoint.download import DownloadError
-from lit_qlora.errors import UserError
+from lit_qlora.base.errors import UserError
 
 ERRORS = {"bug": RuntimeError("boom: an invariant broke"), "user": UserError("the file is wrong; fix it"),
           "download": DownloadError("offline; copy a model here"), "oom": torch.OutOfMemoryError("CUDA out of memory")}

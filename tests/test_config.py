@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import lit_qlora
-from lit_qlora.hardware import PRECISION_ALIASES, PrecisionChoice
+from lit_qlora.base.hardware import PRECISION_ALIASES, PrecisionChoice
 from lit_qlora.model.config import (ADAPTER_DTYPES, DTYPE_NAMES, DTYPES, LOSS_SCALED_PRECISIONS, MIXED_PRECISIONS,
                                     PRECISION_DTYPES, Precision, Quantize)
 
@@ -25,7 +25,7 @@ def test_views_of_the_table_agree():
     assert DTYPES == {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
     assert DTYPE_NAMES == {dtype: name for name, dtype in DTYPES.items()}
     assert typing.get_args(Precision) == tuple(PRECISION_DTYPES)
-    # what --precision takes (lit_qlora.hardware, light: no torch) is auto, a row of the table or Lightning's alias
+    # what --precision takes (lit_qlora.base.hardware, light: no torch) is auto, a row of the table or Lightning's alias
     # of one
     assert typing.get_args(PrecisionChoice) == ("auto", *PRECISION_DTYPES, *PRECISION_ALIASES)
     assert set(PRECISION_ALIASES.values()) <= set(PRECISION_DTYPES)

@@ -293,9 +293,9 @@ def failing_command(error):
 @pytest.mark.parametrize("kind", ["UserError", "InvalidInput", "MissingFile", "NonFinite", "CheckpointError"])
 def test_a_user_error_from_a_command_is_one_paragraph_and_exit_1(kind, monkeypatch, capsys):
     import lit_qlora.cli as cli
-    import lit_qlora.errors as errors
+    import lit_qlora.base.errors as errors
     from lit_qlora.checkpoint.files import CheckpointError
-    from lit_qlora.errors import NonFinite
+    from lit_qlora.base.errors import NonFinite
 
     error_type = {"NonFinite": NonFinite, "CheckpointError": CheckpointError}.get(kind) or getattr(errors, kind)
     assert issubclass(error_type, errors.UserError)
@@ -325,7 +325,7 @@ def test_a_bare_builtin_error_from_a_command_is_a_bug_with_its_traceback(error, 
 
 # Raises of bare built-in errors left in lit_qlora/ and eval/, at most this many per file. Each is a check of an
 # internal invariant (a caller's bug, not the user's input) or caught at once by our own code; a check of the
-# user's flags, files, rows or machine raises a UserError (lit_qlora.errors).
+# user's flags, files, rows or machine raises a UserError (lit_qlora.base.errors).
 BUILTIN_RAISES = {
     "eval/lm.py": 2,  # rolling_windows' max_length argument; an lm-eval request without context
     "eval/tasks/utils.py": 1,  # as many log-likelihoods as labels
@@ -360,7 +360,7 @@ def test_user_input_checks_raise_user_errors_not_bare_builtins():
             if count:
                 found[path.relative_to(root).as_posix()] = count
     over = {path: n for path, n in found.items() if n > BUILTIN_RAISES.get(path, 0)}
-    assert not over, (f"raise a UserError subclass (lit_qlora.errors) for checks of user input; list internal "
+    assert not over, (f"raise a UserError subclass (lit_qlora.base.errors) for checks of user input; list internal "
                       f"invariants in BUILTIN_RAISES: {over}")
 
 
@@ -401,7 +401,7 @@ def test_a_checkpoint_without_weights_or_tokenizer_is_named_before_loading(tiny_
     import shutil
 
     from lit_qlora.checkpoint.hf import require_checkpoint
-    from lit_qlora.errors import UserError
+    from lit_qlora.base.errors import UserError
 
     require_checkpoint(tiny_llama_dir)
     no_weights = tmp_path / "no-weights"

@@ -316,7 +316,7 @@ def test_the_length_search_is_bounded_and_answers_the_longest_length_that_fits(c
 def test_auto_length_finds_the_longest_sequence_a_budget_holds(tmp_path, capsys, method, batch):
     """--train.max_seq_length auto with --device_memory: the answer fits the budget and the next 256 tokens do not
     (a dpo step's pairs alike); auto needs a budget, and a fine-tune refuses it."""
-    from lit_qlora.errors import UserError
+    from lit_qlora.base.errors import UserError
     from lit_qlora.train.finetune import finetune
 
     # An untied (NF4) head, whose loss runs over vocabulary slices: with this 512-token vocabulary a tied head's dense

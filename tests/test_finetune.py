@@ -42,8 +42,10 @@ def run(tiny_llama_dir, out_dir, data, **train_kw):
                     train=TrainArgs(**kw))
 
 
-def test_tiny_run_writes_every_artifact(tiny_llama_dir, tmp_path):
+def test_tiny_run_writes_every_artifact(tiny_llama_dir, tmp_path, monkeypatch):
     out = tmp_path / "run"
+    monkeypatch.setenv("LIT_QLORA_NF4_SCRATCH", "1")  # the default, set: recorded all the same
+    monkeypatch.setenv("LIT_QLORA_API_KEY", "a-secret")
     summary = run(tiny_llama_dir, out, small_data(tmp_path), save_interval=2, activation_checkpointing=1)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
@@ -55,6 +57,7 @@ def test_tiny_run_writes_every_artifact(tiny_llama_dir, tmp_path):
     for key in ("steps", "train_loss", "val_loss", "tokens_per_sec", "wall_seconds", "peak_rss_bytes",
                 "quantized_linears", "total_linears", "trainable_params", "total_params"):
         assert on_disk[key] is not None, key
+    assert on_disk["switches"] == {"LIT_QLORA_API_KEY": "set", "LIT_QLORA_NF4_SCRATCH": "1"}  # never the key
     assert on_disk["quantized_linears"] == on_disk["total_linears"] == 14  # the tied head reads the embedding
     assert 0 < on_disk["peak_rss_train_bytes"] <= on_disk["peak_rss_bytes"]  # through training, and the whole run
     assert on_disk["trainable_params"] < on_disk["total_params"]

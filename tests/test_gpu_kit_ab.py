@@ -153,6 +153,7 @@ def dry_run(call: str, kit_carry: Path, tmp_path: Path, *extra: str) -> tuple[Pa
     return out, rows, done.stdout
 
 
+@pytest.mark.slow
 def test_the_ab_calls_dry_run_interleaves_two_variants_of_litqlora_finetune(carry, tmp_path):  # noqa: F811
     out, rows, stdout = dry_run("ab", carry, tmp_path, "--variant", "qlora", "--quantize nf4", "--variant", "lora",
                                 "LIT_QLORA_FLEX_ATTENTION=0 --quantize none")
@@ -170,6 +171,7 @@ def test_the_ab_calls_dry_run_interleaves_two_variants_of_litqlora_finetune(carr
     assert "A/B lora: median of 2 per-round ratios" in (out / "check.md").read_text()
 
 
+@pytest.mark.slow
 def test_the_profile_calls_dry_run_traces_our_step_and_groups_its_kernels(carry, tmp_path):  # noqa: F811
     out, rows, stdout = dry_run("profile", carry, tmp_path)
     assert {"profile.json", "profile.md", "check.json", "check.md"} <= {p.name for p in out.iterdir()}
@@ -184,6 +186,7 @@ def test_the_profile_calls_dry_run_traces_our_step_and_groups_its_kernels(carry,
     assert md.startswith("| group | ours-eager ms (share) |")
 
 
+@pytest.mark.slow
 def test_the_grpo_calls_dry_run_interleaves_eager_and_compiled_decode_beside_their_estimates(carry, tmp_path):  # noqa: F811
     """check.py grpo (issue 49 on a GPU): `litqlora grpo` eager against --grpo.compile_decode, interleaved, each
     variant's row with its `litqlora estimate --method grpo` prediction; dry: the tiny checkpoint on the CPU."""
@@ -198,6 +201,7 @@ def test_the_grpo_calls_dry_run_interleaves_eager_and_compiled_decode_beside_the
     assert rows["ab:compiled"]["predicted_peak_bytes"] > rows["ab:eager"]["predicted_peak_bytes"] > 0
 
 
+@pytest.mark.slow
 def test_the_grpo_peers_calls_dry_run_runs_ours_and_trl_at_one_shape(carry, tmp_path):  # noqa: F811
     """check.py grpo_peers (issue 49 item 7 on a GPU): benchmarks/peers/grpo_trl.py's two sides at the call's shape;
     dry: the tiny checkpoint on the CPU, TRL's side where this machine has its venv (else `not run`, saying why)."""

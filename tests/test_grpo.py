@@ -323,7 +323,7 @@ def test_resume_after_a_kill_mid_batch_of_rollouts_is_exact(tiny_llama_dir, grpo
     (dict(compile=True), "--compile is not offered by `litqlora grpo` yet"),
 ])
 def test_bad_options_are_refused_before_anything_loads(flags, message, tiny_llama_dir, grpo_data, tmp_path):
-    from lit_qlora.errors import UserError
+    from lit_qlora.base.errors import UserError
 
     with pytest.raises(UserError, match=re.escape(message)):
         run_grpo(tiny_llama_dir, tmp_path / "bad", grpo_data, **flags)

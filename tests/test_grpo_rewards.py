@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lit_qlora.errors import UserError
+from lit_qlora.base.errors import UserError
 from lit_qlora.grpo.builtin_rewards import BUILTINS, DEFAULT_FORMAT_PATTERN, answer_match, format_reward
 from lit_qlora.grpo.rewards import Reward, check_columns, load_rewards, score, total
 

@@ -1,4 +1,4 @@
-"""lit_qlora.hardware: what `--precision auto` picks on each class of hardware (faked), and the AVX2 cap (real)."""
+"""lit_qlora.base.hardware: what `--precision auto` picks on each class of hardware (faked), and the AVX2 cap (real)."""
 
 import json
 import platform
@@ -8,9 +8,9 @@ import sys
 import pytest
 import torch
 
-from lit_qlora import hardware
+from lit_qlora.base import hardware
 from lit_qlora.estimate.command import estimate_precision
-from lit_qlora.hardware import AVX2_ENV, choose_precision
+from lit_qlora.base.hardware import AVX2_ENV, choose_precision
 
 
 def fake_cuda(monkeypatch, capability, name):
@@ -95,7 +95,7 @@ def test_the_avx2_environment_caps_aten_and_the_auto_choice(tmp_path):
     32-true, and a bf16 matmul runs much slower than fp32 (oneDNN emulates it) where the CPU has native bf16."""
     script = """
 import json, time, torch
-from lit_qlora.hardware import choose_precision, avx2_capped
+from lit_qlora.base.hardware import choose_precision, avx2_capped
 def gflops(dtype):
     a, b = torch.randn(512, 576).to(dtype), torch.randn(1536, 576).to(dtype)
     for _ in range(3): a @ b.T

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from lit_qlora.errors import UserError
+from lit_qlora.base.errors import UserError
 from lit_qlora.train.args import LoRAArgs, TrainArgs
 from lit_qlora.train.loggers import require_loggers, wandb_offline
 from test_finetune import metrics_rows, small_data

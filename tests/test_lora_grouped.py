@@ -143,7 +143,7 @@ def test_unset_is_the_existing_path_bitwise(monkeypatch):
 
 def test_a_value_other_than_0_or_1_is_refused_naming_the_setting(monkeypatch):
     """A misspelt switch ("true", "yes") would otherwise run the default path and an A/B would measure nothing."""
-    from lit_qlora.errors import InvalidInput
+    from lit_qlora.base.errors import InvalidInput
 
     model = lora_model("nf4", 0.0, dtype=torch.float32)
     modules, x = group_of(model, "qkv"), inputs()

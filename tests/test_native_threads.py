@@ -110,6 +110,6 @@ def spin_count(env: dict, code: str = "import lit_qlora.cli, torch") -> int:
 
 def test_litqlora_sets_openmp_spinning_unless_the_user_chose():
     assert spin_count({}, "import torch") == 300_000  # libgomp's own default, ~3 ms
-    assert spin_count({}) == 30_000  # set before torch loads libgomp (lit_qlora.threads.SPIN_COUNT)
+    assert spin_count({}) == 30_000  # set before torch loads libgomp (lit_qlora.base.threads.SPIN_COUNT)
     assert spin_count({"OMP_WAIT_POLICY": "passive"}) == 0
     assert spin_count({"GOMP_SPINCOUNT": "12345"}) == 12345

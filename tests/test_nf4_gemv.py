@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lit_qlora.errors import InvalidInput
+from lit_qlora.base.errors import InvalidInput
 from lit_qlora.lora.layer import LoRALinear
 from lit_qlora.model.config import Config
 from lit_qlora.model.sampling import generate
@@ -102,7 +102,7 @@ def test_unknown_isa_is_refused():
 
 
 def test_the_avx2_cap_builds_the_avx2_path(monkeypatch):
-    # lit_qlora.hardware.AVX2_ENV: the cap every C kernel honours, so a newer CPU decodes as a laptop would
+    # lit_qlora.base.hardware.AVX2_ENV: the cap every C kernel honours, so a newer CPU decodes as a laptop would
     if not is_x86():
         pytest.skip("x86 only")
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")

@@ -120,7 +120,7 @@ def test_the_setting_needs_a_device_the_kernel_runs_on(monkeypatch):
     assert not nf4_linear_module.fused_matmul_applies(x.double(), t)
     monkeypatch.delenv("LIT_QLORA_NF4_FUSED")
     assert not nf4_linear_module.fused_matmul_applies(x, t)
-    from lit_qlora.errors import InvalidInput
+    from lit_qlora.base.errors import InvalidInput
 
     monkeypatch.setenv("LIT_QLORA_NF4_FUSED", "on")  # misspelt: refused, never read as off
     with pytest.raises(InvalidInput, match="LIT_QLORA_NF4_FUSED='on': this switch takes 1 .on. or 0 .off."):

@@ -13,7 +13,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from lit_qlora.cli import build_parser, commands, main
 from lit_qlora.model.config import Config, Quantize
-from lit_qlora.errors import UserError
+from lit_qlora.base.errors import UserError
 from lit_qlora.estimate.command import estimate
 from lit_qlora.estimate.step import trace_step
 from lit_qlora.lora.layer import apply_lora, lora_modules

@@ -13,10 +13,10 @@ import pytest
 import yaml
 
 from lit_qlora.cli.usage import Options
-from lit_qlora.errors import UserError
+from lit_qlora.base.errors import UserError
 from lit_qlora.estimate.args import EstimateSpec
 from lit_qlora.grpo.args import GRPOSpec
-from lit_qlora.hardware import choose_precision
+from lit_qlora.base.hardware import choose_precision
 from lit_qlora.preference.args import DPOArgs, DPOSpec
 from lit_qlora.train.args import LoRAArgs, TrainArgs
 from lit_qlora.train.spec import RunSpec, decide

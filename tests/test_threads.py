@@ -1,4 +1,4 @@
-"""lit_qlora.threads: the thread count follows the cores other processes leave free; OMP_NUM_THREADS fixes it."""
+"""lit_qlora.base.threads: the thread count follows the cores other processes leave free; OMP_NUM_THREADS fixes it."""
 
 import os
 import signal
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lit_qlora.model import Config
-from lit_qlora.threads import (CpuTimes, ThreadGovernor, allowed_cpus, cpu_times, govern_threads, others_cores,
+from lit_qlora.base.threads import (CpuTimes, ThreadGovernor, allowed_cpus, cpu_times, govern_threads, others_cores,
                                set_openmp_spin, target_threads, threads_summary, tree_ticks)
 from lit_qlora.train.report import threads_rows
 
@@ -231,7 +231,7 @@ def test_work_this_process_started_is_its_own_not_a_competitors(restore_threads,
 def test_loaded_models_blocks_consult_the_process_governor(monkeypatch, restore_threads):
     """govern_threads (which each command calls on the model it loaded) hooks every block: each CPU forward, with or
     without grad, asks the governor, which sets the count."""
-    import lit_qlora.threads as threads
+    import lit_qlora.base.threads as threads
     from lit_qlora.model import Transformer
 
     proc = FakeProc()
@@ -262,7 +262,7 @@ def test_loaded_models_blocks_consult_the_process_governor(monkeypatch, restore_
 
 def governor_calls(model, monkeypatch) -> int:
     """How often one CPU forward of `model` consults the process's governor (a counting stand-in for it)."""
-    import lit_qlora.threads as threads
+    import lit_qlora.base.threads as threads
 
     calls = []
     monkeypatch.setattr(threads, "_governor", lambda: calls.append(1) or torch.get_num_threads())

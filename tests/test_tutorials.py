@@ -41,7 +41,7 @@ def test_fabric_tutorial_trains_nf4_lora_and_its_adapter_reloads_exactly(smollm2
     model.eval()
     with torch.no_grad():
         trained = model(ids)
-        reloaded = load_model(Path("checkpoints/SmolLM2-135M-Instruct"), "nf4", "bf16-true",
+        reloaded = load_model(Path("checkpoints/SmolLM2-135M-Instruct"), "nf4", precision.precision,
                                  adapter_dir=Path("out/fabric-qlora"))
         assert torch.equal(reloaded(ids), trained)
 

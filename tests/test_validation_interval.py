@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 from safetensors.torch import load_file
 
-from lit_qlora.errors import UserError
+from lit_qlora.base.errors import UserError
 from lit_qlora.train.finetune import finetune
 from lit_qlora.train.args import LoRAArgs, TrainArgs
 from test_finetune import metrics_rows, small_data, tensorboard_scalars

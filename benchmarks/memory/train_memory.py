@@ -41,7 +41,7 @@ def child(args: argparse.Namespace) -> None:
     from lit_qlora.checkpoint.loading import load_model
     from lit_qlora.lora.layer import apply_lora
     from lit_qlora.memory.accounting import peak_rss_bytes
-    from lit_qlora.threads import govern_threads
+    from lit_qlora.base.threads import govern_threads
     from lit_qlora.train.precision import NF4Precision
     from lit_qlora.train.args import TrainArgs
     from lit_qlora.train.callbacks import HeapRelease

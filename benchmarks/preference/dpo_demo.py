@@ -4,7 +4,7 @@
 
 Runs `litqlora dpo --config config_hub/dpo/smollm2-135m/qlora.yaml` (QLoRA on the bundled SmolLM2-135M-Instruct,
 the shipped demo pairs, their held-out 10%) in an empty directory, once per ISA setting (`avx2` caps torch and our C
-kernels at AVX2, lit_qlora.hardware.AVX2_ENV). Records, from the run's summary.json and samples.jsonl: the held-out
+kernels at AVX2, lit_qlora.base.hardware.AVX2_ENV). Records, from the run's summary.json and samples.jsonl: the held-out
 pairs' reward accuracy (TRL's rewards/accuracies) and the share where the policy finds the chosen answer likelier
 (logps/accuracies), before the first step and after the last; the validation loss (log 2 before: the policy starts as
 the reference); the held-out question's greedy answer before and after; tokens/s, peak RSS and wall time.
@@ -27,7 +27,7 @@ ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.speed.compile_speed import cpu_name  # noqa: E402
 from benchmarks.speed.demo_time import cpu_flags  # noqa: E402
-from lit_qlora.hardware import AVX2_ENV  # noqa: E402  (light: no torch)
+from lit_qlora.base.hardware import AVX2_ENV  # noqa: E402  (light: no torch)
 
 PRESET = ROOT / "config_hub/dpo/smollm2-135m/qlora.yaml"
 OUT = "out/dpo/smollm2-135m-qlora"  # the preset's out_dir

@@ -7,7 +7,7 @@ Every variant is config_hub/finetune/smollm2-135m/lora.yaml (dropout 0.05) at 4x
 below; each round runs every variant once, in order, so a shared machine's load falls on all alike. Per run: the
 median tokens/s of the steps after the first (metrics.jsonl; a compiled run: after its warm-up), summary.json's
 whole-process peak RSS. Each ratio is reported as the median of its per-round ratios with their range, so one noisy
-round shows as spread instead of moving the answer. `--avx2` runs every variant under lit_qlora.hardware.AVX2_ENV
+round shows as spread instead of moving the answer. `--avx2` runs every variant under lit_qlora.base.hardware.AVX2_ENV
 (the cap that makes this CPU behave like an AVX2-only one). Results: benchmarks/speed/results/cli_ab.json.
 """
 
@@ -25,7 +25,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT))
-from lit_qlora.hardware import AVX2_ENV  # noqa: E402
+from lit_qlora.base.hardware import AVX2_ENV  # noqa: E402
 SHAPE = ["--train.micro_batch_size", "4", "--train.global_batch_size", "4", "--train.max_seq_length", "512",
          "--data.packing", "true"]
 VARIANTS = {

@@ -5,7 +5,7 @@ CPU pays for itself (issue 27 item 3: `--compile true` is refused on CPU on thes
                                        [--timeout 900] [--shape preset|preset-512|4x512]
 
 Each round runs, for each preset (config_hub/finetune/smollm2-135m/{lora,qlora}.yaml: dropout 0.05, precision auto)
-and each ISA setting (native, or capped at AVX2 by lit_qlora.hardware.AVX2_ENV), eager then compiled, alternating so
+and each ISA setting (native, or capped at AVX2 by lit_qlora.base.hardware.AVX2_ENV), eager then compiled, alternating so
 that a shared machine's load falls on both alike. `--shape preset` keeps the preset's batches (4 x up to 256
 tokens, unpacked: each micro-batch's length differs), `preset-512` the same up to 512 tokens, `4x512` packs 4x512 with
 activation checkpointing. `--cold` gives
@@ -32,7 +32,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT))
-from lit_qlora.hardware import AVX2_ENV  # noqa: E402  (light: no torch)
+from lit_qlora.base.hardware import AVX2_ENV  # noqa: E402  (light: no torch)
 
 SHAPES = {
     "preset": [],

@@ -5,7 +5,7 @@
 Each run starts in an empty directory, so it pays what a fresh clone pays: the bundled SmolLM2's GGUF conversion,
 the 20-step QLoRA fine-tune of config_hub/finetune/smollm2-135m/qlora.yaml (validation and exports included) and
 `make demo`'s two answers (`litqlora generate --compare_base true`). `--isa avx2` caps torch (ATen and oneDNN) and
-our C kernels at AVX2 (lit_qlora.hardware.AVX2_ENV), as on an AVX2-only laptop or VM. The install (~1.5 minutes,
+our C kernels at AVX2 (lit_qlora.base.hardware.AVX2_ENV), as on an AVX2-only laptop or VM. The install (~1.5 minutes,
 pip) is not included. Per run: each phase's seconds, the precision auto chose, the fine-tune's tokens/s and losses,
 and the answer. Results: benchmarks/speed/results/demo_time.json (with the CPU's name and its ISA flags).
 """
@@ -25,7 +25,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.speed.compile_speed import cpu_name  # noqa: E402
-from lit_qlora.hardware import AVX2_ENV  # noqa: E402  (light: no torch)
+from lit_qlora.base.hardware import AVX2_ENV  # noqa: E402  (light: no torch)
 
 PRESET = ROOT / "config_hub/finetune/smollm2-135m/qlora.yaml"
 QUESTION = "What is the capital of Austria?"  # the Makefile's

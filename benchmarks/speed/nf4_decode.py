@@ -81,7 +81,7 @@ def run_precision(name: str, args: argparse.Namespace) -> dict:
     from lit_qlora.checkpoint.loading import load_model
     from lit_qlora.data.inference import trained_tokenizer
     from lit_qlora.nf4.linear import decode_applies
-    from lit_qlora.threads import govern_threads
+    from lit_qlora.base.threads import govern_threads
 
     model = load_model(args.checkpoint_dir, "nf4", PRECISIONS[name])
     govern_threads(model)  # as `litqlora generate` runs

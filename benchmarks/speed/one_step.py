@@ -16,7 +16,7 @@ import torch
 from lit_qlora.model.presets import PRESETS
 from lit_qlora.checkpoint.loading import load_model, random_base
 from lit_qlora.lora.layer import apply_lora
-from lit_qlora.threads import govern_threads
+from lit_qlora.base.threads import govern_threads
 from lit_qlora.train.args import TrainArgs
 from lit_qlora.train.callbacks import release_heap_around_blocks
 from lit_qlora.train.heap import HeapTrimmer

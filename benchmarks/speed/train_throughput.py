@@ -31,7 +31,7 @@ def child(args: argparse.Namespace) -> None:
     from lit_qlora.lora.layer import apply_lora
     from lit_qlora.train.loss import chunked_cross_entropy_sum
     from lit_qlora.memory.accounting import peak_rss_bytes
-    from lit_qlora.threads import govern_threads
+    from lit_qlora.base.threads import govern_threads
 
     torch.manual_seed(0)
     model = load_model(args.checkpoint_dir, args.quantize, "bf16-true")

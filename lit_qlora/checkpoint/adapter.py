@@ -12,7 +12,7 @@ import torch.nn as nn
 
 from lit_qlora.checkpoint.files import (CheckpointError, TensorSpec, atomic_write_text, iter_safetensors,
                                         write_safetensors)
-from lit_qlora.errors import MissingFile
+from lit_qlora.base.errors import MissingFile
 from lit_qlora.checkpoint.files import require_finite
 from lit_qlora.lora.layer import lora_modules, lora_state_dict
 from lit_qlora.parallel.distributed import full, is_sharded, reshard, shard_like

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from lit_qlora.errors import UserError
+from lit_qlora.base.errors import UserError
 
 # Where the bundled SmolLM2 is converted on first use (lit_qlora.deploy.gguf_import): every command's default checkpoint.
 DEFAULT_CHECKPOINT = Path("checkpoints/SmolLM2-135M-Instruct")

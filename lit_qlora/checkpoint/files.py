@@ -13,7 +13,7 @@ from typing import Callable, Iterable, Iterator, Mapping, Optional
 
 import torch
 
-from lit_qlora.errors import NonFinite, UserError
+from lit_qlora.base.errors import NonFinite, UserError
 from lit_qlora.memory.accounting import release_free_memory
 
 

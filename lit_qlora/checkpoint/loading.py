@@ -15,7 +15,7 @@ import torch
 
 from lit_qlora.checkpoint.hf import load_checkpoint
 from lit_qlora.model.config import DTYPES, PRECISION_DTYPES, Config, Precision, Quantize
-from lit_qlora.hardware import PrecisionChoice, resolved
+from lit_qlora.base.hardware import PrecisionChoice, resolved
 from lit_qlora.lora.layer import apply_lora
 from lit_qlora.checkpoint.adapter import load_adapter, read_adapter_config
 from lit_qlora.model.transformer import Transformer
@@ -48,7 +48,7 @@ def load_model(
         checkpoint_dir: Hugging Face model directory.
         quantize: nf4 = every base linear not in `ignore_modules` stored as NF4 (QLoRA); none = plain weights.
             Default: what the adapter trained with, else none.
-        precision: Compute dtype (Lightning's name, or auto: what suits `device`, lit_qlora.hardware). Default: the
+        precision: Compute dtype (Lightning's name, or auto: what suits `device`, lit_qlora.base.hardware). Default: the
             adapter's, else bf16-true.
         adapter_dir: A fine-tune's output: its base is rebuilt exactly as it trained (NF4 codes from the dtype
             training quantized, the same NF4 layout and ignored modules, from adapter_config.json) and its LoRA

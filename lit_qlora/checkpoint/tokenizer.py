@@ -8,7 +8,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
-from lit_qlora.errors import InvalidInput, MissingFile
+from lit_qlora.base.errors import InvalidInput, MissingFile
 from lit_qlora.model.config import require_checkpoint_dir
 
 # Chat templates end a turn with one of these; generation should stop there even when the checkpoint's

@@ -2,7 +2,7 @@
 
 Two kinds of failure end a command with one paragraph on stderr and no traceback (unless --debug):
 - a command line jsonargparse rejects (exit 2), explained from the input's structure (lit_qlora.cli.usage).
-- a user error raised by a command (exit 1): a `UserError` (lit_qlora.errors; every check of the user's input,
+- a user error raised by a command (exit 1): a `UserError` (lit_qlora.base.errors; every check of the user's input,
   files or machine raises one) or running out of memory. Any other exception is a bug: it keeps its traceback,
   after a line asking for a report.
 """
@@ -20,8 +20,9 @@ from jsonargparse import ActionConfigFile, ArgumentError, ArgumentParser, Namesp
 
 from lit_qlora.cli.usage import (Command, config_files,
                                  jsonargparse_message, spec_class, usage_error)
-from lit_qlora.errors import UserError
-from lit_qlora.quiet import debug_children, quiet_library_logs
+from lit_qlora.base import switches
+from lit_qlora.base.errors import InvalidInput, UserError
+from lit_qlora.base.quiet import debug_children, quiet_library_logs
 from lit_qlora.train.signals import Interrupted, TrainingStopped
 
 
@@ -145,8 +146,8 @@ def build_parser(table: dict[str, Command]) -> ArgumentParser:
     printing the whole usage; allow_abbrev=False: a typo must not silently become the option it abbreviates."""
     parser = ArgumentParser(prog="litqlora", description=DESCRIPTION, exit_on_error=False,
                             allow_abbrev=False)
-    parser.add_argument("--version", action="version", version=f"litqlora {installed_version()}",
-                        help="Print lit-qlora's version and exit.")
+    parser.add_argument("--version", action="version", version=version_text(),
+                        help="Print lit-qlora's version and the LIT_QLORA_* switches in effect, and exit.")
     subcommands = parser.add_subcommands(required=True)
     for name, command in table.items():
         summary = inspect.getdoc(command).split("\n\n")[0].replace("\n", " ")
@@ -173,6 +174,15 @@ def installed_version() -> str:
         return "unknown (not installed)"
 
 
+def version_text() -> str:
+    """`--version`: the version, then one line per LIT_QLORA_* switch set (docs/switches.md), or why one is refused."""
+    try:
+        set_now = switches.in_effect()
+    except InvalidInput as e:
+        return f"litqlora {installed_version()}\n{e}"
+    return "\n".join([f"litqlora {installed_version()}", *(f"{name}={value}" for name, value in set_now.items())])
+
+
 def run(parser: ArgumentParser, table: dict[str, Command], cfg: Namespace) -> None:
     init = parser.instantiate(cfg)  # dataclass groups become their dataclasses
     name = init.subcommand
@@ -192,6 +202,9 @@ def main(argv: list[str] | None = None) -> None:
     # allocator reserved 15.6 GiB for an 8B step that allocated 6.8 GiB at its peak (H100). Read at the first CUDA
     # allocation, so setting it here is in time; a user's own setting wins.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    if argv[:1] == ["--version"]:  # here, not argparse's action, which would fold the switches onto one line
+        print(version_text())
+        sys.exit(0)
     debug = debug_requested(argv)
     argv = expand_positional(argv)
     if not debug:
@@ -210,6 +223,7 @@ def main(argv: list[str] | None = None) -> None:
 
     restore = debug_children(debug)
     try:
+        switches.in_effect()  # a misspelt switch name or value is refused before any work
         run(parser, table, cfg)
     except TrainingStopped as e:
         print(f"litqlora: {e}", file=sys.stderr)

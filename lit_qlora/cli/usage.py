@@ -229,7 +229,7 @@ def usage_error(argv: list[str], table: dict[str, Command]) -> Optional[str]:
 def nearest_value(hint: Any, value: Any) -> Optional[str]:
     """For a choice option given a value it does not take: the nearest choice (a precision name users type from
     elsewhere, PRECISION_NEAREST; else the closest spelling), or None."""
-    from lit_qlora.hardware import PRECISION_NEAREST, PrecisionChoice
+    from lit_qlora.base.hardware import PRECISION_NEAREST, PrecisionChoice
 
     choices = [str(c) for arm in union_arms(hint) if typing.get_origin(arm) is Literal for c in typing.get_args(arm)]
     if not choices or value is None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lit_qlora.errors import UserError
+from lit_qlora.base.errors import UserError
 
 
 class DataError(UserError, ValueError):

@@ -18,8 +18,8 @@ import sys
 from pathlib import Path
 from typing import Iterator, Literal, Optional
 
-from lit_qlora.errors import InvalidInput
-from lit_qlora.hardware import PrecisionChoice
+from lit_qlora.base.errors import InvalidInput
+from lit_qlora.base.hardware import PrecisionChoice
 
 # torch and the model are imported inside the functions: the CLI imports this module to build --help.
 
@@ -134,7 +134,7 @@ def chat_command(
     from lit_qlora.data.inference import trained_tokenizer
     from lit_qlora.checkpoint.download import DEFAULT_CHECKPOINT
     from lit_qlora.deploy.gguf_import import ensure_default_checkpoint
-    from lit_qlora.threads import govern_threads
+    from lit_qlora.base.threads import govern_threads
 
     # Ctrl-C stops a reply (and, at the prompt, leaves) even where the chat was started with SIGINT ignored, as a
     # script's background job or a parent that ignores it passes it on: Python would keep ignoring it.
@@ -143,7 +143,7 @@ def chat_command(
     ensure_default_checkpoint(checkpoint_dir)
     require_checkpoint(checkpoint_dir)
     model = load_model(checkpoint_dir, quantize, precision, adapter_dir)
-    govern_threads(model)  # a chat shares the CPU with other processes (lit_qlora.threads)
+    govern_threads(model)  # a chat shares the CPU with other processes (lit_qlora.base.threads)
     # the conversation in the prompt format the adapter trained with (lit_qlora.data.inference)
     session = ChatSession(model, trained_tokenizer(checkpoint_dir, adapter_dir), system, seed)
     interactive = sys.stdin.isatty()

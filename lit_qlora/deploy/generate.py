@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Literal, Optional
 
 from lit_qlora.checkpoint.download import DEFAULT_CHECKPOINT
-from lit_qlora.errors import InvalidInput
-from lit_qlora.hardware import PrecisionChoice
+from lit_qlora.base.errors import InvalidInput
+from lit_qlora.base.hardware import PrecisionChoice
 
 # The model stack (torch) is imported inside the functions, and annotations name its types as text: the CLI
 # imports `generate_command` to build `--help` (lit_qlora.cli.commands says why and how).
@@ -55,12 +55,12 @@ def generate_command(
     from lit_qlora.lora.layer import adapters_disabled
     from lit_qlora.nf4 import is_nf4
     from lit_qlora.data.inference import trained_tokenizer
-    from lit_qlora.threads import govern_threads
+    from lit_qlora.base.threads import govern_threads
 
     require_checkpoint(checkpoint_dir)
     tokenizer = trained_tokenizer(checkpoint_dir, adapter_dir)
     model = load_model(checkpoint_dir, quantize, precision, adapter_dir)
-    govern_threads(model)  # generation shares the CPU with other processes (lit_qlora.threads)
+    govern_threads(model)  # generation shares the CPU with other processes (lit_qlora.base.threads)
     ids = tokenizer.encode_prompt(prompt) if chat_template else tokenizer.encode(prompt)
 
     def reply(label: str = "") -> str:

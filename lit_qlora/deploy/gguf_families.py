@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import re
 
-from lit_qlora.errors import UserError
+from lit_qlora.base.errors import UserError
 
 ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
                  "gemma3_text": "gemma3", "phi3": "phi3", "qwen3_moe": "qwen3moe", "mixtral": "llama",

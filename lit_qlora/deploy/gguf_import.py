@@ -15,7 +15,7 @@ from typing import Any, Literal, Optional
 
 from lit_qlora.checkpoint.download import DEFAULT_CHECKPOINT
 from lit_qlora.deploy.gguf_tokenizer import tokenizer_from_gguf
-from lit_qlora.errors import InvalidInput, MissingFile
+from lit_qlora.base.errors import InvalidInput, MissingFile
 
 # numpy, torch and the checkpoint code are imported inside the functions, and annotations name their types as text:
 # the CLI imports `convert_gguf_command` to build `--help` (lit_qlora.cli.commands says why and how).

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from lit_qlora.deploy.gguf_families import GGUFExportError
-from lit_qlora.errors import InvalidInput
+from lit_qlora.base.errors import InvalidInput
 
 # -- from GGUF metadata (import) --------------------------------------------------------------------------------
 # Split regexes of the published tokenizer.json files, keyed by llama.cpp's `tokenizer.ggml.pre`.

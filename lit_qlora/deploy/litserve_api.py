@@ -26,7 +26,7 @@ from pydantic import BaseModel, PrivateAttr
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.base import BaseHTTPMiddleware
 
-from lit_qlora.errors import InvalidInput
+from lit_qlora.base.errors import InvalidInput
 
 
 # ---- OpenAI error objects ----------------------------------------------------------------------------------------
@@ -164,14 +164,14 @@ class ChatAPI(ls.LitAPI):
 
         from lit_qlora.checkpoint.loading import load_model
         from lit_qlora.data.inference import trained_tokenizer
-        from lit_qlora.threads import govern_threads
+        from lit_qlora.base.threads import govern_threads
 
         # This is LitServe's inference worker (spawned: `litqlora serve`'s handlers are not inherited). Ctrl-C in a
         # terminal reaches the whole group: the main process stops the server and then this worker, so the worker
         # itself lets SIGINT pass instead of dying mid-reply with a KeyboardInterrupt traceback.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         self.model = load_model(self.checkpoint_dir, self.quantize, self.precision, self.adapter_dir)
-        govern_threads(self.model)  # the server shares the CPU with other processes (lit_qlora.threads)
+        govern_threads(self.model)  # the server shares the CPU with other processes (lit_qlora.base.threads)
         # the prompt format the adapter trained with (lit_qlora.data.inference): the ids training saw
         self.tokenizer = trained_tokenizer(self.checkpoint_dir, self.adapter_dir)
         if not self.tokenizer.has_chat_template and self.tokenizer.prompt_format is None:

@@ -22,8 +22,9 @@ import signal
 from pathlib import Path
 from typing import Literal, Optional
 
-from lit_qlora.errors import InvalidInput
-from lit_qlora.hardware import PrecisionChoice
+from lit_qlora.base import switches
+from lit_qlora.base.errors import InvalidInput
+from lit_qlora.base.hardware import PrecisionChoice
 
 # litserve, torch and the model are imported inside the functions: the CLI imports this module to build --help.
 
@@ -89,7 +90,7 @@ def serve_command(
                            "one of them. Serve a chat model or a fine-tune of it, or use `litqlora generate` for this "
                            "one.")
     server = build_server(checkpoint_dir, adapter_dir, quantize, precision,
-                          api_key or os.environ.get("LIT_QLORA_API_KEY"), max_new_tokens, model_name)
+                          api_key or switches.text("LIT_QLORA_API_KEY"), max_new_tokens, model_name)
     print(f"Serving {checkpoint_dir}{f' + {adapter_dir}' if adapter_dir else ''} on http://{host}:{port}/v1",
           flush=True)
     # SIGINT and SIGTERM, sent to this process or its group, with or without a terminal, stop it as Ctrl-C does: the

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import ClassVar, Literal, Optional
 
 from lit_qlora.grpo.args import GRPOArgs
-from lit_qlora.hardware import PrecisionChoice
+from lit_qlora.base.hardware import PrecisionChoice
 from lit_qlora.preference.args import DPOArgs
 from lit_qlora.train.args import DataArgs
 from lit_qlora.train.spec import RunSpec

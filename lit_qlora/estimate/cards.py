@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-from lit_qlora.errors import InvalidInput
+from lit_qlora.base.errors import InvalidInput
 
 MiB, GiB = 1 << 20, 1 << 30
 

@@ -17,8 +17,8 @@ from lit_qlora.estimate.search import AUTO_LENGTH_TRACES, LENGTH_STEP, largest_b
 from lit_qlora.estimate.args import EstimateSpec
 from lit_qlora.estimate.cards import GiB, device_memory as card_memory
 from lit_qlora.estimate.step import offload_decision, other_temporaries, parallel_bytes, trace_step
-from lit_qlora.errors import InvalidInput
-from lit_qlora.hardware import choose_precision
+from lit_qlora.base.errors import InvalidInput
+from lit_qlora.base.hardware import choose_precision
 from lit_qlora.grpo.args import GRPOArgs
 from lit_qlora.preference.args import DPOArgs
 from lit_qlora.train.args import TrainArgs

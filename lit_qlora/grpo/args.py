@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar, Literal, Optional, Union
 
-from lit_qlora.errors import UserError
+from lit_qlora.base.errors import UserError
 from lit_qlora.grpo.builtin_rewards import DEFAULT_FORMAT_PATTERN
 from lit_qlora.train.args import DataArgs
 from lit_qlora.train.spec import RunSpec

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from lit_qlora.errors import UserError
+from lit_qlora.base.errors import UserError
 from lit_qlora.grpo.builtin_rewards import (BUILTINS, DEFAULT_FORMAT_PATTERN, completion_text, content_text,
                                             format_reward_with)
 

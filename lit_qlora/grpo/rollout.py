@@ -17,15 +17,15 @@ training, which `litqlora estimate --method grpo` counts. The prefill (one row o
 
 from __future__ import annotations
 
-import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
+from lit_qlora.base import switches
 from lit_qlora.model.sampling import sample_rows
-from lit_qlora.threads import process_governor
+from lit_qlora.base.threads import process_governor
 from lit_qlora.model.transformer import Transformer
 
 
@@ -54,7 +54,7 @@ class Decoder:
 
     def __init__(self, cache_len: Optional[int] = None, backend: Any = None) -> None:
         self.cache_len = cache_len
-        self.backend = backend or os.environ.get("LIT_QLORA_DECODE_BACKEND") or COMPILE_BACKEND
+        self.backend = backend or switches.text("LIT_QLORA_DECODE_BACKEND") or COMPILE_BACKEND
         self._compiled = None
         self._threads = 0  # torch's thread count when the step compiled
         self._kept: dict = {}  # CUDA: the caches kept between groups, by (rows, device): the blocks' caches
@@ -104,7 +104,7 @@ class Decoder:
         finally:
             if threads != self._threads:
                 torch.set_num_threads(threads)
-        if token.device.type == "cpu":  # what the blocks' hooks would do: the thread governor (lit_qlora.threads)
+        if token.device.type == "cpu":  # what the blocks' hooks would do: the thread governor (lit_qlora.base.threads)
             process_governor()()
         return logits
 

@@ -19,13 +19,13 @@ dropout 0.05 cost 13.5% of a SmolLM2 4x512 step; 6% now (`benchmarks/ab/dropout_
 
 from __future__ import annotations
 
-import os
 import threading
 from collections import deque
 from typing import Callable, Optional
 
 import torch
 
+from lit_qlora.base import switches
 from lit_qlora.lora import native
 from lit_qlora.nf4.native import is_fake
 
@@ -326,7 +326,7 @@ def replayed_dropout_applies(x: torch.Tensor) -> bool:
     keeps nn.Dropout, which inductor fuses into the block's kernels). `litqlora estimate --device cuda` patches it."""
     if x.device.type != "cuda" or torch.compiler.is_compiling():
         return False
-    return os.environ.get("LIT_QLORA_DROPOUT_REPLAY", "1") != "0"  # 0: nn.Dropout (for A/B measurements)
+    return switches.enabled("LIT_QLORA_DROPOUT_REPLAY")  # 0: nn.Dropout (for A/B measurements)
 
 
 def replayed_dropout_down(x: torch.Tensor, a: torch.Tensor, p: float) -> torch.Tensor:

@@ -38,7 +38,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lit_qlora.errors import switch_setting
+from lit_qlora.base import switches
 from lit_qlora.lora import dropout as lora_dropout
 from lit_qlora.lora.layer import LoRALinear
 from lit_qlora.nf4 import frozen_linear
@@ -48,7 +48,7 @@ ENV = "LIT_QLORA_LORA_GROUPED"
 
 def grouped_enabled() -> bool:
     """Whether the setting asks for grouped LoRA terms (read at every call: a benchmark may flip it in-process)."""
-    return switch_setting(ENV)
+    return switches.enabled(ENV)
 
 
 def _groupable_module(m: nn.Module) -> bool:

@@ -10,7 +10,7 @@ from typing import Callable, Iterable, Iterator, Optional
 import torch
 import torch.nn as nn
 
-from lit_qlora.errors import InvalidInput
+from lit_qlora.base.errors import InvalidInput
 from lit_qlora.lora import dropout as lora_dropout
 from lit_qlora.lora.dropout import dropped_lora
 from lit_qlora.nf4 import dequantize_nf4, frozen_linear, is_nf4, row_slices

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import threading
 from typing import Optional, Sequence
 
 import torch
 
+from lit_qlora.base import switches
 from lit_qlora.nf4.native import STORAGE_FORMATS, build_library, kernel_threads, package_text, simd_header
 
 log = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ def native_error() -> Optional[str]:
 
 def use_native(dtype: Optional[torch.dtype] = None) -> bool:
     """Whether the kernels can run on CPU tensors of ``dtype`` (compiling them on the first call)."""
-    if os.environ.get("LIT_QLORA_NF4_BACKEND", "auto").lower() == "eager":
+    if switches.choice("LIT_QLORA_NF4_BACKEND") == "eager":
         return False
     lib = native_lib()
     return lib is not None and (dtype != torch.float16 or lib.has_f16)

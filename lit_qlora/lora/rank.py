@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from lit_qlora.errors import InvalidInput
+from lit_qlora.base.errors import InvalidInput
 from lit_qlora.nf4 import is_nf4
 
 

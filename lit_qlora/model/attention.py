@@ -38,13 +38,12 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import os
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from lit_qlora.errors import InvalidInput
+from lit_qlora.base import switches
 from lit_qlora.model import flex
 from lit_qlora.model.flex import grouped
 
@@ -56,15 +55,11 @@ SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "effici
 
 def sdpa_backends() -> Optional[list]:
     """The SDPA kernels `LIT_QLORA_SDPA_BACKEND` allows, in its order, or None (unset: PyTorch's choice)."""
-    setting = os.environ.get(SDPA_ENV, "").strip().lower()
-    if not setting:
+    names = switches.choice_list(SDPA_ENV)
+    if not names:
         return None
     from torch.nn.attention import SDPBackend
 
-    names = [n.strip() for n in setting.split(",") if n.strip()]
-    if unknown := [n for n in names if n not in SDPA_BACKENDS]:
-        raise InvalidInput(f"{SDPA_ENV}={setting!r}: unknown SDPA kernel(s) {unknown}; choose from "
-                         f"{', '.join(SDPA_BACKENDS)} (a comma list), or unset it for PyTorch's choice.")
     return [getattr(SDPBackend, SDPA_BACKENDS[n]) for n in names]
 
 
@@ -79,12 +74,7 @@ def use_flex_attention(device: torch.device) -> bool:
 
 def flex_setting() -> Optional[bool]:
     """`LIT_QLORA_FLEX_ATTENTION`: True (1), False (0), or None (unset: by device)."""
-    setting = os.environ.get(FLEX_ENV, "").strip().lower()
-    if setting in ("0", "false", "off"):
-        return False
-    if setting in ("1", "true", "on"):
-        return True
-    return None
+    return switches.flag(FLEX_ENV)
 
 
 @functools.lru_cache(maxsize=None)

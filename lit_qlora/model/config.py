@@ -11,8 +11,8 @@ from typing import Any, Literal
 
 import torch
 
-from lit_qlora.errors import InvalidInput, MissingFile
-from lit_qlora.hardware import PRECISIONS
+from lit_qlora.base.errors import InvalidInput, MissingFile
+from lit_qlora.base.hardware import PRECISIONS
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "qwen3_moe", "mixtral",
                          "olmoe", "gpt_oss")
@@ -50,7 +50,7 @@ GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_sl
 
 # The one precision/dtype table: Lightning's precision name, the dtype's name in our files (adapter_config.json's
 # base_dtype / lora_dtype, `convert_gguf --dtype`), the torch dtype of the base and the compute, the adapters' dtype.
-# Everything below is a view of it. (`auto` is not a row: lit_qlora.hardware resolves it to one.)
+# Everything below is a view of it. (`auto` is not a row: lit_qlora.base.hardware resolves it to one.)
 _PRECISION_TABLE = (
     ("bf16-true", "bfloat16", torch.bfloat16, torch.bfloat16),
     ("bf16-mixed", "bfloat16", torch.bfloat16, torch.float32),  # bf16 compute, fp32 adapters and AdamW state
@@ -59,7 +59,7 @@ _PRECISION_TABLE = (
     ("32-true", "float32", torch.float32, torch.float32),
 )
 Precision = Literal[PRECISIONS]  # type: ignore[valid-type]
-"""A resolved precision (what `--precision auto` becomes: lit_qlora.hardware.choose_precision)."""
+"""A resolved precision (what `--precision auto` becomes: lit_qlora.base.hardware.choose_precision)."""
 PRECISION_DTYPES: dict[str, torch.dtype] = {precision: dtype for precision, _, dtype, _ in _PRECISION_TABLE}
 ADAPTER_DTYPES: dict[str, torch.dtype] = {precision: lora for precision, _, _, lora in _PRECISION_TABLE}
 MIXED_PRECISIONS = frozenset(p for p, _, dtype, lora in _PRECISION_TABLE if dtype != lora)

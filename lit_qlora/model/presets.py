@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from lit_qlora.errors import InvalidInput
+from lit_qlora.base.errors import InvalidInput
 from lit_qlora.model.config import Config, sliding_pattern
 
 

@@ -6,7 +6,7 @@ from typing import Iterable, Iterator, Optional, Sequence
 
 import torch
 
-from lit_qlora.errors import InvalidInput
+from lit_qlora.base.errors import InvalidInput
 from lit_qlora.model.transformer import Transformer
 
 

@@ -17,7 +17,7 @@ Modules, lowest first (each imports only those above it):
 Nothing here knows about LoRA: the adapter layer imports this package, never the reverse.
 """
 
-from lit_qlora.quiet import quiet_third_party
+from lit_qlora.base.quiet import quiet_third_party
 
 quiet_third_party()  # before torchao loads: its import warns about kernels NF4 never uses
 

@@ -13,7 +13,7 @@ from typing import NamedTuple, Optional, Sequence
 
 from torchao.quantization import NF4Tensor
 
-from lit_qlora.errors import InvalidInput
+from lit_qlora.base.errors import InvalidInput
 
 
 class NF4Layout(NamedTuple):

@@ -40,7 +40,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torchao.quantization import NF4Tensor
 
-from lit_qlora.errors import switch_setting
+from lit_qlora.base import switches
 from lit_qlora.nf4 import gemv
 from lit_qlora.nf4.codec import dequantize_nf4, is_nf4
 from lit_qlora.nf4.layout import row_slices
@@ -80,7 +80,7 @@ def _triton_ok() -> bool:
 def fused_matmul_applies(x: torch.Tensor, weight: NF4Tensor) -> bool:
     """Whether NF4Linear runs the fused kernels (nf4/triton_matmul.py): ``LIT_QLORA_NF4_FUSED=1``, Triton, a
     supported compute dtype, and ``x`` and the weight on CUDA, or on CPU under Triton's interpreter (the tests)."""
-    if not switch_setting("LIT_QLORA_NF4_FUSED") or x.device != weight.quantized_data.device:
+    if not switches.enabled("LIT_QLORA_NF4_FUSED") or x.device != weight.quantized_data.device:
         return False
     interpreted = x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
     return ((x.device.type == "cuda" or interpreted) and _compute_dtype(x) in SUPPORTED_DTYPES
@@ -108,13 +108,13 @@ def _decode_dtype(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
         return None
     dtype = _compute_dtype(x)
-    if dtype not in gemv.X_FORMATS or not switch_setting("LIT_QLORA_NF4_GEMV", default=True):
+    if dtype not in gemv.X_FORMATS or not switches.enabled("LIT_QLORA_NF4_GEMV"):
         return None
     return dtype if gemv.gemv_available(weight.nf4.dtype) and not fused_matmul_applies(x, weight) else None
 
 
 def _save_dense() -> bool:
-    return os.environ.get("LIT_QLORA_NF4_SAVE_DENSE", "0") == "1"
+    return switches.enabled("LIT_QLORA_NF4_SAVE_DENSE")
 
 
 def _scratch_matrix(rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> Optional[torch.Tensor]:
@@ -123,7 +123,7 @@ def _scratch_matrix(rows: int, cols: int, dtype: torch.dtype, device: torch.devi
     ``LIT_QLORA_NF4_SCRATCH=0``, the dense weight saved for backward)."""
     if device.type not in ("cpu", "cuda") or (device.type == "cuda" and not triton_available()):
         return None
-    if os.environ.get("LIT_QLORA_NF4_SCRATCH", "1") == "0" or (device.type == "cuda" and _save_dense()):
+    if not switches.enabled("LIT_QLORA_NF4_SCRATCH") or (device.type == "cuda" and _save_dense()):
         return None
     # One CUDA buffer per process, not per thread: CUDA's backward runs on autograd's device thread, and a buffer
     # per thread doubled it (measured: +224 MiB, not 112, at 8B). The stream orders its uses.

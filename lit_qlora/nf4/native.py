@@ -33,7 +33,8 @@ from typing import Optional
 
 import torch
 
-from lit_qlora.hardware import avx2_capped
+from lit_qlora.base import switches
+from lit_qlora.base.hardware import avx2_capped
 from lit_qlora.nf4.reference import (SUPPORTED_DTYPES, cached, dequantize_eager, dequantize_scalers,
                                   double_quantize, level_table, quantize_eager, thresholds)
 
@@ -76,7 +77,7 @@ def simd_header() -> str:
 
 
 def _kernel_cache_dir() -> str:
-    cache_dir = os.environ.get("LIT_QLORA_KERNEL_CACHE") or os.path.join(
+    cache_dir = switches.text("LIT_QLORA_KERNEL_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "lit_qlora", "kernels"
     )
     try:
@@ -109,12 +110,12 @@ def build_library(name: str, sources: dict[str, str], signatures: dict[str, list
     else on one thread (one warning). Each of `signatures` names a kernel whose threaded entry point `NAME_mt` takes
     a thread count, then those ctypes arguments; `lib.has_f16` is what `{name}_has_f16()` says: float16 compiled.
     `march`: gcc's -march (default: `default_march()`), for a build of one instruction set whatever the CPU."""
-    compiler = os.environ.get("LIT_QLORA_CC") or shutil.which("gcc") or shutil.which("cc")
+    compiler = switches.text("LIT_QLORA_CC") or shutil.which("gcc") or shutil.which("cc")
     if not compiler:
         raise RuntimeError("no C compiler (gcc/cc) found")
     march = march or default_march()
     flags = ["-O3", f"-march={march}", "-std=gnu11", "-shared", "-fPIC"]
-    flags += shlex.split(os.environ.get("LIT_QLORA_CFLAGS", ""))  # extra flags, e.g. for debugging
+    flags += shlex.split(switches.text("LIT_QLORA_CFLAGS") or "")  # extra flags, e.g. for debugging
     try:
         return _build(name, sources, signatures, compiler, [*flags, "-fopenmp"])
     except RuntimeError as e:  # a compiler without OpenMP (clang on macOS): the same kernels on one thread
@@ -128,7 +129,7 @@ def is_x86() -> bool:
 
 
 def default_march() -> str:
-    """The kernels' -march: this CPU's, or AVX2 under the AVX2 cap (lit_qlora.hardware.AVX2_ENV), as a user's CPU
+    """The kernels' -march: this CPU's, or AVX2 under the AVX2 cap (lit_qlora.base.hardware.AVX2_ENV), as a user's CPU
     runs them."""
     return "x86-64-v3" if avx2_capped() and is_x86() else "native"
 
@@ -269,7 +270,7 @@ def dequantize_blocks(qdata: torch.Tensor, scales: torch.Tensor, levels: torch.T
 
 def use_native(dtype: Optional[torch.dtype] = None) -> bool:
     """Whether CPU tensors of ``dtype`` go through the C kernels (compiling them on the first call)."""
-    if os.environ.get("LIT_QLORA_NF4_BACKEND", "auto").lower() == "eager":
+    if switches.choice("LIT_QLORA_NF4_BACKEND") == "eager":
         return False
     lib = native_lib()
     return lib is not None and (dtype != torch.float16 or lib.has_f16)
@@ -290,4 +291,4 @@ def triton_available() -> bool:
     """Whether the Triton kernel is used where it applies: Triton is installed (the kernel runs on CUDA tensors, or on
     CPU ones under ``TRITON_INTERPRET=1``) and ``LIT_QLORA_NF4_TRITON`` is not 0 (0: the PyTorch path in 16M-value
     slices, as before the kernel; for comparisons)."""
-    return os.environ.get("LIT_QLORA_NF4_TRITON", "1") != "0" and importlib.util.find_spec("triton") is not None
+    return switches.enabled("LIT_QLORA_NF4_TRITON") and importlib.util.find_spec("triton") is not None

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from lit_qlora.errors import InvalidInput
+from lit_qlora.base.errors import InvalidInput
 
 STRATEGIES = ("auto", "ddp", "fsdp", "tp")
 

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from lit_qlora.errors import InvalidInput
+from lit_qlora.base.errors import InvalidInput
 from lit_qlora.lora.layer import LoRALinear
 from lit_qlora.nf4 import dequantize_nf4, frozen_linear, quantize_nf4
 from lit_qlora.parallel.distributed import broadcast_trainable

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar, Literal, Optional
 
-from lit_qlora.errors import UserError
+from lit_qlora.base.errors import UserError
 from lit_qlora.train.args import DataArgs
 from lit_qlora.train.spec import RunSpec
 

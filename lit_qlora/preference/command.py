@@ -10,7 +10,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Optional
 
-from lit_qlora.errors import UserError
+from lit_qlora.base.errors import UserError
 from lit_qlora.preference.args import DPOArgs, DPOSpec
 
 

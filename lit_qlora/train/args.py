@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 from lit_qlora.data.templates import PromptStyleName
-from lit_qlora.errors import InvalidInput, UserError
+from lit_qlora.base.errors import InvalidInput, UserError
 
 
 @dataclass

@@ -25,40 +25,36 @@ validation, an unpacked run's next batch) marks the changed dimensions dynamic, 
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 import torch.nn as nn
 
-from lit_qlora.errors import InvalidInput
+from lit_qlora.base import switches
 
 RECOMPILE_LIMIT = 64
 """Compiled entries dynamo keeps per code object: 5 LoRA weight shapes x {training, validation} x {static, dynamic}
 for NF4 bases, with room to spare. Beyond it dynamo would silently run those frames eagerly."""
 
 
-def compile_blocks(model: nn.Module) -> int:
+def compile_blocks(model: nn.Module, backend: str = "inductor") -> int:
     """Compile each of `model.blocks` in place (idempotent: Lightning calls configure_model for every validate and
-    fit); returns how many were newly compiled."""
+    fit); returns how many were newly compiled. `backend`: torch.compile's (a test of dynamo's guards and
+    recompilations may trace with aot_eager, without inductor's C++ code generation)."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     todo = [block for block in model.blocks if not is_compiled(block)]
     mode = compile_mode()
     for block in todo:
-        block.compile(**({"mode": mode} if mode else {}))
+        block.compile(backend=backend, **({"mode": mode} if mode else {}))
     return len(todo)
 
 
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+COMPILE_MODES = switches.SWITCHES["LIT_QLORA_COMPILE_MODE"].choices
 
 
 def compile_mode() -> Optional[str]:
     """`LIT_QLORA_COMPILE_MODE` (module doc), checked; None when unset."""
-    mode = os.environ.get("LIT_QLORA_COMPILE_MODE", "").strip()
-    if mode and mode not in COMPILE_MODES:
-        raise InvalidInput(f"LIT_QLORA_COMPILE_MODE={mode!r}: choose one of {', '.join(COMPILE_MODES)}, or unset it for "
-                         "torch.compile's default.")
-    return mode or None
+    return switches.choice("LIT_QLORA_COMPILE_MODE")
 
 
 def is_compiled(module: nn.Module) -> bool:

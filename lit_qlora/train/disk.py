@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from lit_qlora.errors import UserError
+from lit_qlora.base.errors import UserError
 
 MARGIN = 1.02
 """Headroom over the sizes computed: tokenizer files, JSON, TensorBoard logs, GGUF metadata, filesystem blocks."""

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Optional
 
 from lit_qlora.deploy.export import export_config, hf_tensor_specs, write_peft_adapter
-from lit_qlora.errors import UserError
+from lit_qlora.base.errors import UserError
 
 
 def export_final(model: nn.Module, final_dir: Path, checkpoint_dir: Path, adapter_config: dict,  # noqa: F821

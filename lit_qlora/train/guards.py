@@ -8,7 +8,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from lit_qlora.errors import UserError
+from lit_qlora.base.errors import UserError
 
 
 class OutOfMemory(UserError, RuntimeError):

@@ -25,7 +25,7 @@ import os
 from pathlib import Path
 from typing import Any, Literal, Sequence, Union
 
-from lit_qlora.errors import UserError
+from lit_qlora.base.errors import UserError
 
 LoggerName = Literal["tensorboard", "csv", "wandb", "mlflow"]
 LOGGERS = ("tensorboard", "csv", "wandb", "mlflow")

@@ -12,7 +12,7 @@ import lightning as L
 import torch
 
 from lit_qlora.train.compile import compile_blocks, compile_seconds, is_compiled
-from lit_qlora.errors import NonFinite
+from lit_qlora.base.errors import NonFinite
 from lit_qlora.memory.accounting import peak_memory_stats
 from lit_qlora.model.moe import auxiliary_loss, moe_blocks, router_load
 from lit_qlora.model.transformer import Transformer

@@ -58,7 +58,7 @@ def compile_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
 
 
 def threads_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
-    """CPU: the thread count, where other busy processes made it change (lit_qlora.threads)."""
+    """CPU: the thread count, where other busy processes made it change (lit_qlora.base.threads)."""
     if not summary.get("cpu_thread_changes"):
         return []
     return [("CPU threads", f"{summary['cpu_threads']}, down to {summary['cpu_threads_fewest']} beside other busy "

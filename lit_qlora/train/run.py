@@ -28,7 +28,8 @@ from lit_qlora.model.config import ADAPTER_DTYPES, DTYPE_NAMES, MIXED_PRECISIONS
 from lit_qlora.nf4 import count_linears
 from lit_qlora.parallel.distributed import build_strategy, keep_frozen_out_of_ddp, nf4_shards_for
 from lit_qlora.parallel.tensor_parallel import TensorParallelShard
-from lit_qlora.threads import govern_threads, threads_summary
+from lit_qlora.base import switches
+from lit_qlora.base.threads import govern_threads, threads_summary
 from lit_qlora.train.args import ExportArgs, total_steps_for
 from lit_qlora.train.compile import compile_seconds
 from lit_qlora.train.disk import output_sizes, require_disk_space
@@ -232,7 +233,7 @@ def setup(spec: RunSpec, decided: Optional[Decided] = None, hooks: Optional[RunH
         shard = TensorParallelShard(trainer.global_rank % tensor_parallel, tensor_parallel) if tensor_parallel > 1 else None
         model = load_model(config.checkpoint_dir, config.quantize, precision, shard=shard,
                            ignore_modules=config.ignore_modules, nf4_world_size=config.nf4_shards).train()
-    govern_threads(model)  # the run shares the CPU with other processes (lit_qlora.threads)
+    govern_threads(model)  # the run shares the CPU with other processes (lit_qlora.base.threads)
     apply_lora(model, lora.r, lora.alpha, lora.dropout, lora.targets, lora.rslora, dtype=config.lora_dtype)
     if train.init_adapter is not None:  # a finished run's adapter to go on from (a resume then restores its own)
         load_adapter(model, train.init_adapter)
@@ -374,6 +375,7 @@ def run_summary(run: Run) -> dict[str, Any]:
         **peak_memory_stats(run.trainer.strategy.root_device),
         **offload_summary(getattr(module.model, "activation_offload", None)),  # host memory beside the device's
         **threads_summary(),  # CPU: how many threads the steps ran on, beside other processes
+        "switches": switches.in_effect(),  # the LIT_QLORA_* settings this run measured under
         "quantized_linears": quantized,
         "total_linears": total,
         "trainable_params": sum(p.numel() for p in module.model.parameters() if p.requires_grad),

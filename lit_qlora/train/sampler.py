@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils.data import Sampler
 
-from lit_qlora.errors import InvalidInput
+from lit_qlora.base.errors import InvalidInput
 
 
 def epoch_order(num_samples: int, seed: int, epoch: int) -> list[int]:

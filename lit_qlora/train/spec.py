@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal, Optional, Union
 
 from lit_qlora.checkpoint.download import DEFAULT_CHECKPOINT
-from lit_qlora.errors import UserError
-from lit_qlora.hardware import PrecisionChoice, choose_precision, cpu_emulates, uses_cuda
+from lit_qlora.base.errors import UserError
+from lit_qlora.base.hardware import PrecisionChoice, choose_precision, cpu_emulates, uses_cuda
 from lit_qlora.train.args import DataArgs, ExportArgs, LoRAArgs, TrainArgs
 from lit_qlora.train.loggers import LoggerName
 

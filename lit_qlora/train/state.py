@@ -17,7 +17,7 @@ import torch
 
 from lit_qlora.checkpoint.files import (CheckpointError, TensorSpec, atomic_write_text, iter_safetensors, replace_dir,
                                         write_safetensors)
-from lit_qlora.errors import MissingFile
+from lit_qlora.base.errors import MissingFile
 from lit_qlora.checkpoint.files import require_finite
 from lit_qlora.checkpoint.adapter import full_lora_state_dict, load_adapter
 from lit_qlora.parallel.distributed import full, shard_like

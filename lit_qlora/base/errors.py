@@ -8,7 +8,6 @@ so a caller can catch the errors of one concern.
 
 from __future__ import annotations
 
-import os
 
 
 class UserError(Exception):
@@ -30,13 +29,3 @@ class NonFinite(UserError, FloatingPointError):
     """A loss, gradient or weight became NaN or inf; the message names the step and the settings to change. A
     `FloatingPointError` too, as these guards raised before."""
 
-
-def switch_setting(name: str, default: bool = False) -> bool:
-    """An on/off environment setting (the LIT_QLORA_* switches an A/B benchmark flips): 1 on, 0 off; empty or unset,
-    `default` (off unless the switch turns a default path off). Anything else is refused rather than read as the
-    default, so a misspelt value never measures the default unnoticed."""
-    value = os.environ.get(name, "").strip()
-    if value not in ("", "0", "1"):
-        raise InvalidInput(f"{name}={value!r}: this switch takes 1 (on) or 0 (off); unset, it is "
-                           f"{'on' if default else 'off'}.")
-    return default if value == "" else value == "1"
