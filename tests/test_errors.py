@@ -413,3 +413,23 @@ def test_a_checkpoint_without_weights_or_tokenizer_is_named_before_loading(tiny_
     with pytest.raises(UserError, match="has no tokenizer.json"):
         require_checkpoint(no_tokenizer)
     require_checkpoint(no_tokenizer, tokenizer=False)  # merge and export_peft copy tokenizer files where they exist
+
+
+def test_a_grpo_preset_run_before_its_sft_names_the_preset_that_writes_its_starting_adapter(tiny_llama_dir, tmp_path,
+                                                                                         monkeypatch, capsys):
+    """Issue 55 item 8: the GRPO preset's --train.init_adapter is what its SFT preset writes. Run first, it said
+    "--adapter_dir must be ...", a flag the user never gave; now it names --train.init_adapter and the command to run."""
+    from pathlib import Path
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "config_hub").symlink_to(Path(__file__).resolve().parents[1] / "config_hub")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["grpo", "--config", "config_hub/grpo/smollm2-135m/qlora.yaml", "--checkpoint_dir", str(tiny_llama_dir)])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 1 and "\n" not in err, err
+    assert err.startswith("litqlora: error: Adapter directory out/grpo/smollm2-135m-sft/final does not exist: "
+                          "--train.init_adapter must be a fine-tune's out_dir"), err
+    assert err.endswith("This run starts from the adapter that `litqlora finetune --config "
+                        "config_hub/grpo/smollm2-135m/sft.yaml` writes there: run that first, then this command "
+                        "again."), err
+    assert not (tmp_path / "out").exists()

@@ -113,6 +113,10 @@ def test_command_writes_estimate_json_and_finds_the_largest_micro_batch(tmp_path
     assert result["max_micro_batch_size_by_checkpointing"]["off"] < 3  # without checkpointing less fits
     printed = capsys.readouterr().out
     assert "Predicted peak cpu memory" in printed and "largest micro-batch 3 with activation checkpointing" in printed
+    # the search says what it does while it does it (minutes at 8B): one line per traced size
+    assert "Searching the largest micro-batch that fits" in printed
+    traced = [line for line in printed.splitlines() if line.startswith("  traced micro-batch ")]
+    assert traced[0].startswith("  traced micro-batch 1, checkpointing True: peak ") and 3 <= len(traced) <= 10
 
 
 def test_device_memory_units_mean_what_they_say_and_the_bytes_are_echoed(tmp_path, capsys):
@@ -241,6 +245,20 @@ def test_the_batch_search_is_bounded_and_answers_a_size_that_fits(curve, answer)
         assert sizes["on"] == answer
     else:  # the true largest is 22 (1000 + 220 + 161 <= 1405 < 1000 + 230 + 176)
         assert sizes["on"] == 22 and (22, True) in calls
+
+
+def test_a_batch_at_the_search_limit_is_reported_as_a_lower_bound():
+    """Issue 55 item 8: "largest micro-batch 256" was the search's cap, not a size found to be the largest."""
+    from lit_qlora.estimate.command import render_batch_search
+    from lit_qlora.estimate.search import largest_batches
+
+    result = largest_batches(lambda size, checkpointing: (size * (1 if checkpointing else 10), {}), 1000, "cpu")
+    assert result["max_micro_batch_size_by_checkpointing"] == {"on": 256, "off": 100}
+    assert result["micro_batch_search_limit"] == 256
+    result.update(device_memory_bytes=1000, method="sft")
+    (line,) = [line for line in render_batch_search(result) if line]
+    assert line.endswith("largest micro-batch 256 or more (the search stops at 256) with activation checkpointing, "
+                         "100 without")
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])

@@ -250,7 +250,7 @@ def test_a_function_that_raises_is_named_with_its_first_failing_row():
         score([Reward("picky", picky)], **_batch(["ok", "", "also ok"], prompts=prompts))
     message = str(e.value)
     assert "The reward function picky (" in message and "test_grpo_rewards.py:" in message
-    assert "raised ZeroDivisionError: float division by zero on row 2 of train.jsonl" in message
+    assert "raised ZeroDivisionError: float division by zero on line 2 of train.jsonl" in message
     assert "prompt: 'What is the capital of France? What is" in message and "...'" in message
     assert "Fix the function" in message and "fix or remove the row" in message
     assert isinstance(e.value.__cause__, ZeroDivisionError)
@@ -262,7 +262,7 @@ def test_the_prompt_quoted_for_a_conversational_row_is_the_last_user_message():
 
     prompts = [[{"role": "user", "content": "Old question"}, {"role": "assistant", "content": "Old answer"},
                 {"role": "user", "content": "Newest question"}]]
-    with pytest.raises(UserError, match=r"raised KeyError: 'score' on row 1 of train\.jsonl "
+    with pytest.raises(UserError, match=r"raised KeyError: 'score' on line 1 of train\.jsonl "
                                         r"\(prompt: 'Newest question'"):
         score([Reward("boom", boom)], **_batch([[{"role": "assistant", "content": "x"}]], prompts=prompts))
 
@@ -274,12 +274,12 @@ def test_a_function_that_fails_only_on_the_whole_batch_names_its_rows():
         return [0.0]
 
     with pytest.raises(UserError, match=r"batch_only .*raised RuntimeError: batches are not supported on the "
-                                        r"completions of rows 1-3 of train\.jsonl, though on none of them alone"):
+                                        r"completions of lines 1-3 of train\.jsonl, though on none of them alone"):
         score([Reward("batch_only", batch_only)], **_batch(["a", "b", "c"]))
 
 
 @pytest.mark.parametrize("returned, words", [
-    ([1.0], r"returned 1 values for 2 completions \(rows 1-2 of train\.jsonl\)"),
+    ([1.0], r"returned 1 values for 2 completions \(lines 1-2 of train\.jsonl\)"),
     (0.5, r"returned a float, not a list; it must return a list of 2 floats"),
     ({"a": 1.0, "b": 2.0}, r"returned a dict, not a list"),
 ])
@@ -292,9 +292,9 @@ def test_the_wrong_number_or_kind_of_values(returned, words):
 
 
 @pytest.mark.parametrize("value, words", [
-    ("yes", r"returned 'yes' for row 2 of train\.jsonl, which is not a real number"),
-    (float("nan"), r"returned nan for row 2 of train\.jsonl, which is not finite"),
-    (float("inf"), r"returned inf for row 2 of train\.jsonl, which is not finite"),
+    ("yes", r"returned 'yes' for line 2 of train\.jsonl, which is not a real number"),
+    (float("nan"), r"returned nan for line 2 of train\.jsonl, which is not finite"),
+    (float("inf"), r"returned inf for line 2 of train\.jsonl, which is not finite"),
 ])
 def test_a_value_that_is_not_a_finite_number(value, words):
     def bad(completions, **kwargs):
@@ -367,3 +367,29 @@ def test_importing_the_module_imports_neither_torch_nor_lightning():
             "print(sorted(m for m in ('torch', 'lightning', 'pytorch_lightning') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
+
+
+def test_prompts_keep_their_line_in_the_file_through_the_split(tmp_path, tiny_llama_dir):
+    """Issue 55 item 8: a reward error said "row 1 of grpo_demo.jsonl" for the first row of the shuffled split, which
+    was line 216 of the file. Each prompt keeps its line, and the message says "line" for a JSONL file."""
+    import json
+
+    from lit_qlora.checkpoint.tokenizer import Tokenizer
+    from lit_qlora.grpo.datamodule import GRPODataModule
+    from lit_qlora.train.datamodule import DataArgs
+
+    path = tmp_path / "prompts.jsonl"
+    rows = [json.dumps({"prompt": f"What is {i} + 1?", "answer": str(i + 1)}) for i in range(12)]
+    path.write_text("\n".join(["", *rows]) + "\n")  # a blank first line: row i is on line i + 2
+    dm = GRPODataModule(DataArgs(json_path=path, val_split=0.25), Tokenizer(tiny_llama_dir), 64, 2, 3,
+                        num_generations=2, max_completion_length=8)
+    dm.setup()
+    train, val = dm.train_set.samples, dm.val_set.samples
+    assert len(train) == 9 and len(val) == 3
+    assert all(s.number == int(s.row["answer"]) + 1 for s in [*train, *val])  # answer i + 1 is on line i + 2
+    assert [s.number for s in train] != sorted(s.number for s in train)  # the split shuffled them: numbers kept
+    first = train[0]
+    with pytest.raises(UserError, match=rf"raised ValueError: no on line {first.number} of prompts\.jsonl "):
+        score([Reward("picky", lambda completions, **kw: (_ for _ in ()).throw(ValueError("no")), 1.0)],
+              [first.row["prompt"]], ["reply"], [[1]], {"answer": [first.row["answer"]]}, [first.number],
+              "prompts.jsonl")

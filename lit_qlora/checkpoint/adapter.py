@@ -54,10 +54,12 @@ def find_adapter_dir(adapter_dir: Path) -> Path:
     return adapter_dir
 
 
-def read_adapter_config(adapter_dir: Path) -> dict:
+def read_adapter_config(adapter_dir: Path, flag: str = "--adapter_dir") -> dict:
+    """adapter_config.json of a fine-tune's out_dir or final/ (or a training checkpoint); `flag` names the option
+    that gave the directory, for the error."""
     adapter_dir = find_adapter_dir(adapter_dir)
     path = adapter_dir / ADAPTER_CONFIG
-    what = (f"--adapter_dir must be a fine-tune's out_dir or its final/ directory (which holds {ADAPTER_WEIGHTS} "
+    what = (f"{flag} must be a fine-tune's out_dir or its final/ directory (which holds {ADAPTER_WEIGHTS} "
             f"and {ADAPTER_CONFIG})")
     if not adapter_dir.is_dir():
         raise MissingFile(f"Adapter directory {adapter_dir} does not exist: {what}.")

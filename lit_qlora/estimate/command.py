@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import functools
 import json
+import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from lit_qlora.estimate.grpo import GRPOStep, kept_cache_bytes, render_grpo, sampling_phase
 from lit_qlora.estimate.preference import SEQUENCES_PER_PAIR, PreferenceStep, reference_pass
@@ -132,6 +133,16 @@ def estimate(spec: Optional[EstimateSpec] = None, **settings: Any) -> dict[str, 
             total = max(total, sampling["sampling_peak_bytes"])
         return total, parts, trace.host_peak, peak
 
+    def traced(what: str, search: Callable) -> Callable:
+        """`search` (a predict) that prints each trace as it ends: a search takes minutes at 8B and said nothing."""
+        def run(*args):
+            started = time.perf_counter()
+            result = search(*args)
+            print(f"  traced {what.format(*args)}: peak {result[0] / GiB:.2f} GiB "
+                  f"({time.perf_counter() - started:.0f} s)", flush=True)
+            return result
+        return run
+
     searched: dict[str, Any] = {}
     searched_with_offload = False
     if auto_length:
@@ -141,8 +152,11 @@ def estimate(spec: Optional[EstimateSpec] = None, **settings: Any) -> dict[str, 
             # growth a line (auto switching on between two traces would bend it)
             train = replace(train, offload_activations=True)
             print("Offloaded activation checkpoints: on for the length search (auto is on wherever it saves 1 GiB)")
-        searched = longest_context(lambda length: predict(train.micro_batch_size, train.activation_checkpointing,
-                                                          length, train.offload_activations)[0], budget, device)
+        print(f"Searching the longest sequence that fits {budget / GiB:.1f} GiB (one step traced per try):",
+              flush=True)
+        at_length = traced("{2} tokens", predict)
+        searched = longest_context(lambda length: at_length(train.micro_batch_size, train.activation_checkpointing,
+                                                            length, train.offload_activations)[0], budget, device)
         train = replace(train, max_seq_length=searched["max_seq_length"] or LENGTH_STEP)
     rows = SEQUENCES_PER_PAIR if method == "dpo" else 1
     offload, offload_reason, pinned = offload_decision(config, precision, train, device, device_total=budget, rows=rows)
@@ -168,7 +182,10 @@ def estimate(spec: Optional[EstimateSpec] = None, **settings: Any) -> dict[str, 
     if auto_length:
         result.update(device_memory_bytes=budget, **searched)
     elif budget is not None:
-        result.update(device_memory_bytes=budget, **largest_batches(predict, budget, device))
+        print(f"Searching the largest micro-batch that fits {budget / GiB:.1f} GiB, with activation checkpointing "
+              f"and without (one step traced per try):", flush=True)
+        by_batch = traced("micro-batch {0}, checkpointing {1}", predict)
+        result.update(device_memory_bytes=budget, **largest_batches(by_batch, budget, device))
         result["max_micro_batch_size"] = result["max_micro_batch_size_by_checkpointing"][
             "on" if train.activation_checkpointing else "off"]
     print(render(result))
@@ -263,12 +280,22 @@ def render(result: dict[str, Any]) -> str:
                       f"({result['bytes_per_token'] / 1024:.0f} KiB more per token; traced at "
                       f"{', '.join(result['traced_peaks'])})"]
     elif "device_memory_bytes" in result:
-        sizes = result["max_micro_batch_size_by_checkpointing"]
-        unit = " pairs" if result["method"] == "dpo" else ""
-        lines += ["", f"On {result['device_memory_bytes'] / GiB:.0f} GiB: largest micro-batch {sizes['on']}{unit} with "
-                      f"activation checkpointing, {sizes['off']} without"
-                      + (" (checkpointing is needed)" if result["activation_checkpointing_needed"] else "")]
-        if sizes["on"] == 0:
-            lines.append("Not even micro-batch 1 fits: use --quantize nf4, a shorter --train.max_seq_length, or "
-                         "more devices with --strategy fsdp.")
+        lines += render_batch_search(result)
     return "\n".join(lines)
+
+
+def render_batch_search(result: dict[str, Any]) -> list[str]:
+    """The report's lines on the largest micro-batch that fits --device_memory (a size at the search's limit is a
+    lower bound, and says so)."""
+    lines: list[str] = []
+    sizes = result["max_micro_batch_size_by_checkpointing"]
+    unit = " pairs" if result["method"] == "dpo" else ""
+    limit = result["micro_batch_search_limit"]
+    size = {k: f"{v} or more (the search stops at {limit})" if v == limit else str(v) for k, v in sizes.items()}
+    lines += ["", f"On {result['device_memory_bytes'] / GiB:.0f} GiB: largest micro-batch {size['on']}{unit} with "
+                  f"activation checkpointing, {size['off']} without"
+                  + (" (checkpointing is needed)" if result["activation_checkpointing_needed"] else "")]
+    if sizes["on"] == 0:
+        lines.append("Not even micro-batch 1 fits: use --quantize nf4, a shorter --train.max_seq_length, or "
+                     "more devices with --strategy fsdp.")
+    return lines

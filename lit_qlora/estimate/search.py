@@ -41,7 +41,8 @@ def largest_batches(predict, budget: int, device: str, limit: int = 256, traces:
             size = min(over - 1, max(best + 1, last + int((usable - peaks[last]) // per_sample)))
         found[key] = best
     needed = found["off"] == 0 and found["on"] > 0
-    return {"max_micro_batch_size_by_checkpointing": found, "activation_checkpointing_needed": needed}
+    return {"max_micro_batch_size_by_checkpointing": found, "activation_checkpointing_needed": needed,
+            "micro_batch_search_limit": limit}  # a size equal to it may not be the largest that fits
 
 
 AUTO_LENGTH_TRACES = (8192, 32768)  # the first line is fitted through these (the fixed part is settled by 8k)

@@ -31,7 +31,7 @@ class PromptSample:
 
     input_ids: torch.Tensor  # int64 [P]
     row: dict[str, Any]
-    number: int  # the row's 1-based number in its split (for messages about it)
+    number: int  # where the row is in its source: its line in a JSONL file, else its 1-based place (for messages)
 
     @property
     def labels(self) -> torch.Tensor:  # code written for SFT samples (the validation sample's prompt) works
@@ -81,6 +81,7 @@ class GRPODataModule(SFTDataModule):
         self.num_generations, self.max_completion_length = num_generations, max_completion_length
         self.num_iterations = num_iterations
         self.collate = collate_prompts
+        self.places: dict[int, int] = {}  # id(row) -> its line (JSONL) or 1-based place in its source
 
     def read(self, source: str, split: str) -> list[dict]:
         rows, lines = read_source(source, self.args.subset, split)
@@ -94,23 +95,25 @@ class GRPODataModule(SFTDataModule):
             raise DataError(f"{source} holds no rows. {ROW_HELP}")
         if bad:
             where = "line" if lines else "row"
-            details = "; ".join(f"{where}s {', '.join(map(str, numbers[:5]))}{' ...' if len(numbers) > 5 else ''}: "
-                                f"{problem}" for problem, numbers in bad.items())
+            details = "; ".join(f"{where}{'s' if len(numbers) > 1 else ''} {', '.join(map(str, numbers[:5]))}"
+                                f"{' ...' if len(numbers) > 5 else ''}: {problem}" for problem, numbers in bad.items())
             raise DataError(f"{source} has rows that cannot be GRPO prompts: {details}. {ROW_HELP}")
         kinds = sum(isinstance(r["prompt"], list) for r in rows)
         counts = {"conversational": kinds, "standard": len(rows) - kinds}
         print(f"Data: {source}: {', '.join(f'{n} {k}' for k, n in counts.items() if n)} prompt rows")
         self.formats = {**self.formats, **{k: v for k, v in counts.items() if v}}
+        # The split shuffles the rows: each keeps its place in the file, for the reward functions' messages.
+        self.places.update({id(row): lines[i] if lines else i + 1 for i, row in enumerate(rows)})
         return rows
 
     def tokenize(self, rows: list[dict]) -> list[PromptSample]:
         room = self.max_seq_length - self.max_completion_length
         samples = []
-        for number, row in enumerate(rows, 1):
+        for row in rows:
             prompt = row["prompt"]
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else self.tokenizer.encode_chat(prompt)
             if len(ids) <= room:
-                samples.append(PromptSample(torch.tensor(ids, dtype=torch.long), row, number))
+                samples.append(PromptSample(torch.tensor(ids, dtype=torch.long), row, self.places[id(row)]))
         if len(samples) < len(rows):
             warnings.warn(f"{len(rows) - len(samples)} of {len(rows)} prompts are longer than max_seq_length - "
                           f"max_completion_length = {room} tokens and were left out. Raise --train.max_seq_length or "

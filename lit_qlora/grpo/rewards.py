@@ -193,7 +193,8 @@ def score(rewards: Sequence[Reward], prompts: list, completions: list, completio
           columns: dict[str, list], rows: Sequence[int], source: str) -> torch.Tensor:  # noqa: F821
     """[len(completions), len(rewards)] float32: each function's reward per completion, NaN where it returned None.
 
-    `rows`: each completion's row number in the dataset (1-based) and `source`: the data file's name, both for the
+    `rows`: where each completion's row is in its source (its line in a JSONL file, else its 1-based place; the
+    messages say "line" for a .jsonl `source`, else "row") and `source`: the data file's name, both for the
     messages: a function that raises, returns the wrong number of values or a value that is not a finite number
     raises UserError naming the function, the row and what to do, never a traceback from inside the loop."""
     import torch
@@ -276,7 +277,7 @@ def _checked(reward: Reward, values: Any, n: int, rows: Sequence[int], source: s
                         "one per completion, in order.")
     if len(values) != n:
         raise UserError(f"The reward function {reward.name} ({_where(reward.fn)}) returned {len(values)} values for "
-                        f"{n} completions ({_row_span(rows)} of {source}); it must return one float (or None) "
+                        f"{n} completions ({_row_span(rows, source)} of {source}); it must return one float (or None) "
                         "per completion, in order: a list as long as `completions`.")
     floats: list[float] = []
     for value, row in zip(values, rows):
@@ -288,8 +289,8 @@ def _checked(reward: Reward, values: Any, n: int, rows: Sequence[int], source: s
         if not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
             kind = "not a real number" if not isinstance(value, numbers.Real) else "not finite"
             raise UserError(f"The reward function {reward.name} ({_where(reward.fn)}) returned {_short(repr(value))} "
-                            f"for row {row} of {source}, which is {kind}. A reward must be a finite number, or None "
-                            "where it does not apply to a completion; fix the function.")
+                            f"for {_row_span([row], source)} of {source}, which is {kind}. A reward must be a finite "
+                            "number, or None where it does not apply to a completion; fix the function.")
         floats.append(float(value))
     return floats
 
@@ -304,14 +305,14 @@ def _failure(reward: Reward, kwargs: dict[str, Any], prompts: list, completions:
             reward.fn(**one)
         except Exception as e:
             return UserError(
-                f"The reward function {reward.name} ({_where(reward.fn)}) raised {type(e).__name__}: {e} on row "
-                f"{rows[i]} of {source} (prompt: {_quote(_prompt_text(prompts[i]))}; completion: "
-                f"{_quote(completion_text(completions[i]))}). Fix the function so that it handles this completion "
-                "(return None where a reward does not apply), or fix or remove the row.")
+                f"The reward function {reward.name} ({_where(reward.fn)}) raised {type(e).__name__}: {e} on "
+                f"{_row_span([rows[i]], source)} of {source} (prompt: {_quote(_prompt_text(prompts[i]))}; "
+                f"completion: {_quote(completion_text(completions[i]))}). Fix the function so that it handles this "
+                "completion (return None where a reward does not apply), or fix or remove the row.")
     return UserError(
         f"The reward function {reward.name} ({_where(reward.fn)}) raised {type(error).__name__}: {error} on the "
-        f"completions of {_row_span(rows)} of {source}, though on none of them alone. Fix the function: it must "
-        "return one float (or None) per completion for any batch of them.")
+        f"completions of {_row_span(rows, source)} of {source}, though on none of them alone. Fix the function: it "
+        "must return one float (or None) per completion for any batch of them.")
 
 
 def _where(fn: Any) -> str:
@@ -352,11 +353,13 @@ def _short(text: str) -> str:
     return line if len(line) <= QUOTE_CHARS else line[:QUOTE_CHARS] + "..."
 
 
-def _row_span(rows: Sequence[int]) -> str:
-    """"row 5", "rows 1-8" or "rows 1, 4, 9"."""
+def _row_span(rows: Sequence[int], source: str) -> str:
+    """"line 5", "lines 1-8" or "lines 1, 4, 9" of a JSONL file (a row is a line there, and the line is what a user
+    edits); "row 5", ... of any other source."""
+    word = "line" if str(source).endswith(".jsonl") else "row"
     ordered = sorted(set(rows))
     if len(ordered) == 1:
-        return f"row {ordered[0]}"
+        return f"{word} {ordered[0]}"
     if ordered == list(range(ordered[0], ordered[-1] + 1)):
-        return f"rows {ordered[0]}-{ordered[-1]}"
-    return "rows " + ", ".join(map(str, ordered))
+        return f"{word}s {ordered[0]}-{ordered[-1]}"
+    return f"{word}s " + ", ".join(map(str, ordered))

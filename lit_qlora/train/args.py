@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 from lit_qlora.data.templates import PromptStyleName
-from lit_qlora.base.errors import InvalidInput, UserError
+from lit_qlora.base.errors import InvalidInput, MissingFile, UserError
 
 
 @dataclass
@@ -231,7 +231,10 @@ def with_init_adapter(lora: LoRAArgs, data: DataArgs, init_adapter: Optional[Pat
 
     from lit_qlora.checkpoint.adapter import read_adapter_config
 
-    config = read_adapter_config(Path(init_adapter))
+    try:
+        config = read_adapter_config(Path(init_adapter), flag="--train.init_adapter")
+    except MissingFile as e:
+        raise MissingFile(f"{e} {starting_adapter_hint(Path(init_adapter))}") from None
     lora = replace(lora, r=config["r"], alpha=config["alpha"], targets=list(config["targets"]),
                    rslora=bool(config.get("rslora", False)))
     if data.prompt_style == "auto" and config.get("prompt_style"):
@@ -239,3 +242,22 @@ def with_init_adapter(lora: LoRAArgs, data: DataArgs, init_adapter: Optional[Pat
         # Not a field (no flag): where the style came from, for the run's "Prompt style:" line.
         data.prompt_style_source = f"the starting adapter, --train.init_adapter {init_adapter}"
     return lora, data
+
+
+def starting_adapter_hint(init_adapter: Path) -> str:
+    """What writes a missing --train.init_adapter: the preset under ./config_hub whose out_dir it is, else the
+    fine-tune with that --out_dir (a GRPO preset run before its SFT preset met a bare "must be" before)."""
+    import yaml
+
+    run_dir = init_adapter.parent if init_adapter.name == "final" else init_adapter
+    for preset in sorted(Path("config_hub").glob("**/*.yaml")):
+        try:
+            recipe = yaml.safe_load(preset.read_text())
+        except (OSError, yaml.YAMLError):
+            continue
+        if isinstance(recipe, dict) and recipe.get("out_dir") and Path(recipe["out_dir"]) == run_dir:
+            verb = "grpo" if "grpo" in recipe else "dpo" if "dpo" in recipe else "finetune"
+            return (f"This run starts from the adapter that `litqlora {verb} --config {preset}` writes there: run "
+                    "that first, then this command again.")
+    return (f"This run starts from that adapter: run the fine-tune whose --out_dir is {run_dir} first, or point "
+            "--train.init_adapter at a finished run's out_dir.")

@@ -64,11 +64,7 @@ def start_run(spec: RunSpec, hooks: Optional[Any] = None) -> dict[str, Any]:
     for source in (data.path, data.val_path):
         if source is not None:
             require_source(source)
-    if train.init_adapter is not None:
-        from lit_qlora.checkpoint.adapter import read_adapter_config
-
-        read_adapter_config(Path(train.init_adapter))  # it exists and is an adapter: a clear error now, not after loading
-    lora, data = with_init_adapter(spec.lora, data, train.init_adapter)
+    lora, data = with_init_adapter(spec.lora, data, train.init_adapter)  # a missing adapter: a clear error now
     spec = replace(spec, lora=lora, data=data)
     if spec.export.gguf and not default:
         from lit_qlora.deploy.gguf_export import require_exportable
