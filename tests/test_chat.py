@@ -85,14 +85,16 @@ def test_smollm2_remembers_the_first_turn_and_forgets_it_after_reset(smollm2_dir
 
 @pytest.mark.parametrize("leave", ["/quit", "/exit"])
 def test_cli_session_runs_a_script_from_stdin(tiny_llama_dir, leave):
-    script = f"Hello\n/reset\n\nHello again\n{leave}\nnever read\n"
+    script = f"Hello\n/reset\n\n/help\nHello again\n{leave}\nnever read\n"
     done = subprocess.run([sys.executable, "-m", "lit_qlora.cli", "chat", "--checkpoint_dir", str(tiny_llama_dir),
                            "--temperature", "0", "--max_new_tokens", "8"], input=script, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
-    assert lines[0].startswith("Chatting with") and "/reset" in lines[0]
+    assert lines[0].startswith("Chatting with")
+    assert all(command in lines[0] for command in ("/reset", "/exit or /quit", "Ctrl-D", "/help"))  # the banner names all
     assert "(new conversation)" in lines
+    assert lines.count(f"({lines[0].split(': ', 1)[1].rstrip('.')})") == 1  # /help repeats them (and is no message)
     no_template = subprocess.run([sys.executable, "-m", "lit_qlora.cli", "chat", "--checkpoint_dir", "/nonexistent"],
                                  input="hi\n", capture_output=True, text=True, timeout=300)
     assert no_template.returncode != 0 and "/nonexistent" in no_template.stderr

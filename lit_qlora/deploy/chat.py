@@ -3,7 +3,8 @@
 Each turn renders the whole conversation through the checkpoint's chat template, as training rendered it, and the
 model computes only what is new: the KV cache holds the tokens of the turns before (the prompt's longest prefix
 already in the cache is kept, the rest is computed), so a long conversation does not get slower turn by turn.
-Replies stream as they are generated. `/reset` starts over; `/exit`, `/quit`, Ctrl-D or Ctrl-C at the prompt ends.
+Replies stream as they are generated. `/reset` starts over; `/exit`, `/quit`, Ctrl-D or Ctrl-C at the prompt ends;
+`/help` lists these.
 
 Ctrl-C while a reply is being generated stops that reply and returns to the prompt. What was already shown stays
 in the conversation as the assistant's turn (the model sees it in the next turn, as a chat app keeps a stopped
@@ -23,7 +24,8 @@ from lit_qlora.base.hardware import PrecisionChoice
 
 # torch and the model are imported inside the functions: the CLI imports this module to build --help.
 
-COMMANDS = "/reset starts a new conversation, /exit (or Ctrl-D, or Ctrl-C at the prompt) ends it, Ctrl-C stops a reply"
+COMMANDS = ("/reset starts a new conversation, /exit or /quit (or Ctrl-D, or Ctrl-C at the prompt) ends it, Ctrl-C "
+            "stops a reply, /help shows this")
 
 
 class ChatSession:
@@ -162,6 +164,9 @@ def chat_command(
             text = line.strip()
             if text in ("/quit", "/exit"):
                 break
+            if text == "/help":
+                print(f"({COMMANDS})", flush=True)
+                continue
             if text == "/reset":
                 session.reset()
                 print("(new conversation)", flush=True)
