@@ -16,7 +16,7 @@ from lit_qlora.model.transformer import Transformer
 from lit_qlora.train.args import LoRAArgs, TrainArgs
 from lit_qlora.train.report import print_report
 
-from test_distributed import assert_same_final, cli_run, metrics, needs_gloo, one_process  # noqa: F401 (a fixture)
+from helpers import assert_same_final, cli_run, metrics_rows, needs_gloo
 
 
 def packed_data(tmp_path):
@@ -121,13 +121,13 @@ def test_report_names_the_warm_up(capsys, tmp_path):
 
 @pytest.mark.slow
 @needs_gloo
-def test_two_compiled_ddp_processes_equal_one_eager_process(tiny_llama_dir, one_process, tmp_path):  # noqa: F811
+def test_two_compiled_ddp_processes_equal_one_eager_process(tiny_llama_dir, one_process, tmp_path):
     """DDP wraps the compiled blocks and trains what one eager process trains (the one_process reference: the same
     global batch, NF4 layout and fp32)."""
     ref_dir, data = one_process
     out = tmp_path / "ddp"
     cli_run(tiny_llama_dir, out, data, "ddp", "--nf4_shards", "2", "--compile", "true")
-    assert [r["loss"] for r in metrics(out)] == pytest.approx([r["loss"] for r in metrics(ref_dir)], rel=1e-5)
+    assert [r["loss"] for r in metrics_rows(out)] == pytest.approx([r["loss"] for r in metrics_rows(ref_dir)], rel=1e-5)
     assert_same_final(ref_dir, out)
     assert json.loads((out / "summary.json").read_text())["compile_seconds"] > 0
 
@@ -156,14 +156,14 @@ def test_new_batch_shapes_stop_recompiling_after_the_first_change():
 
 @pytest.mark.slow
 @needs_gloo
-def test_two_compiled_fsdp_processes_equal_one_eager_process(tiny_llama_dir, one_process, tmp_path):  # noqa: F811
+def test_two_compiled_fsdp_processes_equal_one_eager_process(tiny_llama_dir, one_process, tmp_path):
     """FSDP2 over compiled blocks trains what one eager process trains. Compiled runs skip Lightning's no-op device
     moves; without the reshard those moves did (the root unit keeps the parameters a validation gathered), every
     step after the first diverged."""
     ref_dir, data = one_process
     out = tmp_path / "fsdp"
     cli_run(tiny_llama_dir, out, data, "fsdp", "--nf4_shards", "2", "--compile", "true")
-    assert [r["loss"] for r in metrics(out)] == pytest.approx([r["loss"] for r in metrics(ref_dir)], rel=1e-5)
+    assert [r["loss"] for r in metrics_rows(out)] == pytest.approx([r["loss"] for r in metrics_rows(ref_dir)], rel=1e-5)
     assert_same_final(ref_dir, out)
 
 
@@ -214,9 +214,9 @@ def test_the_compile_mode_setting_reaches_every_block(monkeypatch):
     monkeypatch.setattr(torch, "compile", recording_compile)
     config = Config(vocab_size=64, n_layer=2, n_embd=32, n_head=2, n_query_groups=1, intermediate_size=64)
     monkeypatch.setenv("LIT_QLORA_COMPILE_MODE", "reduce-overhead")
-    assert compile_blocks(Transformer(config)) == 2 and seen == [{"mode": "reduce-overhead"}] * 2
+    assert compile_blocks(Transformer(config)) == 2 and seen == [{"backend": "inductor", "mode": "reduce-overhead"}] * 2
     monkeypatch.delenv("LIT_QLORA_COMPILE_MODE")
-    assert compile_blocks(Transformer(config)) == 2 and seen[2:] == [{}, {}]
+    assert compile_blocks(Transformer(config)) == 2 and seen[2:] == [{"backend": "inductor"}] * 2
     monkeypatch.setenv("LIT_QLORA_COMPILE_MODE", "fastest")
     with pytest.raises(InvalidInput, match="LIT_QLORA_COMPILE_MODE='fastest': this switch takes one of default, reduce-overhead"):
         compile_blocks(Transformer(config))

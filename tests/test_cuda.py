@@ -83,7 +83,7 @@ def tiny_dir(request, tmp_path_factory):
     tokenizer_dir = os.environ.get("LIT_QLORA_TEST_TOKENIZER")
     if not tokenizer_dir:
         return request.getfixturevalue("tiny_llama_dir")
-    from conftest import write_tiny_llama
+    from helpers import write_tiny_llama
 
     return write_tiny_llama(Path(tokenizer_dir), tmp_path_factory.mktemp("tiny-llama"))
 

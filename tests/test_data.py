@@ -23,38 +23,13 @@ from lit_qlora.data.sft import (
     tokenize_segments,
 )
 from lit_qlora.checkpoint.tokenizer import Tokenizer
+
+from helpers import CHAT  # the tok and llama3_tok fixtures are conftest's
 from lit_qlora.train.sampler import EpochSampler, StepSampler, epoch_order
 
 ROW = {"instruction": "Name the capital of Peru.", "input": "", "output": "The capital of Peru is Lima."}
 ROW_INPUT = {"instruction": "Sort the words.", "input": "pear, fig", "output": "fig, pear"}
-CHAT = {"messages": [
-    {"role": "system", "content": "Answer in one line."},
-    {"role": "user", "content": "What is 2 + 3?"},
-    {"role": "assistant", "content": "2 + 3 = 5"},
-    {"role": "user", "content": "And 4 + 4?"},
-    {"role": "assistant", "content": "4 + 4 = 8"},
-    {"role": "user", "content": "Thanks!"},  # after the last reply: dropped, nothing to train
-]}
 
-
-@pytest.fixture(scope="module")
-def tok(smollm2_dir: Path) -> Tokenizer:
-    return Tokenizer(smollm2_dir)
-
-
-@pytest.fixture(scope="module")
-def llama3_tok(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
-    """SmolLM2's vocabulary plus Llama 3's control tokens, with a BOS the family always adds."""
-    from tokenizers import AddedToken, Tokenizer as Backend
-
-    out = tmp_path_factory.mktemp("llama3_tok")
-    backend = Backend.from_file(str(smollm2_dir / "tokenizer.json"))
-    specials = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
-    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
-    backend.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>", "add_bos_token": True}))
-    return Tokenizer(out)
 
 
 def masked_and_trained(tok: Tokenizer, sample: Sample) -> tuple[str, list[str]]:

@@ -19,7 +19,7 @@ from lit_qlora.train import disk
 from lit_qlora.train.args import ExportArgs, LoRAArgs, TrainArgs
 from lit_qlora.train.disk import DiskSpaceError, output_sizes
 
-from test_finetune import small_data
+from helpers import small_data
 
 Usage = namedtuple("Usage", "total used free")
 LORA = LoRAArgs(r=4, alpha=8, dropout=0.0)

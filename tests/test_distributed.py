@@ -2,12 +2,8 @@
 with one gradient reduction per optimizer step however many micro-batches it accumulates."""
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,14 +12,9 @@ from safetensors.torch import load_file
 
 from lit_qlora.parallel.distributed import build_strategy, nf4_shards_for
 
-from test_finetune import small_data  # tests/ is on sys.path (pytest's rootdir-relative import)
+# tests/ is on sys.path (pytest's rootdir-relative import); the one_process fixture is conftest's
+from helpers import STEPS, assert_same_final, cli_run, metrics_rows, needs_gloo, small_data
 
-ROOT = Path(__file__).resolve().parents[1]
-STEPS = 3
-# micro 1 x 2 ranks, global 4: each rank accumulates two micro-batches per step, the 1-process reference four.
-TRAIN = dict(micro_batch_size=1, global_batch_size=4, max_seq_length=64, lr=1e-2, warmup_steps=1, max_steps=STEPS)
-
-needs_gloo = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs gloo")
 
 
 def test_fsdp_means_fsdp2_over_every_rank():
@@ -45,99 +36,6 @@ def test_nf4_layout_shards_only_for_fsdp():
         nf4_shards_for("fsdp", 4, requested=2)
 
 
-# `litqlora` that writes a line to $COUNT_DIR/rank<R>.txt for every gradient reduction: each bucket all-reduce of DDP
-# (through a comm hook) and each reduce-scatter of FSDP2. Lightning starts the second rank by running it again.
-COUNTING_CLI = """
-import os, sys
-from pathlib import Path
-import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-from torch.nn.parallel import DistributedDataParallel
-
-def record(what):
-    with open(Path(os.environ["COUNT_DIR"]) / f"rank{dist.get_rank()}.txt", "a") as f:
-        f.write(what + "\\n")
-
-def counting_allreduce(group, bucket):
-    record(f"ddp bucket {bucket.index()}")
-    return allreduce_hook(group, bucket)
-
-ddp_init = DistributedDataParallel.__init__
-def init(self, *args, **kwargs):
-    ddp_init(self, *args, **kwargs)
-    self.register_comm_hook(None, counting_allreduce)
-DistributedDataParallel.__init__ = init
-
-depth = [0]
-def counted(collective):
-    def call(*args, **kwargs):
-        depth[0] += 1  # one of these may call the other: count the outer call only
-        try:
-            if depth[0] == 1:
-                record("fsdp reduce-scatter")
-            return collective(*args, **kwargs)
-        finally:
-            depth[0] -= 1
-    return call
-for name in ("reduce_scatter_tensor", "reduce_scatter_single"):  # FSDP2 uses one of them, by torch version
-    if hasattr(dist, name):
-        setattr(dist, name, counted(getattr(dist, name)))
-
-from lit_qlora.cli import main
-main(sys.argv[1:])
-"""
-
-
-def cli_run(tiny_llama_dir, out_dir, data, strategy, *extra, devices=2, timeout=600, count_dir=None):
-    """`litqlora finetune` in a child process: Lightning launches the second rank itself (no launcher of ours).
-    With `count_dir`, every rank records its gradient reductions there (COUNTING_CLI)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    cli = [sys.executable, "-m", "lit_qlora.cli"]
-    if count_dir is not None:
-        count_dir.mkdir(parents=True)
-        (count_dir / "cli.py").write_text(COUNTING_CLI)
-        cli, env["COUNT_DIR"] = [sys.executable, str(count_dir / "cli.py")], str(count_dir)
-    cmd = [*cli, "finetune", "--checkpoint_dir", str(tiny_llama_dir),
-           "--out_dir", str(out_dir), "--accelerator", "cpu", "--devices", str(devices), "--strategy", strategy,
-           "--precision", "32-true", "--lora.r", "4", "--lora.alpha", "8", "--lora.dropout", "0",
-           "--data.json_path", str(data.json_path), "--data.val_split", str(data.val_split),
-           *[f"--train.{k}={v}" for k, v in TRAIN.items()], *extra]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return proc
-
-
-def assert_same_final(ref_dir, out):
-    """The final adapter (whole tensors) and the merged export (rebuilt from disk under FSDP and tp) equal the
-    one-process run's, and the adapter did train."""
-    a = load_file(str(ref_dir / "final" / "adapter.safetensors"))
-    b = load_file(str(out / "final" / "adapter.safetensors"))
-    assert a.keys() == b.keys() and all(a[k].shape == b[k].shape for k in a)
-    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-4
-    assert any(b[k].abs().max() > 1e-3 for k in b if k.endswith("lora_B"))
-    ma = load_file(str(ref_dir / "final" / "merged" / "model.safetensors"))
-    mb = load_file(str(out / "final" / "merged" / "model.safetensors"))
-    assert ma.keys() == mb.keys()
-    assert all(torch.allclose(ma[k].float(), mb[k].float(), rtol=1e-2, atol=1e-4) for k in ma)
-
-
-def metrics(out_dir):
-    return [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
-
-
-@pytest.fixture(scope="module")
-def one_process(tiny_llama_dir, tmp_path_factory):
-    """The reference: one process, the whole global batch (two accumulated micro-batches), the NF4 layout of a
-    2-way FSDP run (`nf4_shards=2`, which DDP is given too) so that every run quantizes to the same bits."""
-    tmp = tmp_path_factory.mktemp("one")
-    data = small_data(tmp)
-    from lit_qlora.train.finetune import finetune
-    from lit_qlora.train.args import LoRAArgs, TrainArgs
-
-    finetune(checkpoint_dir=tiny_llama_dir, out_dir=tmp / "run", precision="32-true", accelerator="cpu",
-             nf4_shards=2, lora=LoRAArgs(r=4, alpha=8, dropout=0.0), data=data, train=TrainArgs(**TRAIN))
-    return tmp / "run", data
-
 
 @pytest.mark.slow
 @needs_gloo
@@ -157,7 +55,7 @@ def test_two_processes_equal_one_process_reducing_gradients_once_per_step(strate
             assert calls and set(calls.values()) == {STEPS} and all(c.startswith("ddp bucket") for c in calls), calls
         else:
             assert calls == {"fsdp reduce-scatter": units * STEPS}, calls
-    ref, got = metrics(ref_dir), metrics(out)
+    ref, got = metrics_rows(ref_dir), metrics_rows(out)
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))  # written once (rank 0), not once per rank
     # The token-weighted loss of the whole global batch, reduced across ranks.
     assert got[0]["loss"] == pytest.approx(ref[0]["loss"], rel=1e-6)
@@ -189,7 +87,7 @@ def test_fsdp_resume_auto_reaches_the_uninterrupted_adapter(tiny_llama_dir, tmp_
     assert json.loads((out / "summary.json").read_text())["resumed_from_step"] == 2
     resumed = load_file(str(out / "final" / "adapter.safetensors"))
     assert max((full[k] - resumed[k]).abs().max().item() for k in full) < 1e-6
-    assert [r["step"] for r in metrics(out)] == [1, 2, 3, 4]
+    assert [r["step"] for r in metrics_rows(out)] == [1, 2, 3, 4]
 
 
 def _init_worker(rank: int, init_file: str, queue) -> None:
@@ -245,7 +143,7 @@ def _init_worker(rank: int, init_file: str, queue) -> None:
 @pytest.mark.slow
 @needs_gloo
 def test_lora_starts_identical_on_every_rank(tmp_path):
-    from conftest import spawn_ranks
+    from helpers import spawn_ranks
 
     results = spawn_ranks(_init_worker, 2, str(tmp_path / "store"))
     r0, r1 = results[0], results[1]

@@ -13,34 +13,15 @@ from lit_qlora.cli import main
 from lit_qlora.model.config import Config, Quantize
 from lit_qlora.estimate.step import resident_tensors, trace_step
 from lit_qlora.estimate.command import estimate, resolve_config
-from lit_qlora.checkpoint.loading import random_base
-from lit_qlora.lora.layer import apply_lora
 from lit_qlora.memory.trace import CATEGORIES, profiled_peak
 from lit_qlora.nf4 import linear, reference
 from lit_qlora.train.args import LoRAArgs, TrainArgs
 from lit_qlora.train.loss import lm_loss_sum
 
+from helpers import TINY, config_only_dir, real_model
+
 ROOT = Path(__file__).resolve().parents[1]
-TINY = {"model_type": "llama", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256, "tie_word_embeddings": True}
 
-
-def config_only_dir(tmp_path: Path, **changes) -> Path:
-    (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "config.json").write_text(json.dumps({**TINY, **changes}))
-    return tmp_path / "model"
-
-
-def real_model(config: Config, quantize: str, lora: LoRAArgs, train: TrainArgs) -> tuple:
-    """A real model as a fine-tune builds it, in training mode: (model, its trainable parameters, their AdamW)."""
-    linear._scratch.__dict__.clear()  # as in a fresh process: earlier tests' larger NF4 scratch buffers are not its
-    torch.manual_seed(0)
-    model = apply_lora(random_base(config, quantize, torch.bfloat16), lora.r, lora.alpha, lora.dropout,
-                       dtype=torch.bfloat16)
-    model.checkpoint_blocks = config.n_layer if train.activation_checkpointing else 0
-    model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    return model, params, torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.95), fused=True)
 
 
 def measured_peak(config: Config, quantize: str, lora: LoRAArgs, train: TrainArgs) -> int:

@@ -20,7 +20,7 @@ from lit_qlora.preference.args import DPOArgs
 from lit_qlora.preference.loss import Objective, answer_logps, pair_sums
 from lit_qlora.preference.reference import reference_logps
 from lit_qlora.train.args import LoRAArgs, TrainArgs
-from test_estimate import TINY, config_only_dir, real_model
+from helpers import TINY, config_only_dir, real_model
 
 ROOT = Path(__file__).resolve().parents[1]
 DPO_PRESET = ROOT / "config_hub/dpo/smollm2-135m/qlora.yaml"

@@ -17,7 +17,7 @@ from lit_qlora.grpo.args import GRPOArgs
 from lit_qlora.model.config import Config
 from lit_qlora.model.transformer import Transformer
 from lit_qlora.train.args import TrainArgs
-from test_estimate import config_only_dir
+from helpers import config_only_dir
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

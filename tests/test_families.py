@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-from conftest import random_adapter  # noqa: E402
+from helpers import random_adapter  # noqa: E402
 from lit_qlora.checkpoint.hf import copy_tokenizer_files  # noqa: E402
 from lit_qlora.model.config import HF_DEFAULTS, Config  # noqa: E402
 from lit_qlora.model.presets import PRESETS  # noqa: E402
@@ -203,7 +203,7 @@ def test_merged_and_peft_exports_load_in_transformers_and_peft_with_our_outputs(
 @pytest.mark.parametrize("family", ["qwen3-tied", "gemma2-sliding-softcapped", "gemma3-local-rope",
                                     "phi3-partial-longrope-tied"])
 def test_qlora_finetune_writes_every_artifact_and_lowers_the_loss(family, smollm2_dir, tmp_path):
-    from conftest import finetune_sums
+    from helpers import finetune_sums
 
     hf_checkpoint(*FAMILIES[family], tmp_path / "hf", tokenizer_dir=smollm2_dir)
     summary = finetune_sums(tmp_path / "hf", tmp_path, max_steps=6)
@@ -247,7 +247,7 @@ def test_qlora_finetune_writes_every_artifact_and_lowers_the_loss(family, smollm
 def test_tensor_parallel_qlora_equals_one_process(family, tmp_path):
     """Each rank normalizes its own heads' q and k with the whole (replicated) q_norm and k_norm; Phi-3's fused
     q/k/v and gate/up, split on load, split across ranks like any other family's."""
-    from conftest import spawn_ranks
+    from helpers import spawn_ranks
     from test_tensor_parallel import _worker, assert_equals_one_process
 
     hf_checkpoint(*FAMILIES[family], tmp_path / "hf")

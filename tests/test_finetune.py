@@ -18,35 +18,20 @@ from safetensors.torch import load_file
 
 from lit_qlora.train.datamodule import DataArgs
 from lit_qlora.train.finetune import finetune
+
+from helpers import metrics_rows, small_data, tensorboard_events, tensorboard_scalars, tiny_finetune
 from lit_qlora.train.args import LoRAArgs, TrainArgs
 from lit_qlora.train.module import lr_multiplier
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def small_data(tmp_path, n=24):
-    rows = [{"instruction": f"Add {i} and {i + 3}.", "output": f"{i} + {i + 3} = {2 * i + 3}."} for i in range(n)]
-    path = tmp_path / "rows.json"
-    path.write_text(json.dumps(rows))
-    return DataArgs(json_path=path, val_split=0.25)
-
-
-def run(tiny_llama_dir, out_dir, data, **train_kw):
-    kw = dict(micro_batch_size=2, global_batch_size=4, max_seq_length=64, lr=1e-2, warmup_steps=1, max_steps=3)
-    kw.update(train_kw)
-    quantize = kw.pop("quantize", "nf4")
-    precision = kw.pop("precision", "bf16-true")
-    resume = kw.pop("resume", False)
-    return finetune(checkpoint_dir=tiny_llama_dir, out_dir=out_dir, quantize=quantize, precision=precision,
-                    accelerator="cpu", resume=resume, lora=LoRAArgs(r=4, alpha=8, dropout=0.0), data=data,
-                    train=TrainArgs(**kw))
-
 
 def test_tiny_run_writes_every_artifact(tiny_llama_dir, tmp_path, monkeypatch):
     out = tmp_path / "run"
     monkeypatch.setenv("LIT_QLORA_NF4_SCRATCH", "1")  # the default, set: recorded all the same
     monkeypatch.setenv("LIT_QLORA_API_KEY", "a-secret")
-    summary = run(tiny_llama_dir, out, small_data(tmp_path), save_interval=2, activation_checkpointing=1)
+    summary = tiny_finetune(tiny_llama_dir, out, small_data(tmp_path), save_interval=2, activation_checkpointing=1)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert {"step", "loss", "lr", "tokens_per_sec", "peak_memory_bytes"} <= set(rows[0])
@@ -74,29 +59,12 @@ def test_tiny_run_writes_every_artifact(tiny_llama_dir, tmp_path, monkeypatch):
     assert merged.config.num_hidden_layers == 2
 
 
-def metrics_rows(out_dir):
-    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
-
 
 # metrics.jsonl's keys -> the TensorBoard tags a user reads them under.
 TENSORBOARD_TAGS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
                     "tokens_per_sec": "train/tokens_per_sec", "tokens": "train/tokens",
                     "peak_memory_bytes": "memory/peak_bytes"}
 
-
-def tensorboard_events(log_dir):
-    """The EventAccumulator of a run's logs/, as TensorBoard reads it (what a resume purged left out)."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    events = EventAccumulator(str(log_dir))
-    events.Reload()
-    return events
-
-
-def tensorboard_scalars(log_dir):
-    """{tag: [(step, value), ...]}, every event TensorBoard shows, in order."""
-    events = tensorboard_events(log_dir)
-    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
 
 
 def assert_logged(events, expected):
@@ -113,14 +81,14 @@ def resumed_run(tiny_llama_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("resumed")
     out, data = tmp / "run", small_data(tmp)
     kw = dict(max_steps=5, log_interval=2, save_interval=1, keep_last=5)
-    first = run(tiny_llama_dir, out, data, **kw)
+    first = tiny_finetune(tiny_llama_dir, out, data, **kw)
     first_rows = metrics_rows(out)
     shutil.copytree(out / "logs", tmp / "first-logs")
     for step in (4, 5):
         shutil.rmtree(out / "checkpoints" / f"step-{step:06d}")
     printed = io.StringIO()
     with contextlib.redirect_stderr(printed):  # the progress bar writes to sys.stderr as it is when setup() runs
-        resumed = run(tiny_llama_dir, out, data, resume="auto", **kw)
+        resumed = tiny_finetune(tiny_llama_dir, out, data, resume="auto", **kw)
     return SimpleNamespace(out=out, first=first, first_rows=first_rows, first_logs=tmp / "first-logs",
                            resumed=resumed, resumed_rows=metrics_rows(out), printed=printed.getvalue())
 
@@ -363,8 +331,8 @@ def test_the_progress_bar_is_ours_with_or_without_rich(tiny_llama_dir, tmp_path,
 def test_accumulated_step_equals_one_large_batch(tiny_llama_dir, tmp_path):
     data = small_data(tmp_path)
     common = dict(quantize="none", precision="32-true", max_steps=1, global_batch_size=4)
-    run(tiny_llama_dir, tmp_path / "a", data, micro_batch_size=1, **common)  # 4 micro-batches
-    run(tiny_llama_dir, tmp_path / "b", data, micro_batch_size=4, **common)  # 1 batch of 4
+    tiny_finetune(tiny_llama_dir, tmp_path / "a", data, micro_batch_size=1, **common)  # 4 micro-batches
+    tiny_finetune(tiny_llama_dir, tmp_path / "b", data, micro_batch_size=4, **common)  # 1 batch of 4
     a = load_file(str(tmp_path / "a" / "final" / "adapter.safetensors"))
     b = load_file(str(tmp_path / "b" / "final" / "adapter.safetensors"))
     assert a.keys() == b.keys()
@@ -392,7 +360,7 @@ def test_cpu_step_offers_heap_release_around_blocks_before_backward_and_after_th
     validation, offer = [], callbacks.HeapRelease.on_validation_batch_end
     monkeypatch.setattr(callbacks.HeapRelease, "on_validation_batch_end",
                         lambda self, *args, **kwargs: validation.append(1) or offer(self, *args, **kwargs))
-    run(tiny_llama_dir, tmp_path / "run", small_data(tmp_path), max_steps=2)  # 2 micro-batches per step
+    tiny_finetune(tiny_llama_dir, tmp_path / "run", small_data(tmp_path), max_steps=2)  # 2 micro-batches per step
     n_layer = json.loads((tiny_llama_dir / "config.json").read_text())["num_hidden_layers"]
     # Per micro-batch: after each block's forward and before its backward, and before the backward starts; once
     # after each optimizer step.

@@ -13,21 +13,7 @@ from lit_qlora.checkpoint.loading import random_base
 from lit_qlora.lora.layer import apply_lora
 from lit_qlora.nf4 import is_nf4, linear
 
-TINY = {"model_type": "llama", "vocab_size": 256, "hidden_size": 128, "intermediate_size": 256,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128}
-
-
-def lora_model(quantize: str, dropout: float, bias: bool = False, targets="all", dtype=torch.bfloat16,
-               model_type: str = "llama"):
-    config = Config.from_hf_config({**TINY, "attention_bias": bias, "model_type": model_type})
-    torch.manual_seed(0)
-    model = apply_lora(random_base(config, quantize, dtype), r=4, alpha=8, dropout=dropout,
-                       targets=targets, dtype=dtype)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name or name.endswith("bias"):  # B starts at zero: give every adapter a term to check
-                p.normal_(std=0.05)
-    return model.train()
+from helpers import FUSED_TINY, lora_model
 
 
 def step(model, fused: bool, monkeypatch) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
@@ -219,7 +205,7 @@ def finetune_losses(fused: bool, monkeypatch, steps: int = 6) -> list[float]:
     from lit_qlora.train.loss import lm_loss_sum
 
     monkeypatch.setattr(fp, "fusion_plan", fp.fusion_plan if fused else (lambda x, modules: None))
-    config = Config.from_hf_config(TINY)
+    config = Config.from_hf_config(FUSED_TINY)
     torch.manual_seed(0)
     model = apply_lora(random_base(config, "nf4", torch.bfloat16), r=4, alpha=8, dropout=0.05, dtype=torch.bfloat16)
     model.checkpoint_blocks = config.n_layer

@@ -15,7 +15,7 @@ from lit_qlora.deploy.gguf_export import GGUFExportError, export_gguf, permute_r
 from lit_qlora.deploy.gguf_import import convert_gguf, unpermute_rope_rows
 from lit_qlora.checkpoint.loading import load_model
 from lit_qlora.checkpoint.tokenizer import Tokenizer
-from conftest import random_adapter  # noqa: E402
+from helpers import random_adapter  # noqa: E402
 from test_families import hf_checkpoint, tokens
 
 # Every family llama.cpp runs, in shapes it runs as we do (gguf_families.py): Gemma's query scale is head_dim, Gemma 2's
@@ -234,7 +234,7 @@ def test_cli_writes_a_quantized_file_and_refuses_an_unknown_type(tiny_llama_dir,
 def test_finetune_export_gguf_writes_the_trained_models_file_into_final(tiny_llama_dir, tmp_path):
     from lit_qlora.train.finetune import finetune
     from lit_qlora.train.args import ExportArgs, LoRAArgs, TrainArgs
-    from test_finetune import small_data
+    from helpers import small_data
 
     summary = finetune(checkpoint_dir=tiny_llama_dir, out_dir=tmp_path / "out", precision="32-true", accelerator="cpu",
                        lora=LoRAArgs(r=4, alpha=8), data=small_data(tmp_path),

@@ -27,15 +27,6 @@ import gpu_suite  # noqa: E402
 GB = 10**9
 
 
-@pytest.fixture(scope="module")
-def carry(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("devcarry")
-    done = subprocess.run([sys.executable, str(KIT / "build_carry.py"), "--out", str(out), "--no-peers"],
-                          capture_output=True, text=True, cwd=ROOT)
-    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
-    assert "call 1 (main, ab, grpo) carries" in done.stdout
-    return out / "kit"
-
 
 def test_the_carry_holds_what_the_gpu_image_lacks_at_the_versions_tested_here_and_smollm2s_tokenizer(carry):
     manifest = json.loads((carry / "manifest.json").read_text())

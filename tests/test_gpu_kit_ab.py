@@ -19,7 +19,6 @@ KIT = ROOT / "benchmarks" / "gpu"
 sys.path.insert(0, str(KIT))
 
 import gpu_ab  # noqa: E402
-from test_gpu_kit import carry  # noqa: E402,F401 - the module-scoped carry fixture (build_carry.py --no-peers)
 import kernel_table  # noqa: E402
 import timing  # noqa: E402
 

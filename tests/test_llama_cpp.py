@@ -109,7 +109,7 @@ def test_llama_cpp_computes_a_mixture_of_experts_exported_logits(model_type, smo
     import numpy as np
     import torch
 
-    from conftest import random_adapter, write_tiny_moe
+    from helpers import random_adapter, write_tiny_moe
     from lit_qlora.checkpoint.loading import load_model
     from lit_qlora.deploy.gguf_export import export_gguf
 

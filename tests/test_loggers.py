@@ -15,7 +15,7 @@ import pytest
 from lit_qlora.base.errors import UserError
 from lit_qlora.train.args import LoRAArgs, TrainArgs
 from lit_qlora.train.loggers import require_loggers, wandb_offline
-from test_finetune import metrics_rows, small_data
+from helpers import metrics_rows, small_data
 
 pytest.importorskip("wandb")
 pytest.importorskip("mlflow")

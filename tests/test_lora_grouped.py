@@ -18,7 +18,7 @@ from lit_qlora.lora.layer import LoRALinear, adapters_disabled
 from lit_qlora.model import fused_projections as fp
 from lit_qlora.nf4 import frozen_linear
 
-from test_fused_projections import lora_model
+from helpers import lora_model
 
 GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}
 

@@ -24,8 +24,8 @@ from lit_qlora.model.sampling import generate  # noqa: E402
 from lit_qlora.nf4 import count_linears, dequantize_nf4, is_nf4  # noqa: E402
 from lit_qlora.nf4.grouped import ExpertLinear, GroupedMM  # noqa: E402
 
-from conftest import MOE_FAMILIES as FAMILIES  # noqa: E402
-from conftest import write_tiny_moe  # noqa: E402
+from helpers import MOE_FAMILIES as FAMILIES  # noqa: E402
+from helpers import write_tiny_moe  # noqa: E402
 
 VOCAB = 256
 
@@ -228,7 +228,7 @@ def test_grouped_mm_pads_unaligned_widths_without_changing_values():
 
 def test_merged_export_loads_in_transformers_with_our_logits(family, tmp_path):
     model_type, path = family
-    from conftest import random_adapter
+    from helpers import random_adapter
 
     model = load_model(path, "nf4", "32-true")
     adapter = random_adapter(model, tmp_path / "a", "nf4")
@@ -273,7 +273,7 @@ def test_qlora_finetune_logs_the_router_load_and_exports_what_transformers_and_p
     """`litqlora finetune` on an NF4 mixture of experts: every expert projection NF4, adapters on attention and
     every expert, the router's load per layer in metrics.jsonl, and final/ whose merged model and PEFT adapter load
     in transformers and peft with the trained model's outputs."""
-    from conftest import finetune_sums
+    from helpers import finetune_sums
 
     write_tiny_moe("qwen3_moe", tmp_path / "hf", vocab_size=49152, tokenizer_dir=smollm2_dir)
     summary = finetune_sums(tmp_path / "hf", tmp_path, max_steps=5, dropout=0.05)

@@ -26,7 +26,7 @@ from lit_qlora.checkpoint.loading import load_model  # noqa: E402
 from lit_qlora.data.inference import trained_tokenizer  # noqa: E402
 from lit_qlora.model.sampling import generate  # noqa: E402
 
-from conftest import free_port, random_adapter, wait_until_serving, write_tiny_moe  # noqa: E402
+from helpers import free_port, random_adapter, wait_until_serving, write_tiny_moe  # noqa: E402
 
 QUESTION = "What is the capital of France?"
 NEW_TOKENS = 12

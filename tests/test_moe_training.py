@@ -30,7 +30,7 @@ from lit_qlora.train.args import DataArgs, ExportArgs, LoRAArgs, TrainArgs
 from lit_qlora.train.finetune import finetune
 from lit_qlora.train.loss import lm_loss_sum
 
-from conftest import write_tiny_moe
+from helpers import write_tiny_moe
 
 pytest.importorskip("transformers")  # writes the tiny checkpoint
 

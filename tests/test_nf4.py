@@ -400,7 +400,7 @@ def test_real_fsdp2_shards_nf4_on_cpu(tmp_path):
     """fully_shard over 2 gloo ranks (spawned processes, ~10 s): the world_size=2 layout shards, all-gathers
     and runs forward/backward; the default layout (one scaler block for 256 blocks) is rejected."""
     import torch.distributed as dist
-    from conftest import spawn_ranks
+    from helpers import spawn_ranks
 
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo unavailable")

@@ -203,7 +203,7 @@ def test_unpacked_batches_carry_no_positions_and_attend_with_plain_causal_sdpa(m
 # ---------------------------------------------------------------------------------------------- finetune
 
 def test_a_packed_finetune_steps_loss_is_the_token_weighted_mean_of_its_documents_alone(tiny_llama_dir, tmp_path):
-    from test_finetune import run, small_data
+    from helpers import small_data, tiny_finetune
 
     from lit_qlora.train.datamodule import SFTDataModule
     from lit_qlora.checkpoint.loading import load_model
@@ -215,7 +215,7 @@ def test_a_packed_finetune_steps_loss_is_the_token_weighted_mean_of_its_document
     settings = dict(micro_batch_size=2, global_batch_size=2, max_seq_length=192)
     out = tmp_path / "run"
     # Two steps, the first block checkpointed; LoRA's B starts at 0 and dropout is 0, so step 1 runs the base.
-    run(tiny_llama_dir, out, data, quantize="none", precision="32-true", max_steps=2, activation_checkpointing=1,
+    tiny_finetune(tiny_llama_dir, out, data, quantize="none", precision="32-true", max_steps=2, activation_checkpointing=1,
         **settings)
     losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
 

@@ -503,7 +503,7 @@ def test_cached_reference_equals_adapters_off(resumed):
 def test_dpo_from_an_sft_adapter_uses_it_as_the_reference(tiny_llama_dir, pairs, validated, tmp_path):
     from lit_qlora.train.finetune import finetune
 
-    from test_finetune import small_data
+    from helpers import small_data
 
     sft = tmp_path / "sft"
     finetune(checkpoint_dir=tiny_llama_dir, out_dir=sft, quantize="none", precision="32-true", accelerator="cpu",

@@ -19,7 +19,7 @@ from lit_qlora.data.sft import IGNORE_INDEX, tokenize_rows
 from lit_qlora.train.args import DataArgs, ExportArgs, LoRAArgs, TrainArgs
 from lit_qlora.train.finetune import finetune
 
-from test_data import CHAT, llama3_tok, tok  # noqa: F401 (fixtures)
+from helpers import CHAT  # the tok and llama3_tok fixtures are conftest's
 
 ROWS = [{"instruction": f"What is {i} plus {i}?", "output": f"{i} plus {i} is {2 * i}."} for i in range(12)]
 QUESTION = "What is 7 plus 7?"

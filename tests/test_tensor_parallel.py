@@ -176,7 +176,7 @@ def assert_equals_one_process(results: dict) -> None:
 @needs_gloo
 @pytest.mark.parametrize("quantize", ["none", "nf4"])
 def test_tensor_parallel_equals_one_process(quantize, tiny_llama_dir, tmp_path):
-    from conftest import spawn_ranks
+    from helpers import spawn_ranks
 
     assert_equals_one_process(spawn_ranks(_worker, 2, str(tiny_llama_dir), quantize, str(tmp_path / "store")))
 
@@ -187,8 +187,7 @@ def test_tensor_parallel_equals_one_process(quantize, tiny_llama_dir, tmp_path):
 def test_finetune_tensor_parallel_equals_one_process(compile, tiny_llama_dir, tmp_path):
     """`--strategy tp --tensor_parallel 2` (LoRA, fp32 base), eager or with every block compiled: every step's loss,
     the gradient norm, the final adapter and the merged export equal a 1-process eager run's."""
-    from test_distributed import STEPS, TRAIN, assert_same_final, cli_run, metrics
-    from test_finetune import small_data
+    from helpers import STEPS, TRAIN, assert_same_final, cli_run, metrics_rows, small_data
 
     from lit_qlora.train.finetune import finetune
     from lit_qlora.train.args import LoRAArgs, TrainArgs
@@ -198,7 +197,7 @@ def test_finetune_tensor_parallel_equals_one_process(compile, tiny_llama_dir, tm
     finetune(checkpoint_dir=tiny_llama_dir, out_dir=ref_dir, quantize="none", precision="32-true", accelerator="cpu",
              lora=LoRAArgs(r=4, alpha=8, dropout=0.0), data=data, train=TrainArgs(**TRAIN))
     cli_run(tiny_llama_dir, out, data, "tp", "--tensor_parallel", "2", "--quantize", "none", "--compile", compile)
-    ref, got = metrics(ref_dir), metrics(out)
+    ref, got = metrics_rows(ref_dir), metrics_rows(out)
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))
     assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in ref], rel=1e-5)
     assert got[0]["grad_norm"] == pytest.approx(ref[0]["grad_norm"], rel=1e-4)
@@ -214,8 +213,7 @@ def test_qlora_tensor_parallel_export_is_the_one_process_merge(tiny_llama_dir, t
     import json
 
     from safetensors.torch import load_file
-    from test_distributed import cli_run
-    from test_finetune import small_data
+    from helpers import cli_run, small_data
 
     from lit_qlora.deploy.export import merge
 
@@ -244,15 +242,14 @@ def test_compiled_qlora_tensor_parallel_trains_what_eager_does(tiny_llama_dir, t
     """QLoRA under `--strategy tp` with every block compiled (the NF4 matmul runs eagerly inside the compiled
     block, on its shard): the same losses and final adapter as the eager tensor-parallel run."""
     from safetensors.torch import load_file
-    from test_distributed import cli_run, metrics
-    from test_finetune import small_data
+    from helpers import cli_run, metrics_rows, small_data
 
     data = small_data(tmp_path)
     runs = {}
     for compile in ("false", "true"):
         runs[compile] = tmp_path / compile
         cli_run(tiny_llama_dir, runs[compile], data, "tp", "--tensor_parallel", "2", "--compile", compile)
-    eager, compiled = metrics(runs["false"]), metrics(runs["true"])
+    eager, compiled = metrics_rows(runs["false"]), metrics_rows(runs["true"])
     assert [r["loss"] for r in compiled] == pytest.approx([r["loss"] for r in eager], rel=1e-5)
     a, b = (load_file(str(runs[c] / "final" / "adapter.safetensors")) for c in ("false", "true"))
     assert a.keys() == b.keys() and max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5

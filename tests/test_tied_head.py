@@ -15,7 +15,7 @@ from lit_qlora.lora.layer import TARGETS, resolve_targets, tied_head_note
 from lit_qlora.train.finetune import finetune
 from lit_qlora.train.args import ExportArgs, LoRAArgs, TrainArgs
 
-from test_finetune import small_data
+from helpers import small_data
 
 
 def test_all_leaves_a_tied_head_out_and_naming_it_adapts_it():

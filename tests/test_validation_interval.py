@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from lit_qlora.base.errors import UserError
 from lit_qlora.train.finetune import finetune
 from lit_qlora.train.args import LoRAArgs, TrainArgs
-from test_finetune import metrics_rows, small_data, tensorboard_scalars
+from helpers import metrics_rows, small_data, tensorboard_scalars
 
 
 def run(tiny_llama_dir, out_dir, data, resume=False, targets=("all",), **train_kw):
