@@ -80,9 +80,8 @@ def _switch(name: str) -> Switch:
     return SWITCHES[name]
 
 
-def _raw(name: str, environ: Optional[Mapping[str, str]] = None) -> str:
-    _switch(name)
-    return (os.environ if environ is None else environ).get(name, "").strip()
+def _raw(s: Switch, environ: Optional[Mapping[str, str]] = None) -> str:
+    return (os.environ if environ is None else environ).get(s.name, "").strip()
 
 
 def _refuse(s: Switch, value: str, accepted: str) -> InvalidInput:
@@ -93,7 +92,8 @@ def _refuse(s: Switch, value: str, accepted: str) -> InvalidInput:
 def flag(name: str, environ: Optional[Mapping[str, str]] = None) -> Optional[bool]:
     """An on/off switch: True (1), False (0), None when unset or empty (the caller's default, which may depend on
     the device). Nothing else: "true" or "off" are refused, not read as the default."""
-    s, value = _switch(name), _raw(name, environ)
+    s = _switch(name)
+    value = _raw(s, environ)
     if s.kind != "flag":
         raise KeyError(f"{name} is a {s.kind} switch, not a flag")
     if not value:
@@ -111,7 +111,8 @@ def enabled(name: str) -> bool:
 
 def choice(name: str, environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
     """A one-of switch, lower-cased; None when unset."""
-    s, value = _switch(name), _raw(name, environ).lower()
+    s = _switch(name)
+    value = _raw(s, environ).lower()
     if value and value not in s.choices:
         raise _refuse(s, value, "one of " + ", ".join(s.choices))
     return value or None
@@ -119,7 +120,8 @@ def choice(name: str, environ: Optional[Mapping[str, str]] = None) -> Optional[s
 
 def choice_list(name: str, environ: Optional[Mapping[str, str]] = None) -> Optional[list[str]]:
     """A comma-list switch, in its order; None when unset."""
-    s, value = _switch(name), _raw(name, environ).lower()
+    s = _switch(name)
+    value = _raw(s, environ).lower()
     names = [n.strip() for n in value.split(",") if n.strip()]
     if unknown := [n for n in names if n not in s.choices]:
         raise _refuse(s, value, f"a comma list of {', '.join(s.choices)} (not {', '.join(unknown)})")
@@ -128,7 +130,7 @@ def choice_list(name: str, environ: Optional[Mapping[str, str]] = None) -> Optio
 
 def text(name: str, environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
     """A free-text switch (a path, flags, a key); None when unset or empty."""
-    return _raw(name, environ) or None
+    return _raw(_switch(name), environ) or None
 
 
 def check(name: str, environ: Optional[Mapping[str, str]] = None) -> None:
