@@ -352,3 +352,52 @@ def lora_model(quantize: str, dropout: float, bias: bool = False, targets="all",
             if "lora_B" in name or name.endswith("bias"):  # B starts at zero: give every adapter a term to check
                 p.normal_(std=0.05)
     return model.train()
+
+
+# -- a policy with a random adapter, ours and transformers + peft's (the methods' exactness tests) ----------------
+
+PEFT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def our_policy(tiny_llama_dir, quantize):
+    """The model as a `dpo` run builds it (32-true: fp32 base or NF4 codes, fp32 adapters), with a random non-zero
+    adapter (B != 0) so that the policy is not the reference."""
+    from lit_qlora.checkpoint.loading import load_model
+    from lit_qlora.lora.layer import lora_modules
+
+    model = load_model(tiny_llama_dir, quantize, "32-true").train()
+    torch.manual_seed(7)
+    apply_lora(model, r=4, alpha=8, dropout=0.0, targets="all", dtype=torch.float32)
+    with torch.no_grad():
+        for layer in lora_modules(model).values():
+            layer.lora_B.normal_(0, 0.2)
+    return model
+
+
+def hf_peft_policy(tiny_llama_dir, ours, quantize):
+    """transformers' Llama with the same weights (quantize none: read from the checkpoint; nf4: dequant(NF4(W)) of
+    our model's NF4 weights; the tied head is the embedding, as in the checkpoint) and our adapter tensors in a peft
+    LoRA model."""
+    from lit_qlora.lora.layer import lora_modules
+    from lit_qlora.nf4 import dequantize_nf4, is_nf4
+
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    if quantize == "none":
+        hf = transformers.LlamaForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    else:
+        config = transformers.AutoConfig.from_pretrained(tiny_llama_dir)
+        hf = transformers.LlamaForCausalLM(config).to(torch.float32)
+        state = {name: (dequantize_nf4(p) if is_nf4(p) else p.detach()).float()
+                 for name, p in ours.named_parameters(remove_duplicate=False) if "lora_" not in name}
+        assert ours.lm_head.weight is ours.model.embed_tokens.weight and is_nf4(ours.model.layers[0].mlp.down_proj.weight)
+        hf.load_state_dict(state, strict=True)
+    model = peft.get_peft_model(hf, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=PEFT_TARGETS))
+    copied = 0
+    with torch.no_grad():
+        for name, layer in lora_modules(ours).items():
+            for leaf in ("lora_A", "lora_B"):
+                model.get_parameter(f"base_model.model.{name}.{leaf}.default.weight").copy_(getattr(layer, leaf))
+                copied += 1
+    assert copied == 2 * len(PEFT_TARGETS) * 2  # 2 blocks
+    return model.eval()

@@ -39,9 +39,9 @@ LAYERS = (
     ("lit_qlora.data",),
     ("lit_qlora.deploy",),  # serves a fine-tune in the prompt format it trained in (data.inference)
     ("lit_qlora.train",),
-    # litqlora dpo and grpo: train/'s run with their own data modules and LightningModules (what they share, the
-    # reference policy and token log-probabilities, is train.policy's)
-    ("lit_qlora.preference", "lit_qlora.grpo"),
+    # the training methods beside SFT (dpo, grpo, kto) and their registry: train/'s run with their own data modules
+    # and LightningModules (what they share, the reference policy and token log-probabilities, is train.policy's)
+    ("lit_qlora.methods",),
     ("lit_qlora.estimate", "lit_qlora.eval"),  # estimate --method dpo traces the preference step
     ("lit_qlora.cli",),
 )

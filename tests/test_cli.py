@@ -124,7 +124,7 @@ UNUSED_BY_FINETUNE = {"transformers", "matplotlib", "scipy"}
 # What answering --help or an argument error must not import: seconds of start-up (torch, torchao) or more.
 STARTUP_HEAVY = ("torch", "torchao", "numpy", "lightning", "lm_eval", "transformers", "matplotlib", "scipy",
                  "huggingface_hub", "safetensors", "tokenizers", "gguf")
-COMMANDS = ("finetune", "dpo", "grpo", "estimate", "download", "convert_gguf", "generate", "chat", "serve", "merge",
+COMMANDS = ("finetune", "dpo", "grpo", "kto", "estimate", "download", "convert_gguf", "generate", "chat", "serve", "merge",
             "export_peft", "export_gguf", "evaluate", "compare")
 
 

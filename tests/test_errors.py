@@ -332,9 +332,9 @@ BUILTIN_RAISES = {
     "lit_qlora/checkpoint/files.py": 3,  # two caught at once (-> CheckpointError); TensorSpec's arguments
     "lit_qlora/nf4/gemv.py": 1,  # the isa= argument tests use to force a build
     "lit_qlora/checkpoint/loading.py": 1,  # load_model's arguments
-    "lit_qlora/grpo/loss.py": 1,  # a loss_type the settings' check already refused
-    "lit_qlora/grpo/rewards.py": 2,  # score's own arguments of uneven lengths (a caller's bug, not a user's)
-    "lit_qlora/grpo/rollout.py": 1,  # a prompt past the compiled decode's cache (the data module leaves such out)
+    "lit_qlora/methods/grpo/loss.py": 1,  # a loss_type the settings' check already refused
+    "lit_qlora/methods/grpo/rewards.py": 2,  # score's own arguments of uneven lengths (a caller's bug, not a user's)
+    "lit_qlora/methods/grpo/rollout.py": 1,  # a prompt past the compiled decode's cache (the data module leaves such out)
     "lit_qlora/model/attention_mask.py": 1,
     "lit_qlora/model/transformer.py": 3,  # forward's arguments
     "lit_qlora/nf4/codec.py": 2,  # the out= tensor

@@ -12,13 +12,13 @@ import torch
 
 from lit_qlora.cli import main
 from lit_qlora.estimate.command import estimate
-from lit_qlora.estimate.preference import PreferenceStep
+from lit_qlora.methods.dpo.estimate import PreferenceStep
 from lit_qlora.estimate.step import resident_tensors, trace_step
 from lit_qlora.memory.trace import profiled_peak
 from lit_qlora.model.config import Config, Quantize
-from lit_qlora.preference.args import DPOArgs
-from lit_qlora.preference.loss import Objective, answer_logps, pair_sums
-from lit_qlora.preference.reference import reference_logps
+from lit_qlora.methods.dpo.args import DPOArgs
+from lit_qlora.methods.dpo.loss import Objective, answer_logps, pair_sums
+from lit_qlora.methods.dpo.reference import reference_logps
 from lit_qlora.train.args import LoRAArgs, TrainArgs
 from helpers import TINY, config_only_dir, real_model
 
@@ -39,7 +39,7 @@ def measured_preference_step(config: Config, quantize: str, lora: LoRAArgs, trai
     src = torch.arange(pairs * 2 * length)
     seq = (torch.arange(2 * length) >= length).long()[None, :] * pairs + torch.arange(pairs)[:, None]
     # without positions, as the estimate traces it (a CPU run's dense branch mask, B x 4L^2 bytes, is left out of
-    # both: lit_qlora.estimate.preference says why)
+    # both: lit_qlora.methods.dpo.estimate says why)
     batch = {"input_ids": ids, "src": src,
              "tgt": ids.reshape(-1), "seq": seq.reshape(-1), "index": torch.arange(pairs)}
     objective = Objective(dpo.loss, dpo.beta)

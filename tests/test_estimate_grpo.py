@@ -12,8 +12,8 @@ import torch
 
 from lit_qlora.cli import main
 from lit_qlora.estimate.command import estimate
-from lit_qlora.estimate.grpo import DECODE_BYTES_PER_LOGIT, PERSISTENT, kv_cache_bytes
-from lit_qlora.grpo.args import GRPOArgs
+from lit_qlora.methods.grpo.estimate import DECODE_BYTES_PER_LOGIT, PERSISTENT, kv_cache_bytes
+from lit_qlora.methods.grpo.args import GRPOArgs
 from lit_qlora.model.config import Config
 from lit_qlora.model.transformer import Transformer
 from lit_qlora.train.args import TrainArgs
@@ -84,7 +84,7 @@ def test_a_real_runs_measured_peaks_are_the_predictions(tiny_llama_dir, tmp_path
     `litqlora estimate --method grpo` at the rows' real length: the measurement of benchmarks/grpo/estimate_accuracy.py
     (SmolLM2's shape: 1.000 of the peak, 0.997-1.000 of the sampling)."""
     from lit_qlora.estimate.step import resident_tensors
-    from lit_qlora.grpo.module import GRPOModule
+    from lit_qlora.methods.grpo.module import GRPOModule
     from lit_qlora.memory.trace import profiled_peak
 
     rows = [{"prompt": [{"role": "user", "content": f"Compute {a} + {a + 11}."}], "answer": str(2 * a + 11)}

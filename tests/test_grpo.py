@@ -1,4 +1,4 @@
-"""`litqlora grpo` (lit_qlora.grpo): for fixed prompts, completions and rewards, the loss and the adapter gradients
+"""`litqlora grpo` (lit_qlora.methods.grpo): for fixed prompts, completions and rewards, the loss and the adapter gradients
 equal GRPO's formulas computed here on transformers + peft log-probabilities, for each loss type, with the KL penalty
 and with clipping; advantages as the papers scale them; the ratio is exactly 1 with one update per batch of rollouts;
 a group of completions decodes as one row at a time does; a run logs TRL's metric names, validates with the reward
@@ -11,7 +11,6 @@ import io
 import json
 import re
 import shutil
-from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -19,15 +18,15 @@ import torch
 import torch.nn.functional as F
 
 from lit_qlora.checkpoint.tokenizer import Tokenizer
-from lit_qlora.grpo.args import GRPOArgs, GRPODataArgs
-from lit_qlora.grpo.command import grpo
-from lit_qlora.grpo.loss import StepCounts, advantages, token_terms
-from lit_qlora.grpo.module import Rollouts, completion_batch, completion_logps, micro_batches_of, train_on
-from lit_qlora.grpo.rollout import sample_group
+from lit_qlora.methods.grpo.args import GRPOArgs, GRPODataArgs
+from lit_qlora.methods.grpo.command import grpo
+from lit_qlora.methods.grpo.loss import StepCounts, advantages, token_terms
+from lit_qlora.methods.grpo.module import Rollouts, completion_batch, completion_logps, micro_batches_of, train_on
+from lit_qlora.methods.grpo.rollout import sample_group
 from lit_qlora.lora.layer import lora_modules
 from lit_qlora.model.sampling import generate
 from lit_qlora.train.args import LoRAArgs, TrainArgs
-from test_preference import our_policy
+from helpers import hf_peft_policy, our_policy
 
 TIMING = {"tokens_per_sec", "peak_memory_bytes", "seconds"}
 
@@ -75,6 +74,16 @@ def fixed_rollouts(tok: Tokenizer, old_shift: float = 0.0, model=None, temperatu
     return r
 
 
+def plain_loop(parts, loss_of):
+    """One process's micro-batch loop, as FinetuneModule.backward_each runs it on one rank."""
+    kept = []
+    for part in parts:
+        loss, keep = loss_of(part)
+        loss.backward()
+        kept.append(keep)
+    return kept
+
+
 def paper_loss(hf, r: Rollouts, g: GRPOArgs, micro: int, ref_model=None) -> torch.Tensor:
     """The step's loss from the formulas, one unpadded sequence at a time on transformers + peft (fp64 arithmetic
     from fp32 logits), written without lit_qlora's loss code."""
@@ -117,7 +126,6 @@ CASES = [  # (loss_type, beta, old_shift, temperature)
 @pytest.mark.parametrize("loss_type, beta, old_shift, temperature", CASES)
 def test_loss_and_adapter_gradients_equal_the_papers_formulas_on_transformers_and_peft(
         loss_type, beta, old_shift, temperature, tiny_llama_dir):
-    from test_preference import hf_peft_policy
 
     tok = Tokenizer(tiny_llama_dir)
     ours = our_policy(tiny_llama_dir, "none")
@@ -133,8 +141,7 @@ def test_loss_and_adapter_gradients_equal_the_papers_formulas_on_transformers_an
     micro = 4  # two micro-batches of 4 and 2 completions
     parts = micro_batches_of(6, micro)
     counts = StepCounts(6, float(sum(r.completion_lengths)), len(parts), g.max_completion_length)
-    loss_sum, kl_sum, low, high = train_on(ours, r, g, micro, 0, torch.device("cpu"), counts,
-                                           lambda last: nullcontext(), lambda loss: loss.backward())
+    loss_sum, kl_sum, low, high = train_on(ours, r, g, micro, 0, torch.device("cpu"), counts, plain_loop)
     hf = hf_peft_policy(tiny_llama_dir, ours, "none")
     want = paper_loss(hf, r, g, micro, ref_model=hf.disable_adapter)
     want.backward()
@@ -429,7 +436,7 @@ def test_the_compiled_decode_step_draws_the_eager_groups_and_compiles_once(tiny_
     """--grpo.compile_decode: one fullgraph compilation of the decode step serves prompts of every length (the cache
     has one length, the positions are a tensor), and its groups are the eager decoder's: greedy, and sampled from the
     same seeds."""
-    from lit_qlora.grpo.rollout import Decoder
+    from lit_qlora.methods.grpo.rollout import Decoder
 
     model = our_policy(tiny_llama_dir, "nf4").eval()
     tok = Tokenizer(tiny_llama_dir)
@@ -450,7 +457,7 @@ def test_the_compiled_decode_step_draws_the_eager_groups_and_compiles_once(tiny_
 
 def test_a_run_with_the_compiled_decode_trains_what_the_eager_one_trains(tiny_llama_dir, grpo_data, grpo_run,
                                                                         tmp_path, monkeypatch):
-    from lit_qlora.grpo import rollout
+    from lit_qlora.methods.grpo import rollout
 
     counts: list = []
     monkeypatch.setattr(rollout, "COMPILE_BACKEND", counting_backend(counts))

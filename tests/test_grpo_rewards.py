@@ -1,4 +1,4 @@
-"""lit_qlora.grpo.rewards: loading reward functions from --grpo.rewards, calling them as TRL does, the built-ins'
+"""lit_qlora.methods.grpo.rewards: loading reward functions from --grpo.rewards, calling them as TRL does, the built-ins'
 numbers, and the error messages for everything a user can get wrong."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from lit_qlora.base.errors import UserError
-from lit_qlora.grpo.builtin_rewards import BUILTINS, DEFAULT_FORMAT_PATTERN, answer_match, format_reward
-from lit_qlora.grpo.rewards import Reward, check_columns, load_rewards, score, total
+from lit_qlora.methods.grpo.builtin_rewards import BUILTINS, DEFAULT_FORMAT_PATTERN, answer_match, format_reward
+from lit_qlora.methods.grpo.rewards import Reward, check_columns, load_rewards, score, total
 
 
 def _batch(completions: list, prompts: list | None = None, **columns: list) -> dict:
@@ -363,7 +363,7 @@ def test_format_with_a_custom_pattern_and_a_column_called_pattern():
 
 def test_importing_the_module_imports_neither_torch_nor_lightning():
     """The CLI lists BUILTINS in its help, which must stay quick."""
-    code = ("import sys, lit_qlora.grpo.rewards; "
+    code = ("import sys, lit_qlora.methods.grpo.rewards; "
             "print(sorted(m for m in ('torch', 'lightning', 'pytorch_lightning') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
@@ -375,7 +375,7 @@ def test_prompts_keep_their_line_in_the_file_through_the_split(tmp_path, tiny_ll
     import json
 
     from lit_qlora.checkpoint.tokenizer import Tokenizer
-    from lit_qlora.grpo.datamodule import GRPODataModule
+    from lit_qlora.methods.grpo.datamodule import GRPODataModule
     from lit_qlora.train.datamodule import DataArgs
 
     path = tmp_path / "prompts.jsonl"

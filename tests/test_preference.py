@@ -1,4 +1,4 @@
-"""`litqlora dpo` (lit_qlora.preference): the loss and every metric equal the papers' formulas computed here on
+"""`litqlora dpo` (lit_qlora.methods.dpo): the loss and every metric equal the papers' formulas computed here on
 transformers + peft log-probabilities (sigmoid, conservative DPO, IPO, ORPO; LoRA and QLoRA); log 2 at the start;
 accumulation, resume after a kill, the cached reference, --train.init_adapter, DDP and FSDP2 give the numbers one
 uninterrupted process gives; bad options are refused; the metrics reach metrics.jsonl, csv, summary.json and best/.
@@ -23,24 +23,21 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from lit_qlora.checkpoint.loading import load_model
 from lit_qlora.checkpoint.tokenizer import Tokenizer
 from lit_qlora.data.preference import PairCollate, shared_prompt_length, to_pairs, tokenize_pairs
 from lit_qlora.data.prompts import get_prompt_style
 from lit_qlora.data.sft import IGNORE_INDEX
-from lit_qlora.lora.layer import apply_lora, lora_modules
-from lit_qlora.nf4 import dequantize_nf4, is_nf4
-from lit_qlora.preference.args import DPOArgs, PreferenceDataArgs
-from lit_qlora.preference.command import dpo
-from lit_qlora.preference.loss import METRICS, Objective
-from lit_qlora.preference.module import PreferenceModule
-from lit_qlora.preference.reference import CACHE_FILE, Reference
+from lit_qlora.methods.dpo.args import DPOArgs, PreferenceDataArgs
+from lit_qlora.methods.dpo.command import dpo
+from lit_qlora.methods.dpo.loss import METRICS, Objective
+from lit_qlora.methods.dpo.module import PreferenceModule
+from lit_qlora.methods.dpo.reference import CACHE_FILE, Reference
 from lit_qlora.train.args import LoRAArgs, TrainArgs
 from lit_qlora.train.datamodule import pad_id_of
+from helpers import hf_peft_policy, our_policy
 
 ROOT = Path(__file__).resolve().parents[1]
 LOG2 = math.log(2)
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # metrics.jsonl's keys that are not numbers of the run's arithmetic (timings, memory): left out of "identical".
 TIMING = {"tokens_per_sec", "peak_memory_bytes", "seconds"}
 
@@ -73,18 +70,6 @@ def exact_batch(tiny_llama_dir):
     return samples, batch
 
 
-def our_policy(tiny_llama_dir, quantize):
-    """The model as a `dpo` run builds it (32-true: fp32 base or NF4 codes, fp32 adapters), with a random non-zero
-    adapter (B != 0) so that the policy is not the reference."""
-    model = load_model(tiny_llama_dir, quantize, "32-true").train()
-    torch.manual_seed(7)
-    apply_lora(model, r=4, alpha=8, dropout=0.0, targets="all", dtype=torch.float32)
-    with torch.no_grad():
-        for layer in lora_modules(model).values():
-            layer.lora_B.normal_(0, 0.2)
-    return model
-
-
 def our_numbers(model, batch, objective, tmp_path, reference="adapters_off", sets=None):
     """The loss and metrics of one micro-batch through PreferenceModule's own code (micro_sums: the reference, the
     policy's answer log-probabilities, pair_sums; reduce: what a training step and a validation report)."""
@@ -100,32 +85,6 @@ def our_numbers(model, batch, objective, tmp_path, reference="adapters_off", set
     assert sums.pair_loss.requires_grad  # what training backpropagates
     loss, metrics = module.reduce([sums])
     return loss.item(), metrics
-
-
-def hf_peft_policy(tiny_llama_dir, ours, quantize):
-    """transformers' Llama with the same weights (quantize none: read from the checkpoint; nf4: dequant(NF4(W)) of
-    our model's NF4 weights; the tied head is the embedding, as in the checkpoint) and our adapter tensors in a peft
-    LoRA model."""
-    transformers = pytest.importorskip("transformers")
-    peft = pytest.importorskip("peft")
-    if quantize == "none":
-        hf = transformers.LlamaForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
-    else:
-        config = transformers.AutoConfig.from_pretrained(tiny_llama_dir)
-        hf = transformers.LlamaForCausalLM(config).to(torch.float32)
-        state = {name: (dequantize_nf4(p) if is_nf4(p) else p.detach()).float()
-                 for name, p in ours.named_parameters(remove_duplicate=False) if "lora_" not in name}
-        assert ours.lm_head.weight is ours.model.embed_tokens.weight and is_nf4(ours.model.layers[0].mlp.down_proj.weight)
-        hf.load_state_dict(state, strict=True)
-    model = peft.get_peft_model(hf, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=TARGETS))
-    copied = 0
-    with torch.no_grad():
-        for name, layer in lora_modules(ours).items():
-            for leaf in ("lora_A", "lora_B"):
-                model.get_parameter(f"base_model.model.{name}.{leaf}.default.weight").copy_(getattr(layer, leaf))
-                copied += 1
-    assert copied == 2 * len(TARGETS) * 2  # 2 blocks
-    return model.eval()
 
 
 def hf_logps(model, samples):
@@ -610,9 +569,9 @@ def test_bad_options_are_refused_with_their_message(args, message, tiny_llama_di
 def test_the_loss_registry_is_what_the_cli_the_objective_and_the_estimate_read():
     import typing
 
-    from lit_qlora.estimate.preference import reference_pass
-    from lit_qlora.preference.args import DPO_LOSSES, DPOArgs
-    from lit_qlora.preference.loss import Objective
+    from lit_qlora.methods.dpo.estimate import reference_pass
+    from lit_qlora.methods.dpo.args import DPO_LOSSES, DPOArgs
+    from lit_qlora.methods.dpo.loss import Objective
 
     assert typing.get_args(typing.get_type_hints(DPOArgs)["loss"]) == tuple(DPO_LOSSES)
     for name, kind in DPO_LOSSES.items():

@@ -15,9 +15,9 @@ import yaml
 from lit_qlora.cli.usage import Options
 from lit_qlora.base.errors import UserError
 from lit_qlora.estimate.args import EstimateSpec
-from lit_qlora.grpo.args import GRPOSpec
+from lit_qlora.methods.grpo.args import GRPOSpec
 from lit_qlora.base.hardware import choose_precision
-from lit_qlora.preference.args import DPOArgs, DPOSpec
+from lit_qlora.methods.dpo.args import DPOArgs, DPOSpec
 from lit_qlora.train.args import LoRAArgs, TrainArgs
 from lit_qlora.train.spec import RunSpec, decide
 
@@ -84,7 +84,7 @@ def test_a_verb_offers_its_own_group_and_not_what_it_skips(monkeypatch, capsys):
 
 def test_the_verbs_share_one_spec_and_repeat_no_parameter_list():
     from lit_qlora.estimate.command import estimate
-    from lit_qlora.preference.command import dpo
+    from lit_qlora.methods.dpo.command import dpo
     from lit_qlora.train.finetune import finetune
 
     for verb in (finetune, dpo, estimate):

@@ -46,7 +46,7 @@ def main() -> None:
     from lit_qlora.checkpoint.loading import load_model
     from lit_qlora.checkpoint.tokenizer import Tokenizer
     from lit_qlora.data.files import GRPO_DEMO_DATASET
-    from lit_qlora.grpo.rollout import Decoder, sample_group
+    from lit_qlora.methods.grpo.rollout import Decoder, sample_group
     from lit_qlora.lora.layer import apply_lora
 
     tokenizer = Tokenizer(args.checkpoint_dir)

@@ -63,7 +63,7 @@ def child(name: str) -> None:
 
     from lit_qlora.cli import main as cli
     from lit_qlora.estimate.step import resident_tensors
-    from lit_qlora.grpo.module import GRPOModule
+    from lit_qlora.methods.grpo.module import GRPOModule
     from lit_qlora.memory.trace import profiled_peak
 
     ckpt, data = prepare()

@@ -8,7 +8,7 @@ Both sides, the same settings: checkpoints/SmolLM2-135M-Instruct; LoRA r=8, alph
 gate, up, down; the first 32 prompts of lit_qlora/data/grpo_demo.jsonl (chat prompts, an `answer` column); 8
 completions per prompt of at most 16 tokens at temperature 1; 16 completions a step (2 prompts) in micro-batches of
 8; the dapo loss, group-scaled advantages, beta 0 (no reference pass), one update per batch of rollouts; lr 5e-4, no
-warm-up; the rewards answer_match and format (weights 2 and 1) from lit_qlora/grpo/builtin_rewards.py, which the
+warm-up; the rewards answer_match and format (weights 2 and 1) from lit_qlora/methods/grpo/builtin_rewards.py, which the
 TRL child loads by its path (it needs only the standard library); bf16 where the CPU computes it natively, else fp32
 (TRL: the model loaded in that dtype, bf16=True); no validation, checkpoints or exports; activation checkpointing off.
 QLoRA: ours --quantize nf4, TRL BitsAndBytesConfig(nf4, double quant) (if bitsandbytes' 4-bit cannot run here, the
@@ -58,7 +58,7 @@ def trl_child(args) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    spec = importlib.util.spec_from_file_location("builtin_rewards", ROOT / "lit_qlora/grpo/builtin_rewards.py")
+    spec = importlib.util.spec_from_file_location("builtin_rewards", ROOT / "lit_qlora/methods/grpo/builtin_rewards.py")
     rewards = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(rewards)
 

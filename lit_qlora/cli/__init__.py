@@ -40,16 +40,12 @@ def commands() -> dict[str, Command]:
     from lit_qlora.eval.compare import compare
     from lit_qlora.eval.evaluate import evaluate
     from lit_qlora.deploy.export import export_peft, merge
-    from lit_qlora.train.finetune import finetune
-    from lit_qlora.preference.command import dpo
-    from lit_qlora.grpo.command import grpo
+    from lit_qlora.methods import METHODS
     from lit_qlora.deploy.generate import generate_command
     from lit_qlora.deploy.gguf_import import convert_gguf_command
 
     return {
-        "finetune": finetune,
-        "dpo": dpo,
-        "grpo": grpo,
+        **{method.verb: method.command for method in METHODS.values()},  # finetune, dpo, grpo, kto
         "estimate": estimate,
         "download": download,
         "convert_gguf": convert_gguf_command,

@@ -18,6 +18,9 @@ DEMO_DATASET = Path(str(files("lit_qlora.data").joinpath("demo.jsonl")))
 PREFERENCE_DEMO_DATASET = Path(str(files("lit_qlora.data").joinpath("preference_demo.jsonl")))
 # The verifiable task of `litqlora grpo` (see scripts/make_grpo_demo.py): small sums with an `answer` column.
 GRPO_DEMO_DATASET = Path(str(files("lit_qlora.data").joinpath("grpo_demo.jsonl")))
+# The unpaired rows of `litqlora kto` (see scripts/make_kto_demo.py): each demo prompt once, with a right answer
+# (label true) or a wrong one (false).
+KTO_DEMO_DATASET = Path(str(files("lit_qlora.data").joinpath("kto_demo.jsonl")))
 
 FORMAT_HELP = (
     "Each row must hold `instruction` and `output` strings (optional `input`), or `messages`: a list of "

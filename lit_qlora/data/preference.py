@@ -64,7 +64,7 @@ def split_text(chosen: str, rejected: str) -> tuple[str, str, str]:
     return chosen[:cut], chosen[cut:], rejected[cut:]
 
 
-def _side(row: dict, key: str) -> tuple[Optional[Side], list[str]]:
+def read_side(row: dict, key: str) -> tuple[Optional[Side], list[str]]:
     """A column's value (a string, or a list of {role, content} messages), or None and what is wrong with it."""
     if key not in row:
         return None, [f"missing `{key}`"]
@@ -93,7 +93,7 @@ def _pair(row: Any, fmt: str) -> tuple[Optional[dict], list[str]]:
     sides: dict[str, Any] = {}
     problems: list[str] = []
     for key in ("prompt", "chosen", "rejected") if fmt == "explicit" else ("chosen", "rejected"):
-        sides[key], found = _side(row, key)
+        sides[key], found = read_side(row, key)
         problems += found
     if problems:
         return None, problems

@@ -7,9 +7,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar, Literal, Optional
 
-from lit_qlora.grpo.args import GRPOArgs
+from lit_qlora.methods.grpo.args import GRPOArgs
 from lit_qlora.base.hardware import PrecisionChoice
-from lit_qlora.preference.args import DPOArgs
+from lit_qlora.methods.dpo.args import DPOArgs
+from lit_qlora.methods.kto.args import KTOArgs
 from lit_qlora.train.args import DataArgs
 from lit_qlora.train.spec import RunSpec
 
@@ -54,12 +55,13 @@ class EstimateSpec(RunSpec):
     auto, the longest sequence that fits at the given micro-batch instead (and the host memory it needs for offloaded
     activations). Units as written: GiB (2^30 bytes), GB (10^9: said so, as cards sold in "GB" have GiB), a bare G
     reads as GiB; the bytes are echoed."""
-    method: Optional[Literal["sft", "dpo", "grpo"]] = None
+    method: Optional[Literal["sft", "dpo", "grpo", "kto"]] = None
     """sft (`litqlora finetune`'s step), dpo (`litqlora dpo`'s: micro_batch_size pairs, two sequences each, in one
     forward and backward, and the reference's no-grad forward with --dpo.reference adapters_off) or grpo (`litqlora
     grpo`'s: the training step on micro_batch_size completions, and the sampling of num_generations rows with the KV
-    cache; the peak is the larger). Default: dpo or grpo when the recipe has that section or a --dpo.* / --grpo.*
-    flag is given (a config_hub/dpo/ or grpo/ preset), else sft."""
+    cache; the peak is the larger) or kto (`litqlora kto`'s: sft's step on micro_batch_size rows; its KL and reference
+    passes run without gradients, below the step's peak). Default: the method whose section the recipe has or a
+    --dpo.* / --grpo.* / --kto.* flag gives (a config_hub/dpo/, grpo/ or kto/ preset), else sft."""
     dpo: Optional[DPOArgs] = None
     """The preference objective, as for `litqlora dpo` (--dpo.help lists its options): --dpo.loss and --dpo.reference
     decide whether a reference forward runs in the step. Given (a recipe's `dpo:` section or a --dpo.* flag), the
@@ -67,3 +69,6 @@ class EstimateSpec(RunSpec):
     grpo: Optional[GRPOArgs] = None
     """The GRPO settings, as for `litqlora grpo` (--grpo.help lists them): num_generations and the sequence length
     size the rollouts' KV cache."""
+    kto: Optional[KTOArgs] = None
+    """The KTO settings, as for `litqlora kto` (read so a kto recipe reads as it is; they change no byte of the
+    step)."""

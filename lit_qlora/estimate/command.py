@@ -1,5 +1,5 @@
 """`litqlora estimate`: a fine-tune recipe's peak device memory per rank, by category (lit_qlora.estimate.step traces
-its training step; --method dpo, `litqlora dpo`'s: lit_qlora.estimate.preference), and with a card's memory the
+its training step; --method dpo, `litqlora dpo`'s: lit_qlora.methods.dpo.estimate), and with a card's memory the
 largest micro-batch or the longest sequence that fits (lit_qlora.estimate.search); printed and written to
 estimate.json."""
 
@@ -8,21 +8,21 @@ from __future__ import annotations
 import functools
 import json
 import time
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from lit_qlora.estimate.grpo import GRPOStep, kept_cache_bytes, render_grpo, sampling_phase
-from lit_qlora.estimate.preference import SEQUENCES_PER_PAIR, PreferenceStep, reference_pass
+from lit_qlora.methods import METHODS
+from lit_qlora.methods.grpo.estimate import kept_cache_bytes, render_grpo, sampling_phase
+from lit_qlora.methods.dpo.estimate import SEQUENCES_PER_PAIR, PreferenceStep, reference_pass
 from lit_qlora.estimate.search import AUTO_LENGTH_TRACES, LENGTH_STEP, largest_batches, longest_context
 from lit_qlora.estimate.args import EstimateSpec
 from lit_qlora.estimate.cards import GiB, device_memory as card_memory
 from lit_qlora.estimate.step import offload_decision, other_temporaries, parallel_bytes, trace_step
 from lit_qlora.base.errors import InvalidInput
 from lit_qlora.base.hardware import choose_precision
-from lit_qlora.grpo.args import GRPOArgs
-from lit_qlora.preference.args import DPOArgs
 from lit_qlora.train.args import TrainArgs
+from lit_qlora.train.method import Method
 
 # torch and the model stack are imported inside the functions, and annotations name their types as text: the CLI
 # imports `estimate` to build `--help` (lit_qlora.cli.commands says why and how).
@@ -62,9 +62,7 @@ def estimate(spec: Optional[EstimateSpec] = None, **settings: Any) -> dict[str, 
     spec = EstimateSpec.of(spec, settings)
     checkpoint_dir, out_dir, quantize, precision = spec.checkpoint_dir, spec.out_dir, spec.quantize, spec.precision
     devices, num_nodes, strategy, tensor_parallel = spec.devices, spec.num_nodes, spec.strategy, spec.tensor_parallel
-    lora, train, device, device_memory, method, dpo = (spec.lora, spec.train, spec.device, spec.device_memory,
-                                                       spec.method, spec.dpo)
-    grpo = spec.grpo
+    lora, train, device, device_memory, method = spec.lora, spec.train, spec.device, spec.device_memory, spec.method
     auto_length = train.max_seq_length == "auto"
     for flag, value, least in (("--devices", devices, 1), ("--num_nodes", num_nodes, 1),
                                ("--train.micro_batch_size", train.micro_batch_size, 1),
@@ -74,16 +72,8 @@ def estimate(spec: Optional[EstimateSpec] = None, **settings: Any) -> dict[str, 
             raise InvalidInput(f"{flag} takes a whole number, got {value!r}.")
         if value < least:
             raise InvalidInput(f"{flag} must be at least {least}, got {value}.")
-    method = method or ("dpo" if dpo is not None else "grpo" if grpo is not None else "sft")
-    if method == "grpo":
-        grpo = grpo or GRPOArgs()
-        if strategy in ("tp", "fsdp"):
-            raise InvalidInput("--method grpo: `litqlora grpo` runs with --strategy auto or ddp.")
-    if method == "dpo":
-        dpo = dpo or DPOArgs()
-        dpo.require_valid()
-        if strategy == "tp":
-            raise InvalidInput("--method dpo: `litqlora dpo` runs with --strategy auto, ddp or fsdp, not tp.")
+    runs = method_for(spec, method)
+    method, grpo = runs.name, getattr(runs.spec, "grpo", None)
     config, source = resolve_config(checkpoint_dir)
     quantize = Quantize(quantize)
     world_size = devices * num_nodes
@@ -111,14 +101,14 @@ def estimate(spec: Optional[EstimateSpec] = None, **settings: Any) -> dict[str, 
         """(peak device bytes, by category, host bytes of offloaded activations, what the peak is made of beyond the
         categories) at this batch, checkpointing, sequence length and offload setting (defaults: the recipe's)."""
         offload = (train.offload_activations if offload is None else offload) if checkpointing else False
-        objective = PreferenceStep(dpo) if method == "dpo" else GRPOStep(grpo) if method == "grpo" else None
+        objective = runs.estimate_step()
         trace = trace_step(config, quantize, precision, lora, replace(
             train, activation_checkpointing=checkpointing, offload_activations=offload,
             max_seq_length=length or train.max_seq_length), device, micro_batch_size, budget, objective)
         parts = parallel_bytes(trace.peak_by_category, config, strategy, world_size, tensor_parallel)
         peak = {"peak_operation": trace.peak_op, "other_temporaries_by_op": other_temporaries(trace, parts)}
         if isinstance(objective, PreferenceStep):
-            peak["dpo"] = preference_report(objective, train, micro_batch_size, trace.peak_op)
+            peak["dpo"] = preference_report(objective, runs.describe(), train, micro_batch_size, trace.peak_op)
         total = sum(parts.values())
         if method == "grpo":  # the larger of the training step and the rollouts' sampling
             from lit_qlora.model.config import PRECISION_DTYPES
@@ -158,8 +148,8 @@ def estimate(spec: Optional[EstimateSpec] = None, **settings: Any) -> dict[str, 
         searched = longest_context(lambda length: at_length(train.micro_batch_size, train.activation_checkpointing,
                                                             length, train.offload_activations)[0], budget, device)
         train = replace(train, max_seq_length=searched["max_seq_length"] or LENGTH_STEP)
-    rows = SEQUENCES_PER_PAIR if method == "dpo" else 1
-    offload, offload_reason, pinned = offload_decision(config, precision, train, device, device_total=budget, rows=rows)
+    offload, offload_reason, pinned = offload_decision(config, precision, train, device, device_total=budget,
+                                                       rows=runs.rows_per_sample)
     if searched_with_offload:  # (the flag the search set stands for the user's auto)
         offload_reason = "auto: the longest-context search traces with it on, as auto turns it on at such lengths"
     print(f"Offloaded activation checkpoints: {'on' if offload else 'off'} ({offload_reason})")
@@ -196,6 +186,23 @@ def estimate(spec: Optional[EstimateSpec] = None, **settings: Any) -> dict[str, 
     return result
 
 
+def method_for(spec: EstimateSpec, name: Optional[str]) -> Method:
+    """The method whose step the estimate traces (--method; else the one whose section the recipe has, else sft), on
+    `spec` with its section's defaults where the recipe has none; refused as its verb refuses the recipe."""
+    name = name or next((m.name for m in METHODS.values() if m.section and getattr(spec, m.section, None) is not None),
+                        "sft")
+    cls = METHODS[name]
+    if cls.section is not None and getattr(spec, cls.section) is None:
+        default = next(f for f in fields(cls.spec_class) if f.name == cls.section).default_factory()  # type: ignore[misc]
+        spec = replace(spec, **{cls.section: default})
+    message = cls.refusal(spec)
+    if message:
+        raise InvalidInput(f"--method {name}: {message}")
+    method = cls(spec)
+    method.check_section()
+    return method
+
+
 def batch_size(micro_batch_size: int, method: str) -> str:
     """A micro-batch as the report names it: sequences for sft, pairs (of two sequences each) for dpo."""
     if method == "dpo":
@@ -203,10 +210,9 @@ def batch_size(micro_batch_size: int, method: str) -> str:
     return str(micro_batch_size)
 
 
-def preference_report(step: PreferenceStep, train: TrainArgs, pairs: int, peak_operation: str) -> dict[str, Any]:
+def preference_report(step: PreferenceStep, objective: str, train: TrainArgs, pairs: int, peak_operation: str
+                      ) -> dict[str, Any]:
     """estimate.json's `dpo` section: the objective, the step's sequences, and what the reference costs."""
-    from lit_qlora.preference.command import describe
-
     when = reference_pass(step.dpo)
     if when is None:
         model = "none: ORPO is reference-free"
@@ -215,7 +221,7 @@ def preference_report(step: PreferenceStep, train: TrainArgs, pairs: int, peak_o
                  "the training adapter aside: a copy of the LoRA weights, in the pass's bytes)")
     else:
         model = "the same base, adapters off: +0 bytes of weights"
-    return {"objective": describe(step.dpo, train.init_adapter), "loss": step.dpo.loss,
+    return {"objective": objective, "loss": step.dpo.loss,
             "reference": step.dpo.reference if when else None, "sequences_per_micro_batch": SEQUENCES_PER_PAIR * pairs,
             "answer_tokens": "every position (the worst case, as for sft)", "reference_model": model,
             "reference_pass": when, "reference_pass_bytes": step.reference_pass_bytes,

@@ -245,8 +245,7 @@ def offload_decision(config: Config, precision: Precision, train: TrainArgs, dev
     from lit_qlora.model.offload import pinned_size
     from lit_qlora.train.offload import block_input_bytes, offload_choice
 
-    n_ckpt = train.activation_checkpointing
-    blocks = config.n_layer if n_ckpt is True else int(n_ckpt or 0)
+    blocks = train.checkpointed_blocks(config.n_layer)
     batch = micro_batch_size or train.micro_batch_size
     one = block_input_bytes(config.n_embd, 1, batch, train.max_seq_length, PRECISION_DTYPES[precision].itemsize)
     on, why = offload_choice(train.offload_activations, device == "cuda", blocks, one * blocks,
@@ -263,8 +262,8 @@ def trace_step(config: Config, quantize: Quantize, precision: Precision, lora: L
                objective: Optional[PreferenceStep | GRPOStep] = None) -> AllocationTrace:  # noqa: F821
     """Two optimizer steps of a fine-tune (each: forward, loss, backward per micro-batch, clipping, AdamW) on fake
     tensors; the trace holds the peak of allocated bytes and its categories. With `objective`, that objective's
-    micro-batch instead of the language-model loss: `litqlora dpo`'s (lit_qlora.estimate.preference.PreferenceStep:
-    micro_batch_size pairs, two sequences each) or `litqlora grpo`'s (lit_qlora.estimate.grpo.GRPOStep)."""
+    micro-batch instead of the language-model loss: `litqlora dpo`'s (lit_qlora.methods.dpo.estimate.PreferenceStep:
+    micro_batch_size pairs, two sequences each) or `litqlora grpo`'s (lit_qlora.methods.grpo.estimate.GRPOStep)."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -287,8 +286,7 @@ def trace_step(config: Config, quantize: Quantize, precision: Precision, lora: L
         stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
         model = random_base(config, quantize, dtype)
         apply_lora(model, lora.r, lora.alpha, lora.dropout, lora.targets, lora.rslora, lora_dtype)
-        n_ckpt = train.activation_checkpointing
-        model.checkpoint_blocks = config.n_layer if n_ckpt is True else int(n_ckpt or 0)
+        model.checkpoint_blocks = train.checkpointed_blocks(config.n_layer)
         if offload_decision(config, precision, train, device, batch, device_total)[0]:
             from lit_qlora.model.offload import ActivationOffload
 
@@ -297,8 +295,7 @@ def trace_step(config: Config, quantize: Quantize, precision: Precision, lora: L
         model.train()
         params = [p for p in model.parameters() if p.requires_grad]
         shapes = {(tuple(p.shape), p.dtype) for p in params}
-        optimizer = torch.optim.AdamW(params, lr=train.lr, weight_decay=train.weight_decay, betas=(0.9, 0.95),
-                                      fused=True)
+        optimizer = torch.optim.AdamW(params, **train.adamw(), fused=True)
 
         def categorize(t: torch.Tensor) -> str:
             if phase.tag is not None:

@@ -80,6 +80,15 @@ class TrainArgs:
     """Start from a finished run's adapter (its out_dir or final/; e.g. SFT before `litqlora dpo`) instead of a new
     one: its rank, alpha, targets and prompt style are taken with it."""
 
+    def checkpointed_blocks(self, n_layer: int) -> int:
+        """How many blocks (the first ones) recompute their activations in backward, of `n_layer`."""
+        n = self.activation_checkpointing
+        return n_layer if n is True else min(int(n or 0), n_layer)
+
+    def adamw(self) -> dict[str, Any]:
+        """torch.optim.AdamW's settings for the adapters (the run's and the estimate's optimizer)."""
+        return {"lr": self.lr, "weight_decay": self.weight_decay, "betas": (0.9, 0.95)}
+
     def accumulation(self, world_size: int) -> int:
         per_step = self.micro_batch_size * world_size
         if self.global_batch_size % per_step:

@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 from lit_qlora.checkpoint.download import DEFAULT_CHECKPOINT
 from lit_qlora.train.args import data_source, with_init_adapter
+from lit_qlora.train.method import Method
 from lit_qlora.train.spec import RunSpec, decide
 
 
@@ -24,26 +25,36 @@ def finetune(spec: Optional[RunSpec] = None, **settings: Any) -> dict[str, Any]:
         spec: The run's settings (lit_qlora.train.spec.RunSpec: every option of `litqlora finetune`), or its fields
             as keywords.
     """
-    return start_run(RunSpec.of(spec, settings))
+    return run_method(SFT(RunSpec.of(spec, settings)))
 
 
-def run_objective(spec: RunSpec, hooks: Any, demo_data: Path, objective: str) -> dict[str, Any]:
-    """A verb's run of its own objective (`litqlora dpo`, `litqlora grpo`): its demo data where none is given, a line
-    saying what it optimizes, `start_run`, and at the end a held-out prompt's reply before training and after."""
-    if data_source(spec.data) is None:
-        spec = replace(spec, data=replace(spec.data, path=str(demo_data)))
-    print(f"Objective: {objective}")
-    summary = start_run(spec, hooks=hooks)
-    if summary:
+class SFT(Method):
+    """Supervised fine-tuning: next-token cross-entropy on the answers (`litqlora finetune`)."""
+
+    command = staticmethod(finetune)
+
+
+def run_method(method: Method) -> dict[str, Any]:
+    """A verb's run: its method's checks, its demo data where no dataset is given, a line saying what it optimizes,
+    `start_run`, and (a method other than SFT) a held-out prompt's reply before training and after."""
+    spec = method.spec
+    if method.demo_data is not None and data_source(spec.data) is None:
+        from lit_qlora.data import files
+
+        spec = replace(spec, data=replace(spec.data, path=str(getattr(files, method.demo_data))))
+        method = type(method)(spec)
+    method.check()
+    if method.section is not None:
+        print(f"Objective: {method.describe()}")
+    summary = start_run(spec, method)
+    if summary and method.section is not None:
         from lit_qlora.train.report import print_sample_change
 
         print_sample_change(Path(spec.out_dir))
     return summary
 
-
-def start_run(spec: RunSpec, hooks: Optional[Any] = None) -> dict[str, Any]:
-    """`finetune`'s checks, resume and run, for any objective: `hooks` (lit_qlora.train.run.RunHooks) is what a verb
-    above train/ trains instead of SFT (`litqlora dpo`)."""
+def start_run(spec: RunSpec, method: Optional[Method] = None) -> dict[str, Any]:
+    """`finetune`'s checks, resume and run, for any method (lit_qlora.train.method: SFT when None)."""
 
     from lit_qlora.checkpoint.hf import require_checkpoint
     from lit_qlora.model.config import require_checkpoint_dir
@@ -81,10 +92,10 @@ def start_run(spec: RunSpec, hooks: Optional[Any] = None) -> dict[str, Any]:
     if decided.resume_from is not None:
         state = read_state(decided.resume_from)
         now = recipe(spec, decided.precision)
-        require_same_recipe(state, decided.resume_from, {**now, **(hooks.recorded() if hooks else {})})
+        require_same_recipe(state, decided.resume_from, {**now, **(method.recorded() if method else {})})
         finished = finished_summary(out_dir, state, train.max_steps)
         if finished is not None:
             return finished
         print(f"Resuming from {decided.resume_from}, after optimizer step {state.get('step', 0)}")
     print(f"Precision: {decided.precision} ({decided.precision_reason})")
-    return fit(setup(spec, decided, hooks))
+    return fit(setup(spec, decided, method))

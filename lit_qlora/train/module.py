@@ -6,7 +6,7 @@ import itertools
 import math
 import time
 from contextlib import nullcontext
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import lightning as L
 import torch
@@ -47,7 +47,7 @@ class FinetuneModule(L.LightningModule):
         # One row per optimizer step of this process: metrics.jsonl's columns plus the step's `seconds`.
         self.history: list[dict[str, Any]] = []
         self.val_loss: Optional[float] = None
-        # An objective's own numbers (lit_qlora.preference: rewards/chosen, ...): the step's, in its metrics row
+        # An objective's own numbers (lit_qlora.methods.dpo: rewards/chosen, ...): the step's, in its metrics row
         # and under train/ in the loggers; the last validation's, in its metrics row and under eval/.
         self.extra_metrics: dict[str, float] = {}
         self.routed_tokens: list[torch.Tensor] = []
@@ -140,8 +140,7 @@ class FinetuneModule(L.LightningModule):
         fused = params[0].device.type in ("cuda", "cpu") and params[0].dtype in (torch.float32, torch.bfloat16,
                                                                                   torch.float16)
         fused = fused and type(params[0]).__name__ != "DTensor"  # FSDP2 shards: the foreach path
-        optimizer = torch.optim.AdamW(params, lr=self.train_args.lr, weight_decay=self.train_args.weight_decay,
-                                      betas=(0.9, 0.95), fused=fused)
+        optimizer = torch.optim.AdamW(params, **self.train_args.adamw(), fused=fused)
         warmup, total, offset = self.train_args.warmup_steps, self.total_steps, self.start_step
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_multiplier(s + offset, warmup, total))
         return [optimizer], [scheduler]
@@ -220,21 +219,38 @@ class FinetuneModule(L.LightningModule):
     def accumulate_gradients(self, micro_batches: list[dict[str, Any]]) -> torch.Tensor:
         """Forward and backward every micro-batch; returns the step's token-weighted mean loss over all ranks."""
         targets = self.global_target_count(micro_batches).clamp(min=1)
+
+        def loss_of(mb: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+            mb_loss = self.micro_loss_sum(mb)
+            return mb_loss / targets, mb_loss.detach()
+
         # Explicit fp32: the precision plugin makes bf16 the default dtype inside steps.
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
-        # DDP and FSDP2 average gradients over ranks; scaling by the number of data-parallel ranks makes that
-        # average the sum over all ranks' tokens / global target count: one process's gradient on the global batch.
-        data_ranks = self.trainer.world_size // self.tensor_parallel_size
-        for i, mb in enumerate(micro_batches):
-            last = i == len(micro_batches) - 1
-            # Only the last micro-batch's backward reduces gradients across ranks: once per step, not per batch.
-            with nullcontext() if last else no_gradient_sync(self, self.trainer.strategy):
-                mb_loss = self.micro_loss_sum(mb)
-                self.manual_backward(mb_loss * data_ranks / targets)
-            loss_sum += mb_loss.detach()
+        for mb_loss in self.backward_each(micro_batches, loss_of):
+            loss_sum += mb_loss
         if self.tensor_parallel_size > 1:
             average_over_data(self.model, self.device_mesh["data_parallel"])
         return self.sum_over_data(loss_sum) / targets
+
+    def backward_each(self, parts: Sequence[Any], loss_of: Callable[[Any], tuple[torch.Tensor, Any]],
+                      router_aux_weight: Optional[float] = None) -> list[Any]:
+        """The step's micro-batch loop, every method's: `loss_of(part)` gives the part's share of the step's loss
+        (divided by the global batch's count) and what to keep of it, which the loop returns, one per part. With
+        `router_aux_weight`, a training router's load-balancing term of the part's forward joins its backward."""
+        # DDP and FSDP2 average gradients over ranks; scaling by the number of data-parallel ranks makes that
+        # average the sum over all ranks' parts: one process's gradient on the global batch.
+        data_ranks = self.trainer.world_size // self.tensor_parallel_size
+        kept = []
+        for i, part in enumerate(parts):
+            last = i == len(parts) - 1
+            # Only the last part's backward reduces gradients across ranks: once per step, not per micro-batch.
+            with nullcontext() if last else no_gradient_sync(self, self.trainer.strategy):
+                loss, keep = loss_of(part)
+                if router_aux_weight is not None:
+                    loss = self.with_router_aux(loss, router_aux_weight)
+                self.manual_backward(loss * data_ranks)
+            kept.append(keep)
+        return kept
 
     def record_step(self, step: int, loss: Optional[float], lr: float, grad_norm: Optional[float], tokens: int,
                     started: float, skipped: Optional[str]) -> None:

@@ -1,4 +1,4 @@
-"""What the objectives beyond SFT share (`litqlora dpo`, lit_qlora.preference; `litqlora grpo`, lit_qlora.grpo): the
+"""What the objectives beyond SFT share (`litqlora dpo`, lit_qlora.methods.dpo; `litqlora grpo`, lit_qlora.methods.grpo): the
 log-probability of given tokens under the policy, a chunk of head logits at a time, and the reference policy for
 free: the same base the policy trains on with its adapters off, or set back to the adapter the run started from."""
 

@@ -37,23 +37,9 @@ from lit_qlora.train.final import export_final
 from lit_qlora.train.offload import offload_for_run, offload_summary
 from lit_qlora.train.report import print_report
 from lit_qlora.train.resume import recipe
+from lit_qlora.train.method import Method
 from lit_qlora.train.spec import Decided, RunSpec, decide
 from lit_qlora.train.state import read_state
-
-
-@dataclass
-class RunHooks:
-    """What a verb above train/ changes in a run (`litqlora dpo`, lit_qlora.preference, passes its own; train/ never
-    imports it): the data module and the LightningModule it builds, and the settings it adds to the recipe."""
-
-    method: str = "sft"  # state.json's run and final/adapter_config.json say which
-    recipe: dict[str, Any] = field(default_factory=dict)  # its settings: part of the recipe a resume must match
-    data_module: Optional[Callable[..., Any]] = None  # as SFTDataModule(data, tokenizer, max_seq_length, micro, seed)
-    module: Optional[Callable[..., Any]] = None  # (model, data module, RunConfig) -> a FinetuneModule
-    rows_per_sample: int = 1  # sequences per sample in a forward (a preference pair: 2), for the offload decision
-
-    def recorded(self) -> dict[str, Any]:
-        return {} if self.method == "sft" else {"method": self.method, **self.recipe}
 
 
 @dataclass
@@ -70,7 +56,7 @@ class RunConfig:
     initial_val_loss: Optional[float] = None  # a resumed run's, from its checkpoint
     tied_head: bool = False  # the base's head is its embedding: `all` leaves it out (lit_qlora.lora.resolve_targets)
     prompt_style: Optional[str] = None  # the style rows were rendered in (--data.prompt_style, auto resolved)
-    hooks: RunHooks = field(default_factory=lambda: RunHooks())  # what trains: SFT, or a verb's objective
+    method: Method = field(default_factory=lambda: Method(RunSpec()))  # what trains: SFT, or another method
     initial_val_metrics: dict[str, float] = field(default_factory=dict)  # a resumed run's, from its checkpoint
     experts: bool = False  # the base is a mixture of experts: `all` names them
 
@@ -107,7 +93,7 @@ class RunConfig:
 
     def as_json(self) -> dict[str, Any]:
         """What every checkpoint's state.json records as "run": the recipe and how it was laid out on devices."""
-        return {**recipe(self.spec, self.precision), **self.hooks.recorded(),
+        return {**recipe(self.spec, self.precision), **self.method.recorded(),
                 "world_size": self.world_size, "strategy": self.strategy, "tensor_parallel": self.tensor_parallel,
                 "nf4_shards": self.nf4_shards, "compile": self.compile}
 
@@ -122,7 +108,7 @@ class RunConfig:
             "lora_dtype": lora_dtype_name, "base_model": str(Path(self.checkpoint_dir).resolve()),
             "ignore_modules": self.ignore_modules, "nf4_world_size": self.nf4_shards,
             "prompt_style": self.prompt_style,  # inference and exports format prompts as training did
-            **({"method": self.hooks.method} if self.hooks.method != "sft" else {}),
+            **({"method": self.method.name} if self.method.name != "sft" else {}),
             **({"nf4_tensor_parallel": self.tensor_parallel} if self.quantize is Quantize.NF4 and self.tensor_parallel > 1
                else {}),
         }
@@ -152,10 +138,10 @@ class Run:
         return self.config.spec.export
 
 
-def setup(spec: RunSpec, decided: Optional[Decided] = None, hooks: Optional[RunHooks] = None) -> Run:
+def setup(spec: RunSpec, decided: Optional[Decided] = None, method: Optional[Method] = None) -> Run:
     """Check the settings, load the data and the base (NF4 unless quantize=none), add LoRA, build the Trainer.
-    `decided`: what `lit_qlora.train.spec.decide` made of the spec's choices (decided here when not given); `hooks`,
-    what a verb other than finetune trains (its data and module)."""
+    `decided`: what `lit_qlora.train.spec.decide` made of the spec's choices (decided here when not given); `method`,
+    what trains (lit_qlora.train.method: SFT when None)."""
     # Lightning (and what builds on it) loads here, without transformers, matplotlib and scipy, which torchmetrics
     # would import only because they are installed (lit_qlora.train.lean_imports).
     from lit_qlora.train.lean_imports import lean_imports
@@ -163,10 +149,8 @@ def setup(spec: RunSpec, decided: Optional[Decided] = None, hooks: Optional[RunH
     with lean_imports():
         import lightning as L
 
-        from lit_qlora.train.datamodule import SFTDataModule
         from lit_qlora.train.precision import NF4Precision
         from lit_qlora.train.callbacks import HeapRelease, MetricsLog, ResumableCheckpoints, StopOnSignal
-        from lit_qlora.train.module import FinetuneModule
         from lit_qlora.train.progress import StepProgressBar, quiet_lightning
         from lit_qlora.train.loggers import build_loggers, log_settings
         from lit_qlora.train.validation import PeriodicValidation, ValidationRecord, drop_samples_after, sample_prompt
@@ -183,9 +167,8 @@ def setup(spec: RunSpec, decided: Optional[Decided] = None, hooks: Optional[RunH
     # Before anything heavy: a run that cannot write its exports should not train first.
     require_disk_space(out_dir, output_sizes(checkpoint_dir, lora, train, spec.export,
                                              ADAPTER_DTYPES[precision].itemsize))
-    hooks = hooks or RunHooks()
-    dm = (hooks.data_module or SFTDataModule)(data, Tokenizer(checkpoint_dir), train.max_seq_length,
-                                              train.micro_batch_size, spec.seed)
+    method = method or Method(spec)
+    dm = method.data_module(data, Tokenizer(checkpoint_dir), train.max_seq_length, train.micro_batch_size, spec.seed)
     dm.setup("fit")
     total_steps = total_steps_for(train, dm.samples_per_epoch())
     resume_from = decided.resume_from
@@ -197,7 +180,7 @@ def setup(spec: RunSpec, decided: Optional[Decided] = None, hooks: Optional[RunH
     base = Config.from_checkpoint(checkpoint_dir)
     config = RunConfig(spec, decided, world_size, nf4_shards_for(spec.strategy, world_size, nf4_shards),
                        resume_state.get("step", 0), total_steps, resume_state.get("initial_val_loss"),
-                       base.tie_embeddings, dm.style.name, hooks, resume_state.get("initial_val_metrics") or {},
+                       base.tie_embeddings, dm.style.name, method, resume_state.get("initial_val_metrics") or {},
                        base.n_experts > 0)
 
     checkpoints = ResumableCheckpoints(out_dir, train.save_interval, train.keep_last, total_steps, config.as_json(),
@@ -240,16 +223,14 @@ def setup(spec: RunSpec, decided: Optional[Decided] = None, hooks: Optional[RunH
     note = tied_head_note(lora.targets, config.tied_head, config.experts)
     if note and trainer.is_global_zero:
         print(note)
-    n_ckpt = train.activation_checkpointing
-    model.checkpoint_blocks = model.config.n_layer if n_ckpt is True else int(n_ckpt or 0)
+    model.checkpoint_blocks = train.checkpointed_blocks(model.config.n_layer)
     model.activation_offload, offload_reason = offload_for_run(
         train.offload_activations, trainer.strategy.root_device, model.checkpoint_blocks, model.config.n_embd,
-        train.micro_batch_size * hooks.rows_per_sample, train.max_seq_length, config.dtype)
+        train.micro_batch_size * method.rows_per_sample, train.max_seq_length, config.dtype)
     # said where it is a choice: on a GPU (a CPU run has nothing to offload to, and says nothing of it)
     if trainer.is_global_zero and trainer.strategy.root_device.type == "cuda":
         print(f"Offloaded activation checkpoints: {'on' if model.activation_offload else 'off'} ({offload_reason})")
-    module = hooks.module(model, dm, config) if hooks.module else FinetuneModule(model, train, total_steps,
-                                                                                config.start_step, compile=config.compile)
+    module = method.module(model, dm, config)
     periodic = periodic_validation(callbacks)
     module.validation_record = periodic.record if periodic else None
     keep_frozen_out_of_ddp(module)
@@ -359,7 +340,7 @@ def run_summary(run: Run) -> dict[str, Any]:
         "train_loss": history[-1]["loss"] if history else last_logged_loss(run.config.out_dir),
         "val_loss": module.val_loss,
         "initial_val_loss": module.initial_val_loss,
-        # An objective's numbers (lit_qlora.preference): the last step's, the last validation's and the first's.
+        # An objective's numbers (lit_qlora.methods.dpo): the last step's, the last validation's and the first's.
         **({k: history[-1][k] for k in module.extra_metrics if k in history[-1]} if history else {}),
         **module.val_metrics, **{f"initial_{k}": v for k, v in module.initial_val_metrics.items()},
         "tokens_per_sec": totals["steady_tokens"] / totals["steady_seconds"] if totals["steady_seconds"] else None,

@@ -3,7 +3,7 @@
 A step samples `num_generations` completions of each of its prompts on the training model (eval mode: no adapter
 dropout), scores them with the reward functions, and turns the rewards into advantages within each group; then
 forwards and backwards the completions in micro-batches of `micro_batch_size` rows, their part of the loss each
-(lit_qlora.grpo.loss). With `num_iterations` above 1, a batch of rollouts trains that many steps, against the
+(lit_qlora.methods.grpo.loss). With `num_iterations` above 1, a batch of rollouts trains that many steps, against the
 log-probabilities of the policy that sampled them. A validation scores greedy completions of the validation prompts;
 its "loss" is minus the mean reward, so best/ and early stopping keep the most rewarded adapter."""
 
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -19,11 +18,11 @@ from typing import Any, Callable, Optional
 import torch
 
 from lit_qlora.data.prompts import prompt_text
-from lit_qlora.grpo.args import GRPOArgs
-from lit_qlora.grpo.loss import StepCounts, advantages, micro_loss, token_terms
-from lit_qlora.grpo.rewards import Reward, score, total
-from lit_qlora.grpo.rollout import EAGER, Decoder, sample_group
-from lit_qlora.parallel.distributed import no_gradient_sync, reshard
+from lit_qlora.methods.grpo.args import GRPOArgs
+from lit_qlora.methods.grpo.loss import StepCounts, advantages, micro_loss, token_terms
+from lit_qlora.methods.grpo.rewards import Reward, score, total
+from lit_qlora.methods.grpo.rollout import EAGER, Decoder, sample_group
+from lit_qlora.parallel.distributed import reshard
 from lit_qlora.train.module import FinetuneModule
 from lit_qlora.train.policy import evaluating, reference_policy, token_logps
 from lit_qlora.train.validation import SAMPLES_FILE
@@ -254,13 +253,8 @@ class GRPOModule(FinetuneModule):
         totals = self.sum_over_data(torch.tensor([float(len(r.sequences)), float(sum(r.completion_lengths)),
                                                   float(len(parts))], device=self.device, dtype=torch.float64))
         counts = StepCounts(totals[0].item(), max(totals[1].item(), 1.0), totals[2].item(), g.max_completion_length)
-        data_ranks = self.trainer.world_size
-        strategy = self.trainer.strategy
-        # Only the last micro-batch's backward reduces gradients across ranks; DDP averages them, so each part is
-        # scaled by the ranks (the parts of all ranks then sum to the step's loss).
         sums = train_on(self.model, r, g, size, self.pad_id, self.device, counts,
-                        lambda last: nullcontext() if last else no_gradient_sync(self, strategy),
-                        lambda loss: self.manual_backward(self.with_router_aux(loss, 1 / len(parts)) * data_ranks))
+                        lambda parts, loss_of: self.backward_each(parts, loss_of, router_aux_weight=1 / len(parts)))
         loss_sum, kl_sum, low, high = sums
         self.count_routed_tokens()  # a mixture of experts' router load, from the step's last micro-batch
         self.extra_metrics = self.step_metrics(r, kl_sum, low, high, totals[1].clamp(min=1))
@@ -316,28 +310,30 @@ def micro_batches_of(n: int, size: int) -> list[range]:
 
 
 def train_on(model: Any, r: Rollouts, g: GRPOArgs, micro_batch_size: int, pad_id: int, device: torch.device,
-             counts: StepCounts, context: Callable[[bool], Any], backward: Callable[[torch.Tensor], None],
-             ) -> tuple[torch.Tensor, ...]:
-    """Forward and backward the rollouts' completions in micro-batches, each its part of the step's loss;
-    `context(last)` wraps each micro-batch (gradient sync on the last only), `backward` runs its backward. Returns
+             counts: StepCounts, backward_each: Callable[[list[range], Callable], list]) -> tuple[torch.Tensor, ...]:
+    """Forward and backward the rollouts' completions in micro-batches, each its part of the step's loss, through
+    `backward_each(parts, loss_of)` (FinetuneModule.backward_each: gradient sync on the last part only). Returns
     this rank's sums: the loss parts, the KL over tokens, the low- and high-clipped token counts."""
+
+    def loss_of(rows: range) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        batch = completion_batch(r, rows, pad_id, device)
+        logps = completion_logps(model, batch, g.temperature)
+        old = pad_rows(r.old_logps, rows, batch["mask"]) if r.old_logps is not None else logps.detach()
+        ref = pad_rows(r.ref_logps, rows, batch["mask"]) if r.ref_logps is not None else None
+        terms = token_terms(logps, old, ref, r.advantages[rows.start : rows.stop], batch["mask"], g.epsilon,
+                            g.eps_high, g.beta)
+        loss = micro_loss(terms, batch["mask"], g.loss_type, counts)
+        return loss, (loss.detach().float(), terms.kl.sum().double(), terms.low_clipped.sum().double(),
+                      terms.high_clipped.sum().double())
+
     loss_sum = torch.zeros((), device=device, dtype=torch.float32)
     kl_sum, low, high = (torch.zeros((), device=device, dtype=torch.float64) for _ in range(3))
-    parts = micro_batches_of(len(r.sequences), micro_batch_size)
-    for k, rows in enumerate(parts):
-        batch = completion_batch(r, rows, pad_id, device)
-        with context(k == len(parts) - 1):
-            logps = completion_logps(model, batch, g.temperature)
-            old = pad_rows(r.old_logps, rows, batch["mask"]) if r.old_logps is not None else logps.detach()
-            ref = pad_rows(r.ref_logps, rows, batch["mask"]) if r.ref_logps is not None else None
-            terms = token_terms(logps, old, ref, r.advantages[rows.start : rows.stop], batch["mask"], g.epsilon,
-                                g.eps_high, g.beta)
-            loss = micro_loss(terms, batch["mask"], g.loss_type, counts)
-            backward(loss)
-        loss_sum += loss.detach().float()
-        kl_sum += terms.kl.sum().double()
-        low += terms.low_clipped.sum().double()
-        high += terms.high_clipped.sum().double()
+    for part_loss, kl, part_low, part_high in backward_each(micro_batches_of(len(r.sequences), micro_batch_size),
+                                                             loss_of):
+        loss_sum += part_loss
+        kl_sum += kl
+        low += part_low
+        high += part_high
     return loss_sum, kl_sum, low, high
 
 

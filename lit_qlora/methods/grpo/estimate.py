@@ -31,7 +31,7 @@ DECODE_BYTES_PER_LOGIT = 4 + 4 + 4 + 8
 
 class GRPOStep:
     """`litqlora grpo`'s training micro-batch on fake tensors, for `trace_step` (the interface of
-    lit_qlora.estimate.preference.PreferenceStep): `prepare` (under the fake mode, before the trace counts),
+    lit_qlora.methods.dpo.estimate.PreferenceStep): `prepare` (under the fake mode, before the trace counts),
     `before_training`, `loss` and `backward` (inside it)."""
 
     def __init__(self, grpo: Any) -> None:
@@ -58,8 +58,8 @@ class GRPOStep:
         `fixed_pass_bytes` is what it allocates above what was live (the sampling phase's other candidate)."""
         import torch
 
-        from lit_qlora.estimate.preference import _peak_within, every_position_trained
-        from lit_qlora.grpo.module import completion_logps
+        from lit_qlora.methods.dpo.estimate import _peak_within, every_position_trained
+        from lit_qlora.methods.grpo.module import completion_logps
 
         if not (self.grpo.beta or self.grpo.num_iterations > 1):
             return
@@ -74,9 +74,9 @@ class GRPOStep:
         """One micro-batch's part of the step's loss, as `train_on` builds it."""
         import torch
 
-        from lit_qlora.estimate.preference import every_position_trained
-        from lit_qlora.grpo.loss import StepCounts, micro_loss, token_terms
-        from lit_qlora.grpo.module import completion_logps
+        from lit_qlora.methods.dpo.estimate import every_position_trained
+        from lit_qlora.methods.grpo.loss import StepCounts, micro_loss, token_terms
+        from lit_qlora.methods.grpo.module import completion_logps
 
         model, batch, rows, completion, phase = self._args
         g = self.grpo
@@ -90,7 +90,7 @@ class GRPOStep:
             return micro_loss(terms, batch["mask"], g.loss_type, counts)
 
     def backward(self, loss: Any) -> None:
-        from lit_qlora.estimate.preference import every_position_trained
+        from lit_qlora.methods.dpo.estimate import every_position_trained
 
         with every_position_trained():
             loss.backward()
@@ -127,8 +127,7 @@ def sampling_phase(config: Any, grpo: Any, by_category: dict[str, int], max_seq_
 
 def render_grpo(result: dict[str, Any]) -> list[str]:
     """The report's lines on a grpo run: both phases and which sets the peak."""
-    from lit_qlora.estimate.cards import GiB
-
+    GiB = 2**30
     g = result["grpo"]
     return ["", f"Method grpo: {g['num_generations']} completions per prompt; the peak is the larger of two phases",
             f"  training: micro-batch {result['micro_batch_size']} completions of {result['max_seq_length']} tokens "

@@ -6,14 +6,12 @@ global batch), so an accumulated or distributed step equals one large batch, as 
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from typing import Any, Optional
 
 import torch
 
-from lit_qlora.parallel.distributed import no_gradient_sync
-from lit_qlora.preference.loss import Objective, PairSums, answer_logps, pair_sums
-from lit_qlora.preference.reference import Reference
+from lit_qlora.methods.dpo.loss import Objective, PairSums, answer_logps, pair_sums
+from lit_qlora.methods.dpo.reference import Reference
 from lit_qlora.train.module import FinetuneModule
 
 # The validation's names: TRL's, as its Trainer logs an evaluation (eval_ + the training name).
@@ -45,16 +43,13 @@ class PreferenceModule(FinetuneModule):
     def accumulate_gradients(self, micro_batches: list[dict[str, Any]]) -> torch.Tensor:
         pairs = self.sum_over_data(self._scalar(sum(len(mb["index"]) for mb in micro_batches)))
         tokens = self.sum_over_data(self._scalar(sum(chosen_tokens(mb) for mb in micro_batches))).clamp(min=1)
-        data_ranks = self.trainer.world_size // self.tensor_parallel_size
-        step_sums = []
-        for i, mb in enumerate(micro_batches):
-            last = i == len(micro_batches) - 1
-            with nullcontext() if last else no_gradient_sync(self, self.trainer.strategy):
-                sums = self.micro_sums(mb, "train")
-                self.count_routed_tokens()  # a mixture of experts' router load (FinetuneModule)
-                loss = self.with_router_aux(sums.pair_loss / pairs + sums.nll_sum / tokens, 1 / len(micro_batches))
-                self.manual_backward(loss * data_ranks)
-            step_sums.append(sums)
+
+        def loss_of(mb: dict[str, Any]) -> tuple[torch.Tensor, PairSums]:
+            sums = self.micro_sums(mb, "train")
+            self.count_routed_tokens()  # a mixture of experts' router load (FinetuneModule)
+            return sums.pair_loss / pairs + sums.nll_sum / tokens, sums
+
+        step_sums = self.backward_each(micro_batches, loss_of, router_aux_weight=1 / len(micro_batches))
         loss, self.extra_metrics = self.reduce(step_sums)
         return loss
 

@@ -1,4 +1,4 @@
-"""The step `litqlora estimate --method dpo` traces: `litqlora dpo`'s (lit_qlora.preference.module), on the fake
+"""The step `litqlora estimate --method dpo` traces: `litqlora dpo`'s (lit_qlora.methods.dpo.module), on the fake
 tensors of `estimate.step.trace_step`.
 
 A micro-batch of B pairs is one forward and backward of B rows (each its prompt once, then its chosen and rejected
@@ -20,7 +20,7 @@ import functools
 from contextlib import contextmanager
 from typing import Any, Iterator, Optional
 
-from lit_qlora.preference.args import DPOArgs
+from lit_qlora.methods.dpo.args import DPOArgs
 
 # torch and the preference package's step are imported inside the functions: the CLI imports `estimate` to build
 # `--help` (lit_qlora.cli.commands says why and how).
@@ -54,7 +54,7 @@ class PreferenceStep:
         import torch
 
         from lit_qlora.lora.layer import lora_modules
-        from lit_qlora.preference.loss import Objective
+        from lit_qlora.methods.dpo.loss import Objective
 
         dpo = self.dpo
         row = SEQUENCES_PER_PAIR * length
@@ -84,7 +84,7 @@ class PreferenceStep:
         and chosen tokens standing for the global batch's: the scale does not change what is allocated)."""
         import torch
 
-        from lit_qlora.preference.loss import answer_logps, pair_sums
+        from lit_qlora.methods.dpo.loss import answer_logps, pair_sums
 
         model, batch, _, objective, pairs, phase, _ = self._args
         reference = None
@@ -103,7 +103,7 @@ class PreferenceStep:
             loss.backward()
 
     def _reference(self) -> Any:
-        from lit_qlora.preference.reference import reference_logps
+        from lit_qlora.methods.dpo.reference import reference_logps
 
         model, batch, start, _, _, phase, trace = self._args
         phase.phase = "reference"

@@ -20,16 +20,10 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from lit_qlora.preference.args import DPO_LOSSES, DPOArgs
+from lit_qlora.methods.dpo.args import DPO_LOSSES, METRICS, ORPO_METRICS, DPOArgs
 from lit_qlora.train.policy import token_logps
 
 
-# metrics.jsonl's keys, TRL's names (and logps/accuracies: the share of pairs whose chosen answer the policy itself
-# finds likelier, which, unlike the rewards, means something before the first step): summed over pairs, then divided
-# by the pair count.
-METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
-           "logps/rejected", "logps/accuracies")
-ORPO_METRICS = ("nll_loss", "log_odds_ratio")
 
 
 @dataclass(frozen=True)
@@ -63,12 +57,18 @@ class Objective:
 def answer_logps(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Per answer of a PairCollate batch (B pairs: chosen answers 0..B-1, rejected B..2B-1): the summed
     log-probability (fp32) of its trained tokens, and how many there are. One forward of the B rows (each prompt once,
-    its two answers as branches); only the trained tokens' hidden states go through the head, a chunk at a time."""
+    its two answers as branches)."""
+    return sequence_logps(model, batch, 2 * batch["index"].numel())
+
+
+def sequence_logps(model, batch: dict[str, torch.Tensor], count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per sequence 0..count-1 of a batch laid out as PairCollate lays it (`src`, `tgt`, `seq`): the summed
+    log-probability (fp32) of its trained tokens, and how many there are. One forward; only the trained tokens'
+    hidden states go through the head, a chunk at a time."""
     hidden = model.forward_hidden(batch["input_ids"], positions=batch.get("positions"))
     hidden = hidden.reshape(-1, hidden.size(-1))[batch["src"]]
     logps = token_logps(model, hidden, batch["tgt"])
-    answers = 2 * batch["index"].numel()
-    zeros = torch.zeros(answers, device=hidden.device, dtype=torch.float32)
+    zeros = torch.zeros(count, device=hidden.device, dtype=torch.float32)
     return zeros.index_add(0, batch["seq"], logps), zeros.index_add(0, batch["seq"], torch.ones_like(logps))
 
 

@@ -26,9 +26,16 @@ DPO_LOSSES = {
     "ipo": LossKind("IPO", uses_reference=True, mean_logps=True, label_smoothing=False),
     "orpo": LossKind("ORPO", uses_reference=False, mean_logps=True, label_smoothing=False),
 }
-"""The registry of `--dpo.loss` choices (their formulas: lit_qlora.preference.loss.pair_sums)."""
+"""The registry of `--dpo.loss` choices (their formulas: lit_qlora.methods.dpo.loss.pair_sums)."""
 
 DPOLossName = Literal[tuple(DPO_LOSSES)]  # type: ignore[valid-type]
+
+# metrics.jsonl's keys, TRL's names (and logps/accuracies: the share of pairs whose chosen answer the policy itself
+# finds likelier, which, unlike the rewards, means something before the first step): summed over pairs, then divided
+# by the pair count.
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+           "logps/rejected", "logps/accuracies")
+ORPO_METRICS = ("nll_loss", "log_odds_ratio")
 
 
 @dataclass

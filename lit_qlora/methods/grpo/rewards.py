@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from lit_qlora.base.errors import UserError
-from lit_qlora.grpo.builtin_rewards import (BUILTINS, DEFAULT_FORMAT_PATTERN, completion_text, content_text,
+from lit_qlora.methods.grpo.builtin_rewards import (BUILTINS, DEFAULT_FORMAT_PATTERN, completion_text, content_text,
                                             format_reward_with)
 
 

@@ -8,11 +8,11 @@ from pathlib import Path
 from typing import ClassVar, Literal, Optional, Union
 
 from lit_qlora.base.errors import UserError
-from lit_qlora.grpo.builtin_rewards import DEFAULT_FORMAT_PATTERN
+from lit_qlora.methods.grpo.builtin_rewards import DEFAULT_FORMAT_PATTERN
 from lit_qlora.train.args import DataArgs
 from lit_qlora.train.spec import RunSpec
 
-# The registry of --grpo.loss_type choices: how the per-token losses of a step become one number (lit_qlora.grpo.loss).
+# The registry of --grpo.loss_type choices: how the per-token losses of a step become one number (lit_qlora.methods.grpo.loss).
 LOSS_TYPES = {
     "grpo": "each completion's token mean, averaged over completions (DeepSeekMath's GRPO: longer completions weigh "
             "less per token)",
@@ -133,9 +133,9 @@ class GRPOSpec(RunSpec):
 
     out_dir: Path = Path("out/grpo")
     """Where adapters, merged model, logs, metrics and resumable checkpoints go."""
-    strategy: Literal["auto", "ddp", "fsdp"] = "auto"  # type: ignore[assignment]
-    """auto (one device), ddp or fsdp (FSDP2), as for `litqlora finetune`; each rank samples its share of the
-    step's prompts."""
+    strategy: Literal["auto", "ddp"] = "auto"  # type: ignore[assignment]
+    """auto (one device) or ddp, as for `litqlora finetune`; each rank samples its share of the step's prompts (not
+    fsdp: lit_qlora.methods.grpo.command.GRPO.refusals says why)."""
     data: GRPODataArgs = field(default_factory=GRPODataArgs)
     """The prompts; with nothing given, the arithmetic task shipped with lit-qlora."""
     grpo: GRPOArgs = field(default_factory=GRPOArgs)

@@ -18,7 +18,7 @@ from torch import nn
 
 from lit_qlora.checkpoint.adapter import ADAPTER_WEIGHTS, find_adapter_dir
 from lit_qlora.checkpoint.files import TensorSpec, write_safetensors
-from lit_qlora.preference.loss import answer_logps
+from lit_qlora.methods.dpo.loss import answer_logps
 from lit_qlora.train.policy import reference_policy
 
 CACHE_FILE = "reference_logps.safetensors"
