@@ -93,7 +93,7 @@ def test_the_verbs_share_one_spec_and_repeat_no_parameter_list():
     assert shared <= {f.name for f in fields(DPOSpec)} and shared <= {f.name for f in fields(EstimateSpec)}
     assert {f.name for f in fields(DPOSpec)} - shared == {"dpo"}
     assert shared <= {f.name for f in fields(GRPOSpec)} and {f.name for f in fields(GRPOSpec)} - shared == {"grpo"}
-    assert {f.name for f in fields(EstimateSpec)} - shared == {"device", "device_memory", "method", "dpo", "grpo"}
+    assert {f.name for f in fields(EstimateSpec)} - shared == {"device", "device_memory", "method", "dpo", "grpo", "kto"}
 
 
 def test_a_spec_comes_from_keywords_or_as_itself_not_both():

@@ -128,7 +128,8 @@ def test_deploy_tutorial_runs_as_written(smollm2_dir, tmp_path):
 def test_preference_tutorial_runs_as_written(smollm2_dir, tmp_path):
     """tutorials/preference.md, every block in order: SFT, DPO from its adapter (the reference is that adapter: the
     first validation loss is log 2 and every reward 0; the held-out pairs' reward accuracy rises well above chance),
-    evaluate the merged result, chat with it, then the own-pairs block (conversational and implicit rows, IPO)."""
+    evaluate the merged result, chat with it, then the own-pairs block (conversational and implicit rows, IPO), and
+    KTO on the demo's unpaired rows (the held-out rewards of desirable rows rise above the undesirable ones')."""
     import json
     import math
 
@@ -137,9 +138,9 @@ def test_preference_tutorial_runs_as_written(smollm2_dir, tmp_path):
     (tmp_path / "eval").symlink_to(REPO / "eval")
     (tmp_path / "config_hub").symlink_to(REPO / "config_hub")
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    sft, dpo, evaluate, own = (subprocess.run(["bash", "-ec", block], capture_output=True, text=True, env=env,
-                                              cwd=tmp_path, timeout=1800)
-                               for block in code_blocks("preference.md", "bash"))
+    sft, dpo, evaluate, own, kto = (subprocess.run(["bash", "-ec", block], capture_output=True, text=True, env=env,
+                                                   cwd=tmp_path, timeout=1800)
+                                    for block in code_blocks("preference.md", "bash"))
     assert sft.returncode == 0, sft.stderr
     assert dpo.returncode == 0, dpo.stderr[-3000:]
     assert "reference: the base with the adapter of out/tutorial/preference/sft" in dpo.stdout
@@ -157,6 +158,11 @@ def test_preference_tutorial_runs_as_written(smollm2_dir, tmp_path):
     assert own.returncode == 0, own.stderr[-3000:]
     assert "Data: data/pairs.jsonl: 2 explicit, 2 implicit rows (detected from their columns)" in own.stdout
     assert "Objective: IPO" in own.stdout
+    assert kto.returncode == 0, kto.stderr[-3000:]
+    assert "Data: " in kto.stdout and "desirable and" in kto.stdout and "Objective: KTO, beta 0.1" in kto.stdout
+    summary = json.loads((tmp_path / "out/tutorial/preference/kto/summary.json").read_text())
+    assert summary["initial_eval_rewards/margins"] == 0 and summary["initial_val_loss"] == pytest.approx(0.5, abs=1e-4)
+    assert summary["eval_rewards/margins"] > 0, summary  # held-out desirable rows gain on undesirable ones
 
 
 @pytest.mark.slow
