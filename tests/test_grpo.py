@@ -327,7 +327,7 @@ def test_resume_after_a_kill_mid_batch_of_rollouts_is_exact(tiny_llama_dir, grpo
     (dict(grpo=dict(rewards=["no_such_reward"])), "no_such_reward"),
     (dict(grpo=dict(reward_weights=[1.0])), "--grpo.reward_weights"),
     (dict(grpo=dict(max_completion_length=64)), "--grpo.max_completion_length"),
-    (dict(compile=True), "--compile is not offered by `litqlora grpo` yet"),
+    (dict(compile=True), "`litqlora grpo` does not take --compile: its rollouts decode one token at a time"),
 ])
 def test_bad_options_are_refused_before_anything_loads(flags, message, tiny_llama_dir, grpo_data, tmp_path):
     from lit_qlora.base.errors import UserError

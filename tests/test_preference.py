@@ -547,8 +547,8 @@ def test_two_processes_equal_one_process(strategy, reference, tiny_llama_dir, pa
 # ---------------------------------------------------------------------------------------------- 8. bad input
 
 @pytest.mark.parametrize("args, message", [
-    (["--data.packing", "true"], "litqlora: error: --data.packing true packs several samples into one sequence, and "
-                                 "a preference pair is scored as a whole"),
+    (["--data.packing", "true"], "litqlora: error: `litqlora dpo` does not take --data.packing true: packing puts "
+                                 "several samples into one sequence, and a preference pair is scored as a whole"),
     (["--dpo.loss", "ipo", "--dpo.label_smoothing", "0.1"],
      "litqlora: error: --dpo.label_smoothing applies to --dpo.loss sigmoid (conservative DPO), and this run uses ipo"),
     (["--dpo.beta", "0"], "litqlora: error: --dpo.beta must be > 0"),
