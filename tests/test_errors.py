@@ -117,7 +117,7 @@ CASES = [
     ("bad-value", lambda c: finetune_args(c, "--train.activation_checkpointing", "maybe"),
      ["--train.activation_checkpointing", "expected bool or int", "'maybe'"], None),
     ("unknown-command", lambda c: ["finetun"], ["unknown command 'finetun'", "Did you mean `finetune`"], None),
-    ("no-command", lambda c: [], ["no command given", "'finetune', 'dpo', 'grpo', 'estimate'"], None),
+    ("no-command", lambda c: [], ["no command given", "'finetune', 'dpo', 'grpo', 'kto', 'estimate'"], None),
     ("bad-choice", lambda c: finetune_args(c, "--precision", "bf17"),
      ["--precision: expected one of 'auto', 'bf16-true', 'bf16-mixed', '16-mixed', '16-true', '32-true', 'bf16', "
       "'16', '32', got 'bf17'. The nearest lit-qlora takes: 'bf16'."], None),
