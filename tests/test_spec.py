@@ -17,8 +17,8 @@ from lit_qlora.base.errors import UserError
 from lit_qlora.estimate.args import EstimateSpec
 from lit_qlora.methods.grpo.args import GRPOSpec
 from lit_qlora.base.hardware import choose_precision
-from lit_qlora.methods.dpo.args import DPOArgs, DPOSpec
-from lit_qlora.train.args import LoRAArgs, TrainArgs
+from lit_qlora.methods.dpo.args import DPOArgs, DPOSpec, PairTrainArgs
+from lit_qlora.train.args import LoRAArgs
 from lit_qlora.train.spec import RunSpec, decide
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,7 +63,7 @@ def test_the_cli_builds_the_spec_once_and_the_verb_gets_it(monkeypatch, tmp_path
     (spec, settings), = received
     assert settings == {} and type(spec) is DPOSpec
     assert spec.out_dir == tmp_path and spec.lora == LoRAArgs(r=4) and spec.dpo == DPOArgs(beta=0.3)
-    assert spec.train == TrainArgs(max_steps=2) and spec.data.path == "pairs.jsonl" and spec.tensor_parallel == 1
+    assert spec.train == PairTrainArgs(max_steps=2) and spec.data.path == "pairs.jsonl" and spec.tensor_parallel == 1
 
 
 def test_a_verb_offers_its_own_group_and_not_what_it_skips(monkeypatch, capsys):

@@ -1,14 +1,15 @@
-"""The DPO demo preset, run as a user runs it, with what it reached recorded (issue 40 item 5).
+"""The DPO (or KTO) demo preset, run as a user runs it, with what it reached recorded (issue 40 item 5, issue 55).
 
-    python benchmarks/preference/dpo_demo.py [--isa native avx2] [--precision auto]
+    python benchmarks/preference/dpo_demo.py [--method dpo|kto] [--isa native avx2] [--precision auto]
 
 Runs `litqlora dpo --config config_hub/dpo/smollm2-135m/qlora.yaml` (QLoRA on the bundled SmolLM2-135M-Instruct,
-the shipped demo pairs, their held-out 10%) in an empty directory, once per ISA setting (`avx2` caps torch and our C
+the shipped demo pairs, their held-out 10%; with --method kto, `litqlora kto` on its preset and the demo's unpaired
+rows, and the held-out rows' rewards) in an empty directory, once per ISA setting (`avx2` caps torch and our C
 kernels at AVX2, lit_qlora.base.hardware.AVX2_ENV). Records, from the run's summary.json and samples.jsonl: the held-out
 pairs' reward accuracy (TRL's rewards/accuracies) and the share where the policy finds the chosen answer likelier
 (logps/accuracies), before the first step and after the last; the validation loss (log 2 before: the policy starts as
 the reference); the held-out question's greedy answer before and after; tokens/s, peak RSS and wall time.
-Results: benchmarks/preference/results/dpo_demo.json and .md, with the CPU's name and ISA flags.
+Results: benchmarks/preference/results/{dpo,kto}_demo.json and .md, with the CPU's name and ISA flags.
 """
 
 from __future__ import annotations
@@ -29,9 +30,18 @@ from benchmarks.speed.compile_speed import cpu_name  # noqa: E402
 from benchmarks.speed.demo_time import cpu_flags  # noqa: E402
 from lit_qlora.base.hardware import AVX2_ENV  # noqa: E402  (light: no torch)
 
-PRESET = ROOT / "config_hub/dpo/smollm2-135m/qlora.yaml"
-OUT = "out/dpo/smollm2-135m-qlora"  # the preset's out_dir
-KEYS = ("rewards/accuracies", "logps/accuracies", "rewards/margins", "rewards/chosen", "rewards/rejected")
+# Per method: its preset, the preset's out_dir, the held-out numbers recorded (the first three in the table), and
+# what is held out.
+METHODS = {
+    "dpo": ("config_hub/dpo/smollm2-135m/qlora.yaml", "out/dpo/smollm2-135m-qlora",
+            ("rewards/accuracies", "logps/accuracies", "rewards/margins", "rewards/chosen", "rewards/rejected"),
+            "the 43 validation pairs"),
+    "kto": ("config_hub/kto/smollm2-135m/qlora.yaml", "out/kto/smollm2-135m-qlora",
+            ("rewards/margins", "rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected"),
+            "the 43 validation rows: 23 desirable, 20 undesirable"),
+}
+METHOD = "dpo"  # set by --method
+PRESET, OUT, KEYS, HELD_OUT = ROOT / METHODS[METHOD][0], *METHODS[METHOD][1:]
 
 
 def run(isa: str, precision: str) -> dict:
@@ -41,7 +51,7 @@ def run(isa: str, precision: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         cwd = Path(tmp)
         started = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "lit_qlora.cli", "dpo", "--config", str(PRESET), "--precision",
+        subprocess.run([sys.executable, "-m", "lit_qlora.cli", METHOD, "--config", str(PRESET), "--precision",
                         precision], cwd=cwd, env=env, check=True, capture_output=True, text=True)
         wall = time.perf_counter() - started
         summary = json.loads((cwd / OUT / "summary.json").read_text())
@@ -56,10 +66,11 @@ def run(isa: str, precision: str) -> dict:
 
 
 def markdown(record: dict) -> str:
-    lines = ["# DPO demo preset (config_hub/dpo/smollm2-135m/qlora.yaml)\n",
+    flag = "" if METHOD == "dpo" else f" --method {METHOD}"
+    lines = [f"# {METHOD.upper()} demo preset ({PRESET.relative_to(ROOT)})\n",
              f"CPU: {record['cpu']} ({', '.join(record['flags'])}); torch {record['torch']}.\n",
-             "`python benchmarks/preference/dpo_demo.py` (each run from an empty directory, through `litqlora dpo`; "
-             "held out: the 43 validation pairs).\n",
+             f"`python benchmarks/preference/dpo_demo.py{flag}` (each run from an empty directory, through `litqlora "
+             f"{METHOD}`; held out: {HELD_OUT}).\n",
              "| ISA | precision | val loss | " + " | ".join(f"held-out {k}" for k in KEYS[:3])
              + " | tokens/s | peak RSS | wall |", "|" + "---|" * 9]
     for r in record["runs"]:
@@ -77,18 +88,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--isa", nargs="+", default=["native"], choices=["native", "avx2"])
     parser.add_argument("--precision", default="auto")
+    parser.add_argument("--method", default="dpo", choices=sorted(METHODS))
     args = parser.parse_args()
+    global METHOD, PRESET, OUT, KEYS, HELD_OUT
+    METHOD = args.method
+    PRESET, OUT, KEYS, HELD_OUT = ROOT / METHODS[METHOD][0], *METHODS[METHOD][1:]
     import torch
 
     results = HERE / "results"
     results.mkdir(exist_ok=True)
-    previous = results / "dpo_demo.json"
+    previous = results / f"{METHOD}_demo.json"
     kept = json.loads(previous.read_text())["runs"] if previous.is_file() else []  # other ISA settings' runs stay
     runs = [run(isa, args.precision) for isa in args.isa]
     record = {"cpu": cpu_name(), "flags": cpu_flags(), "torch": torch.__version__,
               "runs": [r for r in kept if r["isa"] not in args.isa] + runs}
-    (results / "dpo_demo.json").write_text(json.dumps(record, indent=2) + "\n")
-    (results / "dpo_demo.md").write_text(markdown(record))
+    (results / f"{METHOD}_demo.json").write_text(json.dumps(record, indent=2) + "\n")
+    (results / f"{METHOD}_demo.md").write_text(markdown(record))
     print(markdown(record))
 
 

@@ -50,7 +50,8 @@ def resolve_config(checkpoint_dir: str | Path) -> tuple[Config, str]:  # noqa: F
 
 
 def estimate(spec: Optional[EstimateSpec] = None, **settings: Any) -> dict[str, Any]:
-    """Predict a fine-tune's peak device memory per rank, by category, without weights or a GPU.
+    """Predict a training recipe's peak device memory per rank (any method: sft, dpo, grpo, kto), by category,
+    without weights or a GPU.
 
     Args:
         spec: The recipe and the card (lit_qlora.estimate.args.EstimateSpec: a finetune or dpo recipe's settings,

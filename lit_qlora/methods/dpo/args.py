@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar, Literal, Optional
+from typing import ClassVar, Literal, Optional, Union
 
 from lit_qlora.base.errors import UserError
-from lit_qlora.train.args import DataArgs
+from lit_qlora.train.args import DataArgs, TrainArgs
 from lit_qlora.train.spec import RunSpec
 
 
@@ -85,8 +85,21 @@ class PreferenceDataArgs(DataArgs):
     """explicit: `prompt`, `chosen`, `rejected` (strings, or lists of chat messages as TRL's conversational form);
     implicit: `chosen` and `rejected` only (the common start is the prompt); auto tells them apart by the columns.
     A string prompt is one user turn in the prompt style; implicit strings are raw text."""
+    columns: Optional[dict[str, str]] = None
+    """Rename columns before reading rows, e.g. {question: prompt, good: chosen, bad: rejected}."""
     packing: bool = False
     """Not for preference pairs (each pair is scored as a whole): leave it false."""
+
+
+@dataclass
+class PairTrainArgs(TrainArgs):
+    micro_batch_size: int = 4
+    """Preference pairs per forward/backward pass (a pair is one row: its prompt once, then both answers)."""
+    global_batch_size: int = 16
+    """Pairs per optimizer step; accumulates global / (micro * devices) micro-batches."""
+    max_seq_length: Union[int, Literal["auto"]] = 512
+    """A prompt with its chosen (or its rejected) answer is truncated to this many tokens, keeping the start; a pair
+    whose prompt alone fills it is left out. `litqlora estimate --device_memory SIZE` also takes auto."""
 
 
 @dataclass
@@ -99,6 +112,8 @@ class DPOSpec(RunSpec):
     """Where adapters, merged model, logs, metrics and resumable checkpoints go."""
     strategy: Literal["auto", "ddp", "fsdp"] = "auto"  # type: ignore[assignment]
     """auto (one device), ddp or fsdp (FSDP2), as for `litqlora finetune`."""
+    train: PairTrainArgs = field(default_factory=PairTrainArgs)
+    """Optimization settings; the batch sizes count pairs."""
     data: PreferenceDataArgs = field(default_factory=PreferenceDataArgs)
     """The preference pairs; with nothing given, the demo pairs shipped with lit-qlora."""
     dpo: DPOArgs = field(default_factory=DPOArgs)

@@ -9,7 +9,7 @@ from typing import ClassVar, Literal, Optional, Union
 
 from lit_qlora.base.errors import UserError
 from lit_qlora.methods.grpo.builtin_rewards import DEFAULT_FORMAT_PATTERN
-from lit_qlora.train.args import DataArgs
+from lit_qlora.train.args import DataArgs, TrainArgs
 from lit_qlora.train.spec import RunSpec
 
 # The registry of --grpo.loss_type choices: how the per-token losses of a step become one number (lit_qlora.methods.grpo.loss).
@@ -120,9 +120,23 @@ class GRPODataArgs(DataArgs):
     with the prompt style and ending where the reply starts) and any others the reward functions read (e.g.
     `answer`). Default: the arithmetic task shipped with lit-qlora (lit_qlora/data/grpo_demo.jsonl)."""
     format: Literal["auto", "prompt"] = "auto"  # type: ignore[assignment]
-    """Rows with a `prompt` column (rename yours with --data.columns, e.g. {question: prompt})."""
+    """GRPO reads one row format, a `prompt` column and the columns the rewards read: auto and prompt both mean it
+    (kept so a recipe may name it)."""
+    columns: Optional[dict[str, str]] = None
+    """Rename columns before reading rows, e.g. {question: prompt, solution: answer}."""
     packing: bool = False
     """Not for GRPO (completions are sampled per prompt): leave it false."""
+
+
+@dataclass
+class GRPOTrainArgs(TrainArgs):
+    micro_batch_size: int = 4
+    """Completions per forward/backward pass of the training step (the sampling takes a prompt's whole group)."""
+    global_batch_size: int = 16
+    """Completions per optimizer step (prompts x --grpo.num_generations); a multiple of num_generations x ranks."""
+    max_seq_length: Union[int, Literal["auto"]] = 512
+    """A prompt and its completion together: prompts longer than max_seq_length - --grpo.max_completion_length are
+    left out (not truncated: a cut prompt would ask another question), with a counted warning."""
 
 
 @dataclass
@@ -136,6 +150,8 @@ class GRPOSpec(RunSpec):
     strategy: Literal["auto", "ddp"] = "auto"  # type: ignore[assignment]
     """auto (one device) or ddp, as for `litqlora finetune`; each rank samples its share of the step's prompts (not
     fsdp: lit_qlora.methods.grpo.command.GRPO.refusals says why)."""
+    train: GRPOTrainArgs = field(default_factory=GRPOTrainArgs)
+    """Optimization settings; the batch sizes count completions."""
     data: GRPODataArgs = field(default_factory=GRPODataArgs)
     """The prompts; with nothing given, the arithmetic task shipped with lit-qlora."""
     grpo: GRPOArgs = field(default_factory=GRPOArgs)

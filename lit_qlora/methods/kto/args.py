@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import ClassVar, Literal, Optional
 
 from lit_qlora.base.errors import UserError
-from lit_qlora.train.args import DataArgs
+from lit_qlora.train.args import DataArgs, TrainArgs
 from lit_qlora.train.spec import RunSpec
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected", "kl",
@@ -46,8 +46,19 @@ class KTODataArgs(DataArgs):
     lit-qlora (lit_qlora/data/kto_demo.jsonl)."""
     format: Literal["auto"] = "auto"  # type: ignore[assignment]
     """auto: unpaired rows or preference pairs, told apart by their columns (--data.columns renames them)."""
+    columns: Optional[dict[str, str]] = None
+    """Rename columns before reading rows, e.g. {question: prompt, reply: completion, thumbs_up: label}."""
     packing: bool = False
     """Not for KTO (each row is scored with its own KL partner): leave it false."""
+
+
+@dataclass
+class KTOTrainArgs(TrainArgs):
+    micro_batch_size: int = 4
+    """Rows per forward/backward pass, at least 2: the KL estimate pairs each prompt with another row's completion
+    of the same micro-batch."""
+    global_batch_size: int = 16
+    """Rows per optimizer step; accumulates global / (micro * devices) micro-batches."""
 
 
 @dataclass
@@ -60,6 +71,8 @@ class KTOSpec(RunSpec):
     """Where adapters, merged model, logs, metrics and resumable checkpoints go."""
     strategy: Literal["auto", "ddp", "fsdp"] = "auto"  # type: ignore[assignment]
     """auto (one device), ddp or fsdp (FSDP2), as for `litqlora finetune`."""
+    train: KTOTrainArgs = field(default_factory=KTOTrainArgs)
+    """Optimization settings; the batch sizes count rows."""
     data: KTODataArgs = field(default_factory=KTODataArgs)
     """The rows; with nothing given, the demo rows shipped with lit-qlora."""
     kto: KTOArgs = field(default_factory=KTOArgs)
