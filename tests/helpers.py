@@ -33,7 +33,7 @@ def write_tiny_llama(smollm2_dir: Path, out: Path) -> Path:
 
     from lit_qlora.checkpoint.hf import copy_tokenizer_files, save_hf_checkpoint
     from lit_qlora.model.config import Config
-    from lit_qlora.deploy.export import hf_tensor_specs
+    from lit_qlora.export.hf import hf_tensor_specs
     from lit_qlora.model.transformer import Transformer
 
     config = Config.from_checkpoint(smollm2_dir).replace(

@@ -37,6 +37,7 @@ LAYERS = (
     ("lit_qlora.model", "lit_qlora.parallel"),
     ("lit_qlora.checkpoint",),
     ("lit_qlora.data",),
+    ("lit_qlora.export",),  # a fine-tune's files for other tools (HF, PEFT, GGUF), which training writes
     ("lit_qlora.deploy",),  # serves a fine-tune in the prompt format it trained in (data.inference)
     ("lit_qlora.train",),
     # the training methods beside SFT (dpo, grpo, kto) and their registry: train/'s run with their own data modules
@@ -270,6 +271,15 @@ def test_no_import_runs_back_up_but_the_listed_ones(graph):
     assert wrong_way(graph) == [], "an import may point only down the layers (docs/architecture.md)"
     listed_and_present = [pair for pair in UPWARD if pair[1] in graph.get(pair[0], ())]
     assert listed_and_present == list(UPWARD), "an UPWARD entry whose import is gone: drop it"
+
+
+def test_training_writes_its_exports_without_the_inference_commands(graph):
+    """train/ and the methods write final/ through export/ (HF, PEFT, GGUF), never through deploy/ (generate, chat,
+    serve): the commands a user serves with are not what training needs."""
+    found = sorted(f"{a} -> {b}" for a, targets in graph.items() if a.startswith(("lit_qlora.train", "lit_qlora.methods"))
+                   for b in targets if b.startswith("lit_qlora.deploy"))
+    assert found == []
+    assert any(b.startswith("lit_qlora.export") for b in graph["lit_qlora.train.final"])
 
 
 def test_the_checks_catch_a_circle_and_an_import_back_up(tmp_path):

@@ -12,7 +12,7 @@ from torch.utils._pytree import tree_leaves
 from lit_qlora.lora import layer as lora
 from lit_qlora.checkpoint.hf import load_checkpoint, save_hf_checkpoint
 from lit_qlora.checkpoint.files import CheckpointError, TensorSpec, write_safetensors
-from lit_qlora.deploy.export import hf_tensor_specs
+from lit_qlora.export.hf import hf_tensor_specs
 from lit_qlora.model.config import Config
 from lit_qlora.lora.layer import apply_lora
 from lit_qlora.model.transformer import Transformer

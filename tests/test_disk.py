@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from lit_qlora.deploy import export as export_module
+from lit_qlora.export import hf as export_module
 from lit_qlora.train.final import ExportFailed
 from lit_qlora.train.finetune import finetune
 from lit_qlora.train import disk

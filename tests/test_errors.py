@@ -23,8 +23,8 @@ def ctx(tmp_path_factory, tiny_llama_dir):
 
     from lit_qlora.checkpoint.hf import copy_tokenizer_files, load_checkpoint, save_hf_checkpoint
     from lit_qlora.model.config import Config
-    from lit_qlora.deploy.export import hf_tensor_specs
-    from lit_qlora.deploy.gguf_import import bundled_smollm2_path
+    from lit_qlora.export.hf import hf_tensor_specs
+    from lit_qlora.export.gguf_import import bundled_smollm2_path
     from lit_qlora.lora.layer import apply_lora
     from lit_qlora.checkpoint.adapter import save_adapter
     from lit_qlora.model.transformer import Transformer

@@ -2,7 +2,7 @@
 checkpoint, online NF4 + adapter against the merged checkpoint, and `litqlora evaluate` from a wheel install.
 
 The model is the tiny random Llama of conftest.py with a LoRA adapter whose B is not zero (A ~ N(0, 0.1),
-B ~ N(0, 0.2), r=4, alpha=8 on every linear), merged by `lit_qlora.deploy.export.merge` the way `litqlora merge` does
+B ~ N(0, 0.2), r=4, alpha=8 on every linear), merged by `lit_qlora.export.hf.merge` the way `litqlora merge` does
 by default: into dequant(NF4(W)), the weights QLoRA trained against, written as bf16.
 
 HFLM runs as shipped with the installed transformers 5.x: no workaround needed (it loads our directories
@@ -43,7 +43,7 @@ def parity(tiny_llama_dir, tmp_path_factory) -> SimpleNamespace:
     """base: the tiny Llama in bf16 (QLoRA quantizes the bf16 weights; a float32 base would give online
     evaluation at 32-true slightly different NF4 blocks than training and merging saw); adapter: trained-like
     LoRA on the NF4 base; merged: `merge(base, adapter)` with its defaults."""
-    from lit_qlora.deploy.export import hf_tensor_specs, merge
+    from lit_qlora.export.hf import hf_tensor_specs, merge
     from lit_qlora.lora.layer import apply_lora
     from lit_qlora.checkpoint.adapter import save_adapter
     from lit_qlora.checkpoint.loading import load_model

@@ -21,7 +21,7 @@ from helpers import random_adapter  # noqa: E402
 from lit_qlora.checkpoint.hf import copy_tokenizer_files  # noqa: E402
 from lit_qlora.model.config import HF_DEFAULTS, Config  # noqa: E402
 from lit_qlora.model.presets import PRESETS  # noqa: E402
-from lit_qlora.deploy.export import export_peft, merge  # noqa: E402
+from lit_qlora.export.hf import export_peft, merge  # noqa: E402
 from lit_qlora.model.sampling import generate  # noqa: E402
 from lit_qlora.checkpoint.loading import load_model  # noqa: E402
 from lit_qlora.lora.layer import apply_lora, lora_modules  # noqa: E402

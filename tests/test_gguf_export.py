@@ -1,4 +1,4 @@
-"""`litqlora export_gguf` (lit_qlora/deploy/gguf_export.py): files our own GGUF import reads back to the merged
+"""`litqlora export_gguf` (lit_qlora/export/gguf.py): files our own GGUF import reads back to the merged
 model's logits (f32), to the weights rounded as the type says (f16, bf16, q8_0), with the tokenizer, chat template
 and an Ollama Modelfile; what it cannot write is refused before anything is written."""
 
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from lit_qlora.deploy.gguf_export import GGUFExportError, export_gguf, permute_rope_rows
-from lit_qlora.deploy.gguf_import import convert_gguf, unpermute_rope_rows
+from lit_qlora.export.gguf import GGUFExportError, export_gguf, permute_rope_rows
+from lit_qlora.export.gguf_import import convert_gguf, unpermute_rope_rows
 from lit_qlora.checkpoint.loading import load_model
 from lit_qlora.checkpoint.tokenizer import Tokenizer
 from helpers import random_adapter  # noqa: E402
@@ -183,7 +183,7 @@ def test_a_sliding_window_llama_cpp_does_not_have_bounds_the_files_context(smoll
 def test_large_weights_are_written_a_block_of_rows_at_a_time(smollm2_dir):
     """The SmolLM2 embedding (49152 x 576) reaches the file in row blocks of at most MERGE_CHUNK_ELEMS values, Gemma
     norms come out as 1 + w, Phi-3's fused projections as their parts in row order."""
-    from lit_qlora.deploy.gguf_export import gguf_tensors
+    from lit_qlora.export.gguf import gguf_tensors
     from lit_qlora.lora.layer import MERGE_CHUNK_ELEMS
 
     model = load_model(smollm2_dir, "nf4", "32-true")
@@ -197,7 +197,7 @@ def test_large_weights_are_written_a_block_of_rows_at_a_time(smollm2_dir):
 
 @pytest.mark.parametrize("family", ["gemma3", "phi3"])
 def test_family_tensors_are_laid_out_as_llama_cpp_reads_them(family, smollm2_dir, tmp_path):
-    from lit_qlora.deploy.gguf_export import gguf_tensors
+    from lit_qlora.export.gguf import gguf_tensors
 
     kind, extra = FAMILIES[family]
     hf_checkpoint(kind, extra, tmp_path / "base", smollm2_dir)

@@ -16,8 +16,8 @@ from safetensors.torch import load_file
 
 from lit_qlora.model.config import Config
 from lit_qlora.model.presets import preset as named_preset
-from lit_qlora.deploy.gguf_import import bundled_smollm2_path, convert_gguf, unpermute_rope_rows
-from lit_qlora.deploy.gguf_tokenizer import tokenizer_from_gguf
+from lit_qlora.export.gguf_import import bundled_smollm2_path, convert_gguf, unpermute_rope_rows
+from lit_qlora.export.gguf_tokenizer import tokenizer_from_gguf
 from lit_qlora.model.transformer import Transformer
 from lit_qlora.checkpoint.tokenizer import Tokenizer
 
@@ -489,7 +489,7 @@ def test_convert_refuses_to_replace_a_checkpoint_unless_told(tmp_path: Path) -> 
 
 
 def test_convert_into_an_empty_or_new_directory_needs_no_flag(tmp_path: Path) -> None:
-    from lit_qlora.deploy.gguf_import import convert_gguf_command
+    from lit_qlora.export.gguf_import import convert_gguf_command
 
     write_tiny_llama(tmp_path / "tiny.gguf", tied=True)
     (tmp_path / "empty").mkdir()

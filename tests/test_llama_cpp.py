@@ -38,7 +38,7 @@ def llama_cpp_reply(path, prompt_text: str, max_tokens: int) -> str:
 
 
 def test_llama_cpp_answers_as_generate_at_f16_and_the_same_fact_at_q8_0(fine_tune, smollm2_dir, tmp_path):
-    from lit_qlora.deploy.gguf_export import export_gguf
+    from lit_qlora.export.gguf import export_gguf
     from lit_qlora.deploy.generate import generate_command
     from lit_qlora.checkpoint.tokenizer import Tokenizer
 
@@ -58,8 +58,8 @@ def test_llama_cpp_answers_as_generate_at_f16_and_the_same_fact_at_q8_0(fine_tun
 def test_llama_cpp_tokenizes_an_exported_sentencepiece_vocabulary_as_we_do(tmp_path, add_dummy_prefix):
     """llama.cpp's own SentencePiece tokenizer, on our export of a trained SentencePiece BPE vocabulary: the same ids
     as lit-qlora's tokenizer (and as llama.cpp on the converter-style GGUF it came from) for every test text."""
-    from lit_qlora.deploy.gguf_export import export_gguf
-    from lit_qlora.deploy.gguf_import import convert_gguf
+    from lit_qlora.export.gguf import export_gguf
+    from lit_qlora.export.gguf_import import convert_gguf
     from lit_qlora.checkpoint.tokenizer import Tokenizer
     from test_gguf_import import SPM_TEXTS, sentencepiece_gguf_vocab, train_sentencepiece, write_tiny_llama
 
@@ -111,7 +111,7 @@ def test_llama_cpp_computes_a_mixture_of_experts_exported_logits(model_type, smo
 
     from helpers import random_adapter, write_tiny_moe
     from lit_qlora.checkpoint.loading import load_model
-    from lit_qlora.deploy.gguf_export import export_gguf
+    from lit_qlora.export.gguf import export_gguf
 
     write_tiny_moe(model_type, tmp_path / "hf", vocab_size=49152, tokenizer_dir=smollm2_dir)
     model = load_model(tmp_path / "hf", "none", "32-true")

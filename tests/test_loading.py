@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from lit_qlora.checkpoint.adapter import save_adapter
 from lit_qlora.checkpoint.hf import save_hf_checkpoint
 from lit_qlora.checkpoint.loading import load_model, resolve_quantize
-from lit_qlora.deploy.export import hf_tensor_specs
+from lit_qlora.export.hf import hf_tensor_specs
 from lit_qlora.lora.layer import apply_lora, lora_state_dict, resolve_targets, tied_head
 from lit_qlora.model.config import Config, Quantize
 from lit_qlora.model.transformer import Transformer

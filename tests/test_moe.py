@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 from lit_qlora.checkpoint.loading import load_model  # noqa: E402
-from lit_qlora.deploy.export import merge  # noqa: E402
+from lit_qlora.export.hf import merge  # noqa: E402
 from lit_qlora.lora.experts import LoRAExpertLinear  # noqa: E402
 from lit_qlora.lora.layer import adapters_disabled, apply_lora, lora_modules  # noqa: E402
 from lit_qlora.model.config import Config  # noqa: E402
@@ -121,7 +121,7 @@ def _peft_keys(adapters: dict) -> dict[str, torch.Tensor]:
 def test_one_training_step_equals_transformers_with_peft_target_parameters(family, tmp_path):
     """Loss and every adapter gradient (attention and all experts) equal peft's on transformers, our adapters in
     peft's layout as `export_peft` writes them (experts through `target_parameters`)."""
-    from lit_qlora.deploy.export import peft_adapters, peft_config
+    from lit_qlora.export.hf import peft_adapters, peft_config
 
     model_type, path = family
     model = load_model(path, "none", "32-true")
@@ -379,7 +379,7 @@ print(json.dumps({{"load": peak_rss_bytes() - before, "model": module_bytes(mode
 def test_export_gguf_refuses_routing_llama_cpp_would_do_otherwise(family):
     """llama.cpp renormalizes the top-k weights for qwen3moe and Mixtral and never for OLMoE, whatever config.json
     says, and has experts in every layer: a checkpoint that differs is refused with the reason."""
-    from lit_qlora.deploy.gguf_families import refusals
+    from lit_qlora.export.gguf_families import refusals
 
     config = Config.from_checkpoint(family[1])
     if family[0] == "gpt_oss":
@@ -401,7 +401,7 @@ def test_gguf_export_stacks_each_projections_experts_as_llama_cpp_reads_them(smo
     import gguf
     import numpy as np
 
-    from lit_qlora.deploy.gguf_export import export_gguf
+    from lit_qlora.export.gguf import export_gguf
 
     for model_type, settings in FAMILIES.items():
         if model_type == "gpt_oss":

@@ -61,7 +61,7 @@ def greedy_without_cache(model, ids: list[int], n: int) -> list[int]:
 def merged_fp32(model, out: Path) -> Path:
     """The adapter merged into dequant(NF4(W)) as `litqlora merge` writes it, in fp32 (merge's files are bf16)."""
     from lit_qlora.checkpoint.hf import save_hf_checkpoint
-    from lit_qlora.deploy.export import export_config, hf_tensor_specs
+    from lit_qlora.export.hf import export_config, hf_tensor_specs
 
     return save_hf_checkpoint(out, export_config(model, True), hf_tensor_specs(model, torch.float32, merge=True),
                               dtype=torch.float32)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from lit_qlora.checkpoint.hf import save_hf_checkpoint
 from lit_qlora.model.config import Config
-from lit_qlora.deploy.export import export_peft, hf_tensor_specs, merge
+from lit_qlora.export.hf import export_peft, hf_tensor_specs, merge
 from lit_qlora.checkpoint.loading import load_model
 from lit_qlora.lora.layer import LoRALinear, apply_lora, lora_state_dict
 from lit_qlora.checkpoint.adapter import save_adapter

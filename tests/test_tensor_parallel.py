@@ -215,7 +215,7 @@ def test_qlora_tensor_parallel_export_is_the_one_process_merge(tiny_llama_dir, t
     from safetensors.torch import load_file
     from helpers import cli_run, small_data
 
-    from lit_qlora.deploy.export import merge
+    from lit_qlora.export.hf import merge
 
     data = small_data(tmp_path)
     out = tmp_path / "tp"

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from tokenizers import AddedToken, Tokenizer as Backend, decoders, models, pre_tokenizers, processors
 
-from lit_qlora.deploy.gguf_import import bundled_smollm2_path
+from lit_qlora.export.gguf_import import bundled_smollm2_path
 from lit_qlora.checkpoint.tokenizer import Tokenizer
 
 TEXTS = [

@@ -64,7 +64,7 @@ def main() -> None:
     if args.child is not None:
         return child(args.child)
     if not (args.checkpoint_dir / "config.json").is_file():
-        from lit_qlora.deploy.gguf_import import convert_gguf
+        from lit_qlora.export.gguf_import import convert_gguf
 
         convert_gguf("smollm2", args.checkpoint_dir)
     with tempfile.TemporaryDirectory() as out_dir:

@@ -91,7 +91,7 @@ def main() -> None:
     from lit_qlora.eval import SAMPLE_DATA_FILE
     from lit_qlora.eval.lm import LitQLoRALM
     from lit_qlora.eval.truthfulqa import check_truthfulqa_file, prepare_local_tasks
-    from lit_qlora.deploy.gguf_import import ensure_default_checkpoint
+    from lit_qlora.export.gguf_import import ensure_default_checkpoint
     from lit_qlora.checkpoint.tokenizer import Tokenizer
 
     checkpoint_dir = Path(args.checkpoint_dir)

@@ -150,7 +150,7 @@ def build_backend(dest: Path) -> list[str]:
 def write_tokenizer(dest: Path) -> list[str]:
     """SmolLM2's tokenizer files and config.json (converted from the bundled GGUF; the weights are dropped)."""
     from lit_qlora.checkpoint import copy_tokenizer_files
-    from lit_qlora.deploy.gguf_import import convert_gguf
+    from lit_qlora.export.gguf_import import convert_gguf
 
     dest.mkdir(parents=True)
     with tempfile.TemporaryDirectory() as tmp:

@@ -77,7 +77,7 @@ def main() -> None:
     checkpoint_dir = args.checkpoint_dir
     if checkpoint_dir is None:
         from lit_qlora.checkpoint.download import DEFAULT_CHECKPOINT
-        from lit_qlora.deploy.gguf_import import ensure_default_checkpoint
+        from lit_qlora.export.gguf_import import ensure_default_checkpoint
 
         ensure_default_checkpoint(DEFAULT_CHECKPOINT)
         checkpoint_dir = DEFAULT_CHECKPOINT

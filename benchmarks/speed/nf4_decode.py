@@ -55,7 +55,7 @@ def isa_flags() -> str:
 
 def checkpoint(path: Path) -> Path:
     if not (path / "config.json").exists():
-        from lit_qlora.deploy.gguf_import import bundled_smollm2_path, convert_gguf
+        from lit_qlora.export.gguf_import import bundled_smollm2_path, convert_gguf
 
         print(f"converting the bundled SmolLM2 into {path}", flush=True)
         convert_gguf(bundled_smollm2_path(), path)

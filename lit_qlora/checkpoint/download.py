@@ -7,7 +7,7 @@ from typing import Optional
 
 from lit_qlora.base.errors import UserError
 
-# Where the bundled SmolLM2 is converted on first use (lit_qlora.deploy.gguf_import): every command's default checkpoint.
+# Where the bundled SmolLM2 is converted on first use (lit_qlora.export.gguf_import): every command's default checkpoint.
 DEFAULT_CHECKPOINT = Path("checkpoints/SmolLM2-135M-Instruct")
 
 # What a fine-tune needs; skips other frameworks' weights and large extras. `chat_template.jinja`: where recent

@@ -33,16 +33,16 @@ def commands() -> dict[str, Command]:
     # Names of heavy types in its annotations stay text (`from __future__ import annotations`), never imported in
     # an `if TYPE_CHECKING:` block: jsonargparse executes those blocks when it reads a signature.
     from lit_qlora.deploy.chat import chat_command
-    from lit_qlora.deploy.gguf_export import export_gguf_command
+    from lit_qlora.export.gguf import export_gguf_command
     from lit_qlora.deploy.serve import serve_command
     from lit_qlora.checkpoint.download import download
     from lit_qlora.estimate.command import estimate
     from lit_qlora.eval.compare import compare
     from lit_qlora.eval.evaluate import evaluate
-    from lit_qlora.deploy.export import export_peft, merge
+    from lit_qlora.export.hf import export_peft, merge
     from lit_qlora.methods import METHODS
     from lit_qlora.deploy.generate import generate_command
-    from lit_qlora.deploy.gguf_import import convert_gguf_command
+    from lit_qlora.export.gguf_import import convert_gguf_command
 
     return {
         **{method.verb: method.command for method in METHODS.values()},  # finetune, dpo, grpo, kto

@@ -135,7 +135,7 @@ def chat_command(
     from lit_qlora.checkpoint.loading import load_model
     from lit_qlora.data.inference import trained_tokenizer
     from lit_qlora.checkpoint.download import DEFAULT_CHECKPOINT
-    from lit_qlora.deploy.gguf_import import ensure_default_checkpoint
+    from lit_qlora.export.gguf_import import ensure_default_checkpoint
     from lit_qlora.base.threads import govern_threads
 
     # Ctrl-C stops a reply (and, at the prompt, leaves) even where the chat was started with SIGINT ignored, as a

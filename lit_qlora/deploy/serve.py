@@ -75,7 +75,7 @@ def serve_command(
     from lit_qlora.data.inference import trained_tokenizer
     from lit_qlora.checkpoint.download import DEFAULT_CHECKPOINT
     from lit_qlora.checkpoint.hf import require_checkpoint
-    from lit_qlora.deploy.gguf_import import ensure_default_checkpoint
+    from lit_qlora.export.gguf_import import ensure_default_checkpoint
 
     checkpoint_dir = Path(checkpoint_dir or DEFAULT_CHECKPOINT)
     ensure_default_checkpoint(checkpoint_dir)

@@ -59,8 +59,8 @@ def output_sizes(checkpoint_dir: Path, lora, train, export, lora_bytes: int) -> 
     `lora_bytes`: bytes per adapter value (its dtype's size)."""
     import torch
 
-    from lit_qlora.deploy.export import merged_bytes, peft_bytes
-    from lit_qlora.deploy.gguf_export import gguf_data_bytes
+    from lit_qlora.export.hf import merged_bytes, peft_bytes
+    from lit_qlora.export.gguf import gguf_data_bytes
     from lit_qlora.lora.layer import apply_lora, lora_modules
     from lit_qlora.model.config import Config
     from lit_qlora.model.transformer import Transformer

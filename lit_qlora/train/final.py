@@ -1,5 +1,5 @@
-"""A fine-tune's final/ directory: its adapter, the merged model and the PEFT adapter (lit_qlora.deploy.export) and,
-when asked, a GGUF file (lit_qlora.deploy.gguf_export); an export that fails keeps the adapter and says how to finish.
+"""A fine-tune's final/ directory: its adapter, the merged model and the PEFT adapter (lit_qlora.export.hf) and,
+when asked, a GGUF file (lit_qlora.export.gguf); an export that fails keeps the adapter and says how to finish.
 """
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from lit_qlora.deploy.export import export_config, hf_tensor_specs, write_peft_adapter
+from lit_qlora.export.hf import export_config, hf_tensor_specs, write_peft_adapter
 from lit_qlora.base.errors import UserError
 
 
@@ -17,7 +17,7 @@ def export_final(model: nn.Module, final_dir: Path, checkpoint_dir: Path, adapte
     """A fine-tune's final/: adapter.safetensors (+ adapter_config.json), merged/ (Hugging Face, bf16; unless
     `merged` is false) and peft/ (unless `peft` is false), streamed from the trained model. `adapter`: its tensors
     when already gathered (`full_lora_state_dict`). `gguf`: a GGUF type (--export.gguf): model-<type>.gguf and an
-    Ollama Modelfile too (lit_qlora.deploy.gguf_export).
+    Ollama Modelfile too (lit_qlora.export.gguf).
 
     final/ is complete or absent: it is built as .final.tmp beside it and swapped in by renames when whole
     (`replace_dir`), so a run killed while exporting leaves no half-written final/ that a user could take for a
@@ -69,7 +69,7 @@ def _export_parts(model: nn.Module, staging: Path, checkpoint_dir: Path, adapter
     if peft:
         write_peft_adapter(model, adapter_config, staging / "peft", str(Path(checkpoint_dir).resolve()))
     if gguf:
-        from lit_qlora.deploy.gguf_export import write_gguf
+        from lit_qlora.export.gguf import write_gguf
 
         write_gguf(model, Path(checkpoint_dir), staging / f"model-{gguf}.gguf", gguf, chat_template=template)
 

@@ -78,7 +78,7 @@ def start_run(spec: RunSpec, method: Optional[Method] = None) -> dict[str, Any]:
     lora, data = with_init_adapter(spec.lora, data, train.init_adapter)  # a missing adapter: a clear error now
     spec = replace(spec, lora=lora, data=data)
     if spec.export.gguf and not default:
-        from lit_qlora.deploy.gguf_export import require_exportable
+        from lit_qlora.export.gguf import require_exportable
         from lit_qlora.lora.layer import resolve_targets
 
         from lit_qlora.model.config import Config

@@ -20,7 +20,7 @@ from lit_qlora.checkpoint.adapter import full_lora_state_dict, load_adapter
 from lit_qlora.checkpoint.files import atomic_write_text
 from lit_qlora.checkpoint.loading import load_model
 from lit_qlora.checkpoint.tokenizer import Tokenizer
-from lit_qlora.deploy.gguf_import import ensure_default_checkpoint
+from lit_qlora.export.gguf_import import ensure_default_checkpoint
 from lit_qlora.train.guards import oom_advice
 from lit_qlora.lora.layer import apply_lora, resolve_targets, tied_head_note
 from lit_qlora.memory.accounting import peak_memory_stats, release_free_memory

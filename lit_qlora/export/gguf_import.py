@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 from lit_qlora.checkpoint.download import DEFAULT_CHECKPOINT
-from lit_qlora.deploy.gguf_tokenizer import tokenizer_from_gguf
+from lit_qlora.export.gguf_tokenizer import tokenizer_from_gguf
 from lit_qlora.base.errors import InvalidInput, MissingFile
 
 # numpy, torch and the checkpoint code are imported inside the functions, and annotations name their types as text:
@@ -149,7 +149,7 @@ def _f32(value: float) -> float:
 def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any],
                      path: Path | str = "<gguf>") -> Config:  # noqa: F821
     from lit_qlora.model.config import Config
-    from lit_qlora.deploy.gguf_families import GEMMA_ARCHS, MODEL_TYPES, gemma_layer_types, gemma_query_scalar
+    from lit_qlora.export.gguf_families import GEMMA_ARCHS, MODEL_TYPES, gemma_layer_types, gemma_query_scalar
 
     arch = meta["general.architecture"]
 
@@ -325,7 +325,7 @@ def weight_specs(tensors: dict[str, Any], config: Config, dtype: torch.dtype, pa
     import torch
 
     from lit_qlora.checkpoint.files import TensorSpec
-    from lit_qlora.deploy.gguf_families import ARCHITECTURES, hf_name, is_norm, norm_offset, permutes_rope_rows
+    from lit_qlora.export.gguf_families import ARCHITECTURES, hf_name, is_norm, norm_offset, permutes_rope_rows
 
     arch = ARCHITECTURES[config.model_type]
     expected = expected_shapes(config)

@@ -10,7 +10,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Optional
 
-from lit_qlora.deploy.gguf_families import GGUFExportError
+from lit_qlora.export.gguf_families import GGUFExportError
 from lit_qlora.base.errors import InvalidInput
 
 # -- from GGUF metadata (import) --------------------------------------------------------------------------------

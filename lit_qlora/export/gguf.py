@@ -27,9 +27,9 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Literal, Optional
 
-from lit_qlora.deploy.gguf_families import (ARCHITECTURES, GGUFExportError, context_length, gguf_name, is_norm,
+from lit_qlora.export.gguf_families import (ARCHITECTURES, GGUFExportError, context_length, gguf_name, is_norm,
                                             norm_offset, permutes_rope_rows, refusals)
-from lit_qlora.deploy.gguf_tokenizer import tokenizer_metadata
+from lit_qlora.export.gguf_tokenizer import tokenizer_metadata
 
 # torch, numpy and gguf are imported inside the functions: the CLI imports this module to build --help.
 
@@ -74,7 +74,7 @@ def export_gguf(checkpoint_dir: Path, out: Path, adapter_dir: Optional[Path] = N
 
 def gguf_config(model, merged: bool):
     """The config written: the model's, untied where a merged adapter changed a tied head (export.export_config)."""
-    from lit_qlora.deploy.export import export_config
+    from lit_qlora.export.hf import export_config
 
     return export_config(model, merged=merged)
 
@@ -167,7 +167,7 @@ def gguf_tensors(model, config, arch: str, merged: bool) -> list[tuple[str, tupl
     import numpy as np
     import torch
 
-    from lit_qlora.deploy.export import hf_tensor_specs
+    from lit_qlora.export.hf import hf_tensor_specs
     from lit_qlora.model.hf_layout import experts_plan, fuse_plan
 
     specs = {spec.name: spec for spec in hf_tensor_specs(model, torch.float32, merge=merged)}
