@@ -282,6 +282,18 @@ def test_training_writes_its_exports_without_the_inference_commands(graph):
     assert any(b.startswith("lit_qlora.export") for b in graph["lit_qlora.train.final"])
 
 
+def test_no_test_module_imports_another():
+    """Shared test code lives in tests/helpers.py (plain functions) and tests/conftest.py (fixtures): a test module
+    that imported another would run that module's imports and fixtures, and tie the two together."""
+    found = []
+    for path in sorted((REPO / "tests").glob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            found += [f"{path.name}:{node.lineno} {name}" for name in names if name.split(".")[0].startswith("test_")]
+    assert found == []
+
+
 def test_the_checks_catch_a_circle_and_an_import_back_up(tmp_path):
     """Hidden in a function, a circle still counts; so does a low package importing a high one."""
     root = tmp_path / "pkg"

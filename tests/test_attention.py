@@ -19,8 +19,7 @@ from lit_qlora.model.config import Config, Quantize
 from lit_qlora.data.sft import Collate, pack
 from lit_qlora.lora.layer import apply_lora
 
-from test_model import CASES, reference_and_ours  # tiny random models of every family (tests/ is on sys.path)
-from test_packing import documents
+from helpers import FAMILY_CASES, packable_documents, reference_and_ours  # tiny random models of every family
 
 # Two rows of 300 tokens (more than one 128-token block, so full, partial and empty blocks all occur): documents of
 # 40, 150, 7 and 103 tokens, and of 260 tokens then 40 of padding (each padding token a document of its own).
@@ -76,7 +75,7 @@ def test_plain_causal_attention_stays_sdpa_is_causal_with_flex_on(monkeypatch):
     # KV-cache decoding keeps the dense masks
     assert isinstance(attention_mask(pos[:1], 64, 8, True, flex=True), torch.Tensor)
     # an unpacked Llama batch through the model: SDPA with is_causal and no mask, flex_attention never called
-    _, model, config = reference_and_ours(*CASES["llama-untied"])
+    _, model, config = reference_and_ours(*FAMILY_CASES["llama-untied"])
     sdpa, calls = F.scaled_dot_product_attention, []
     monkeypatch.setattr(F, "scaled_dot_product_attention",
                         lambda *a, **kw: calls.append((kw["attn_mask"], kw["is_causal"])) or sdpa(*a, **kw))
@@ -123,7 +122,7 @@ def test_a_packed_batch_through_flex_attention_equals_the_dense_path(case, check
     """Gemma 2 (soft cap on every layer, sliding and global layers) and Mistral (sliding window): logits and the
     LoRA parameters' gradients of a packed batch with flex_attention forced equal those of the dense path, with the
     blocks' activations stored or recomputed (activation checkpointing: flex_attention runs again in backward)."""
-    _, model, config = reference_and_ours(*CASES[case])
+    _, model, config = reference_and_ours(*FAMILY_CASES[case])
     assert config.sliding_window < 19  # the longest document passes the window
     apply_lora(model, r=4, alpha=8)
     model.checkpoint_blocks = config.n_layer if checkpointing else 0
@@ -131,7 +130,7 @@ def test_a_packed_batch_through_flex_attention_equals_the_dense_path(case, check
     for _name, p in model.named_parameters():
         if p.requires_grad:  # LoRA B starts at 0: make every adapter count
             p.data = torch.randn(p.shape, generator=g) * 0.1
-    batch = Collate(pad_id=0)(pack(documents(config.vocab_size), max_seq_length=30))
+    batch = Collate(pad_id=0)(pack(packable_documents(config.vocab_size), max_seq_length=30))
     flex_calls = []
     real_flex = flex.flex_attend
     monkeypatch.setattr(flex, "flex_attend", lambda *a: flex_calls.append(a[3]) or real_flex(*a))
@@ -212,14 +211,14 @@ def test_a_shape_flex_attention_cannot_lower_falls_back_once_to_the_dense_path(c
     """flex_attention that fails to compile for a shape (forced here: its forward raises, or only its backward) does
     not break the run: each shape is tried once, said once on stderr, and that forward attends with the dense mask;
     logits and the LoRA gradients of a packed, checkpointed batch equal the dense path's (fp32)."""
-    _, model, config = reference_and_ours(*CASES[case])
+    _, model, config = reference_and_ours(*FAMILY_CASES[case])
     apply_lora(model, r=4, alpha=8)
     model.checkpoint_blocks = config.n_layer
     g = torch.Generator().manual_seed(1)
     for _name, p in model.named_parameters():
         if p.requires_grad:
             p.data = torch.randn(p.shape, generator=g) * 0.1
-    batch = Collate(pad_id=0)(pack(documents(config.vocab_size), max_seq_length=30))
+    batch = Collate(pad_id=0)(pack(packable_documents(config.vocab_size), max_seq_length=30))
     monkeypatch.setattr(flex, "_flex_verdicts", {})
 
     def run():
@@ -261,14 +260,14 @@ def test_a_shape_flex_attention_cannot_lower_falls_back_once_to_the_dense_path(c
 def test_shapes_flex_attention_runs_keep_their_block_masks_and_are_tried_once(monkeypatch):
     """Where flex_attention runs, the forward keeps the BlockMask (flex_attention, O(L) memory) and the shape is tried
     once, on zeros: no random numbers drawn, so a run's dropout and data order are what they were."""
-    _, model, config = reference_and_ours(*CASES["mistral-sliding-window"])
+    _, model, config = reference_and_ours(*FAMILY_CASES["mistral-sliding-window"])
     monkeypatch.setattr(flex, "_flex_verdicts", {})
     monkeypatch.setenv(FLEX_ENV, "1")
     tries, real_try = [], flex._try_flex
     monkeypatch.setattr(flex, "_try_flex", lambda mask, shape: tries.append(shape) or real_try(mask, shape))
     flex_masks, real_flex = [], flex.flex_attend
     monkeypatch.setattr(flex, "flex_attend", lambda *a: flex_masks.append(a[3]) or real_flex(*a))
-    batch = Collate(pad_id=0)(pack(documents(config.vocab_size), max_seq_length=30))
+    batch = Collate(pad_id=0)(pack(packable_documents(config.vocab_size), max_seq_length=30))
     rng = torch.get_rng_state()
     for _ in range(2):
         model(batch["input_ids"], positions=batch["positions"]).sum().backward()

@@ -17,8 +17,7 @@ from safetensors.torch import load_file
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-from helpers import random_adapter  # noqa: E402
-from lit_qlora.checkpoint.hf import copy_tokenizer_files  # noqa: E402
+from helpers import hf_checkpoint, random_adapter, tokens  # noqa: E402
 from lit_qlora.model.config import HF_DEFAULTS, Config  # noqa: E402
 from lit_qlora.model.presets import PRESETS  # noqa: E402
 from lit_qlora.export.hf import export_peft, merge  # noqa: E402
@@ -27,7 +26,6 @@ from lit_qlora.checkpoint.loading import load_model  # noqa: E402
 from lit_qlora.lora.layer import apply_lora, lora_modules  # noqa: E402
 from lit_qlora.nf4 import count_linears, is_nf4  # noqa: E402
 
-VOCAB = 49152  # SmolLM2's tokenizer, so `litqlora finetune` can tokenize text for these models
 LINEARS = 2 * 7 + 1  # two blocks of q, k, v, o, gate, up, down, and the head
 PEFT_TARGETS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"}
 
@@ -87,31 +85,9 @@ UNREAD = {"Phi-4-mini": {"full_attn_mod", "interpolate_factor", "lm_head_bias", 
 MORE_TRAINING_ONLY = {"Phi-4-mini": {"embd_pdrop", "resid_pdrop"}}
 
 
-def hf_checkpoint(kind: str, extra: dict, out: Path, tokenizer_dir: Path | None = None):
-    """A tiny random model written by transformers (safetensors), with non-trivial norms and biases."""
-    torch.manual_seed(0)
-    shape = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=10000.0,
-                 bos_token_id=1, eos_token_id=2)
-    config = getattr(transformers, kind)(**{**shape, **extra})
-    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name or name.endswith("bias"):
-                p.add_(torch.randn_like(p) * 0.1)
-    model.save_pretrained(out, safe_serialization=True)
-    if tokenizer_dir is not None:
-        copy_tokenizer_files(tokenizer_dir, out)
-    return model
-
-
 def tied_head(checkpoint_dir: Path) -> set[str]:
     """{"lm_head"} where the checkpoint ties its head to the embedding (`--lora.targets all` then leaves it out)."""
     return {"lm_head"} if Config.from_checkpoint(checkpoint_dir).tie_embeddings else set()
-
-
-def tokens(shape: tuple[int, ...], seed: int = 2) -> torch.Tensor:
-    return torch.randint(0, VOCAB, shape, generator=torch.Generator().manual_seed(seed))
 
 
 def hf_read(hf: dict) -> dict:
@@ -248,7 +224,8 @@ def test_tensor_parallel_qlora_equals_one_process(family, tmp_path):
     """Each rank normalizes its own heads' q and k with the whole (replicated) q_norm and k_norm; Phi-3's fused
     q/k/v and gate/up, split on load, split across ranks like any other family's."""
     from helpers import spawn_ranks
-    from test_tensor_parallel import _worker, assert_equals_one_process
+    from helpers import assert_equals_one_process, tensor_parallel_worker
 
     hf_checkpoint(*FAMILIES[family], tmp_path / "hf")
-    assert_equals_one_process(spawn_ranks(_worker, 2, str(tmp_path / "hf"), "nf4", str(tmp_path / "store")))
+    assert_equals_one_process(spawn_ranks(tensor_parallel_worker, 2, str(tmp_path / "hf"), "nf4",
+                                          str(tmp_path / "store")))

@@ -16,37 +16,8 @@ from lit_qlora.export.gguf_import import convert_gguf, unpermute_rope_rows
 from lit_qlora.checkpoint.loading import load_model
 from lit_qlora.checkpoint.tokenizer import Tokenizer
 from helpers import random_adapter  # noqa: E402
-from test_families import hf_checkpoint, tokens
+from helpers import GGUF_FAMILIES, family_export, hf_checkpoint, tokens
 
-# Every family llama.cpp runs, in shapes it runs as we do (gguf_families.py): Gemma's query scale is head_dim, Gemma 2's
-# head stays tied (so its adapter leaves lm_head out), Gemma 3's six layers slide but the last.
-NO_HEAD = ["q", "k", "v", "o", "gate", "up", "down"]
-FAMILIES = {"llama": ("LlamaConfig", dict(tie_word_embeddings=False)),
-            "mistral": ("MistralConfig", dict(sliding_window=None, tie_word_embeddings=False)),
-            "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
-            "qwen3": ("Qwen3Config", dict(tie_word_embeddings=False, head_dim=32)),
-            "gemma2": ("Gemma2Config", dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=4,
-                                            attn_logit_softcapping=0.5, final_logit_softcapping=3.0)),
-            "gemma3": ("Gemma3TextConfig", dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=4,
-                                                num_hidden_layers=6, tie_word_embeddings=False)),
-            "phi3": ("Phi3Config", dict(pad_token_id=0, tie_word_embeddings=False)),
-            # Phi-4-mini's RoPE: partial, longrope (its long factors past 16 tokens)
-            "phi3-longrope": ("Phi3Config", dict(partial_rotary_factor=0.5, original_max_position_embeddings=16,
-                                                 pad_token_id=0, tie_word_embeddings=True,
-                                                 rope_scaling={"type": "longrope",
-                                                               "short_factor": [1.0, 1.5, 2.0, 3.0],
-                                                               "long_factor": [2.0, 5.0, 9.0, 20.0]}))}
-
-
-def family_export(family: str, quantize: str, tmp_path, smollm2_dir, dtype: str = "f32"):
-    """A tiny random model of `family` with a random adapter: (base dir, adapter dir, the merged model, the GGUF)."""
-    kind, extra = FAMILIES[family]
-    hf_checkpoint(kind, extra, tmp_path / "base", smollm2_dir)
-    model = load_model(tmp_path / "base", quantize, "32-true")
-    adapter = random_adapter(model, tmp_path / "adapter", quantize, NO_HEAD if family == "gemma2" else ["all"])
-    merged = load_model(tmp_path / "base", quantize, "32-true", adapter_dir=adapter)
-    path = export_gguf(tmp_path / "base", tmp_path / "model.gguf", adapter_dir=adapter, dtype=dtype)
-    return tmp_path / "base", adapter, merged, path
 TEXTS = ["Hello world! 12345 What's the capital of France?", "<|im_start|>user\nhi<|im_end|>\n",
          "  tabs\tand\nnewlines"]
 
@@ -63,7 +34,7 @@ def test_the_rope_permutation_is_the_inverse_of_the_imports():
 
 
 @pytest.mark.parametrize("quantize", ["none", "nf4"])
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", list(GGUF_FAMILIES))
 def test_f32_export_reads_back_to_the_merged_models_logits(family, quantize, smollm2_dir, tmp_path):
     _, _, merged, path = family_export(family, quantize, tmp_path, smollm2_dir)
     back = load_model(convert_gguf(path, tmp_path / "back"), "none", "32-true")
@@ -152,7 +123,7 @@ def test_a_gemma2_head_adapter_is_refused_and_finetune_says_so_before_training(s
     from lit_qlora.train.args import ExportArgs, LoRAArgs, TrainArgs
     from lit_qlora.train.finetune import finetune
 
-    kind, extra = FAMILIES["gemma2"]
+    kind, extra = GGUF_FAMILIES["gemma2"]
     hf_checkpoint(kind, extra, tmp_path / "base", smollm2_dir)
     adapter = random_adapter(load_model(tmp_path / "base", "none", "32-true"), tmp_path / "adapter", "none",
                              ["all", "lm_head"])
@@ -199,7 +170,7 @@ def test_large_weights_are_written_a_block_of_rows_at_a_time(smollm2_dir):
 def test_family_tensors_are_laid_out_as_llama_cpp_reads_them(family, smollm2_dir, tmp_path):
     from lit_qlora.export.gguf import gguf_tensors
 
-    kind, extra = FAMILIES[family]
+    kind, extra = GGUF_FAMILIES[family]
     hf_checkpoint(kind, extra, tmp_path / "base", smollm2_dir)
     model = load_model(tmp_path / "base", "none", "32-true")
     arch = {"gemma3": "gemma3", "phi3": "phi3"}[family]
@@ -257,11 +228,11 @@ def test_a_sentencepiece_vocabulary_exports_with_its_scores_and_encodes_alike(tm
     import gguf
     import sentencepiece
 
-    from test_gguf_import import SPM_TEXTS, sentencepiece_gguf_vocab, train_sentencepiece, write_tiny_llama
+    from helpers import SPM_TEXTS, sentencepiece_gguf_vocab, train_sentencepiece, write_tiny_gguf
 
     model_file = train_sentencepiece(tmp_path, add_dummy_prefix)
     sp = sentencepiece.SentencePieceProcessor(model_file=str(model_file))
-    write_tiny_llama(tmp_path / "spm.gguf", tokenizer=sentencepiece_gguf_vocab(model_file, add_dummy_prefix))
+    write_tiny_gguf(tmp_path / "spm.gguf", tokenizer=sentencepiece_gguf_vocab(model_file, add_dummy_prefix))
     source = convert_gguf(tmp_path / "spm.gguf", tmp_path / "source")
     exported = export_gguf(source, tmp_path / "exported.gguf", dtype="f32")
     fields = {name: f.contents() for name, f in gguf.GGUFReader(exported).fields.items()}

@@ -61,10 +61,10 @@ def test_llama_cpp_tokenizes_an_exported_sentencepiece_vocabulary_as_we_do(tmp_p
     from lit_qlora.export.gguf import export_gguf
     from lit_qlora.export.gguf_import import convert_gguf
     from lit_qlora.checkpoint.tokenizer import Tokenizer
-    from test_gguf_import import SPM_TEXTS, sentencepiece_gguf_vocab, train_sentencepiece, write_tiny_llama
+    from helpers import SPM_TEXTS, sentencepiece_gguf_vocab, train_sentencepiece, write_tiny_gguf
 
     model_file = train_sentencepiece(tmp_path, add_dummy_prefix)
-    write_tiny_llama(tmp_path / "spm.gguf", tokenizer=sentencepiece_gguf_vocab(model_file, add_dummy_prefix))
+    write_tiny_gguf(tmp_path / "spm.gguf", tokenizer=sentencepiece_gguf_vocab(model_file, add_dummy_prefix))
     source = convert_gguf(tmp_path / "spm.gguf", tmp_path / "source")
     ours = Tokenizer(source)
     exported = llama_cpp.Llama(model_path=str(export_gguf(source, tmp_path / "exported.gguf", dtype="f32")),
@@ -87,8 +87,8 @@ def test_llama_cpp_computes_each_familys_exported_logits(family, smollm2_dir, tm
     import numpy as np
     import torch
 
-    from test_families import tokens
-    from test_gguf_export import family_export
+    from helpers import tokens
+    from helpers import family_export
 
     _, _, merged, path = family_export(family, "none", tmp_path, smollm2_dir)
     ids = tokens((1, 24))

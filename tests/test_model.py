@@ -5,77 +5,15 @@ import torch
 
 from lit_qlora.model.config import Config
 from lit_qlora.model.presets import PRESETS
-from lit_qlora.model.hf_layout import split_fused
 from lit_qlora.model.transformer import Transformer
+
+from helpers import FAMILY_BASE, FAMILY_CASES, reference_and_ours
 
 transformers = pytest.importorskip("transformers")
 
-LLAMA3_SCALING = {
-    "rope_type": "llama3",
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 16,
-}
-
-BASE = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=5000.0)
-
-CASES = {
-    "llama-untied": ("LlamaConfig", dict(tie_word_embeddings=False)),
-    "llama-tied-llama3-rope": ("LlamaConfig", dict(tie_word_embeddings=True, rope_scaling=LLAMA3_SCALING)),
-    "llama-linear-rope-bias": ("LlamaConfig", dict(rope_scaling={"rope_type": "linear", "factor": 2.0},
-                                                   attention_bias=True, mlp_bias=True)),
-    "llama-head-dim": ("LlamaConfig", dict(head_dim=32)),
-    "mistral-sliding-window": ("MistralConfig", dict(sliding_window=5)),
-    "qwen2-qkv-bias-tied": ("Qwen2Config", dict(tie_word_embeddings=True)),
-    "qwen2-untied-llama3": ("Qwen2Config", dict(tie_word_embeddings=False, rope_scaling=LLAMA3_SCALING)),
-    "qwen3-tied": ("Qwen3Config", dict(tie_word_embeddings=True)),
-    "qwen3-untied-head-dim-bias": ("Qwen3Config", dict(tie_word_embeddings=False, head_dim=32, attention_bias=True)),
-    "gemma2": ("Gemma2Config", dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=5)),
-    "gemma2-tight-softcaps": ("Gemma2Config", dict(head_dim=32, sliding_window=7, attn_logit_softcapping=0.005,
-                                                    final_logit_softcapping=1.5, num_hidden_layers=3)),
-    # Gemma 3: a full layer between sliding ones, each kind with its own RoPE base (the full one scaled).
-    "gemma3-local-rope-scaled": ("Gemma3TextConfig", dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=5,
-                                                          num_hidden_layers=3, rope_theta=50000.0,
-                                                          rope_local_base_freq=700.0,
-                                                          rope_scaling={"rope_type": "linear", "factor": 4.0},
-                                                          layer_types=["sliding_attention", "full_attention",
-                                                                       "sliding_attention"])),
-    "gemma3-untied-softcapped": ("Gemma3TextConfig", dict(head_dim=32, sliding_window=6, tie_word_embeddings=False,
-                                                          attn_logit_softcapping=0.5, final_logit_softcapping=2.0)),
-    "phi3-sliding": ("Phi3Config", dict(sliding_window=5, bos_token_id=1, eos_token_id=2, pad_token_id=0)),
-    # Past the pretraining length (16 < 40 tokens): the long factors and sqrt(1 + ln 4 / ln 16) on cos and sin.
-    "phi3-partial-longrope": ("Phi3Config", dict(partial_rotary_factor=0.5, max_position_embeddings=64,
-                                                 original_max_position_embeddings=16, tie_word_embeddings=True,
-                                                 bos_token_id=1, eos_token_id=2, pad_token_id=0,
-                                                 rope_scaling={"type": "longrope", "short_factor": [1.0, 1.5, 2, 3],
-                                                               "long_factor": [2.0, 5.0, 9.0, 20.0]})),
-}
-
-
-def reference_and_ours(kind, extra, seed=0):
-    torch.manual_seed(seed)
-    hf_config = getattr(transformers, kind)(**{**BASE, **extra})
-    hf_config._attn_implementation = "eager"
-    hf_model = transformers.AutoModelForCausalLM.from_config(hf_config).float().eval()
-    # Non-trivial norms and biases so a wrong mapping cannot hide behind ones and zeros.
-    with torch.no_grad():
-        for name, p in hf_model.named_parameters():
-            if name.endswith("bias") or "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-    config = Config.from_hf_config(hf_config.to_dict())
-    ours = Transformer(config).eval()
-    state = dict(part for item in hf_model.state_dict().items() for part in split_fused(config, *item))
-    missing, unexpected = ours.load_state_dict(state, strict=False)
-    assert not unexpected
-    assert set(missing) <= {"lm_head.weight"}
-    return hf_model, ours, config
-
-
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", list(FAMILY_CASES))
 def test_logits_match_transformers(case):
-    kind, extra = CASES[case]
+    kind, extra = FAMILY_CASES[case]
     hf_model, ours, _ = reference_and_ours(kind, extra)
     idx = torch.randint(0, 97, (2, 40))
     with torch.no_grad():
@@ -100,7 +38,7 @@ def test_sliding_window_changes_the_result():
                                   "qwen3-untied-head-dim-bias", "gemma2", "gemma2-tight-softcaps",
                                   "gemma3-local-rope-scaled", "gemma3-untied-softcapped", "phi3-sliding"])
 def test_kv_cache_decoding_matches_full_forward(case):
-    kind, extra = CASES[case]
+    kind, extra = FAMILY_CASES[case]
     _, ours, _ = reference_and_ours(kind, extra)
     idx = torch.randint(0, 97, (2, 24))
     with torch.no_grad():
@@ -133,7 +71,7 @@ def test_unsupported_model_type_is_rejected():
 
 
 def test_qwen3_sliding_window_layers_are_refused_not_ignored():
-    hf = transformers.Qwen3Config(**BASE, use_sliding_window=True, sliding_window=8).to_dict()
+    hf = transformers.Qwen3Config(**FAMILY_BASE, use_sliding_window=True, sliding_window=8).to_dict()
     with pytest.raises(ValueError, match="use_sliding_window: true"):
         Config.from_hf_config(hf)
     assert Config.from_hf_config({**hf, "use_sliding_window": False}).qk_norm
@@ -141,7 +79,7 @@ def test_qwen3_sliding_window_layers_are_refused_not_ignored():
 
 def test_gemma2_softcaps_and_sliding_layers_change_the_result():
     """Guards the Gemma 2 cases above: capping, the (1 + w) norms and the sliding layers all matter."""
-    _, ours, config = reference_and_ours(*CASES["gemma2-tight-softcaps"])
+    _, ours, config = reference_and_ours(*FAMILY_CASES["gemma2-tight-softcaps"])
     idx = torch.randint(0, 97, (1, 30))
     with torch.no_grad():
         logits = ours(idx)
@@ -155,7 +93,7 @@ def test_gemma2_softcaps_and_sliding_layers_change_the_result():
 def test_phi3_long_factors_apply_past_the_pretraining_length_and_partial_rotary_leaves_the_rest():
     """Guards the longrope case above: within 16 tokens the short factors (transformers agrees there too), past them
     the long ones; the unrotated half of each head matters."""
-    reference, ours, config = reference_and_ours(*CASES["phi3-partial-longrope"])
+    reference, ours, config = reference_and_ours(*FAMILY_CASES["phi3-partial-longrope"])
     short_idx, long_idx = torch.randint(0, 97, (1, 12)), torch.randint(0, 97, (1, 40))
     only_short = dict(config.rope_scaling, long_factor=config.rope_scaling["short_factor"])
     with torch.no_grad():
@@ -169,7 +107,7 @@ def test_phi3_long_factors_apply_past_the_pretraining_length_and_partial_rotary_
 
 
 def test_gemma3_sliding_layers_use_their_own_rope_base():
-    _, ours, config = reference_and_ours(*CASES["gemma3-local-rope-scaled"])
+    _, ours, config = reference_and_ours(*FAMILY_CASES["gemma3-local-rope-scaled"])
     assert (config.rope_local_base, config.rope_base) == (700.0, 50000.0) and config.qk_norm and config.norm_plus_one
     idx = torch.randint(0, 97, (1, 30))
     with torch.no_grad():
@@ -182,13 +120,13 @@ def test_gemma3_sliding_layers_use_their_own_rope_base():
 def test_multimodal_gemma3_and_bidirectional_configs_get_a_clear_error():
     with pytest.raises(ValueError, match="gemma3_text"):
         Config.from_hf_config({"model_type": "gemma3", "text_config": {}})
-    hf = transformers.Gemma3TextConfig(**BASE, use_bidirectional_attention=True).to_dict()
+    hf = transformers.Gemma3TextConfig(**FAMILY_BASE, use_bidirectional_attention=True).to_dict()
     with pytest.raises(ValueError, match="use_bidirectional_attention"):
         Config.from_hf_config(hf)
 
 
 def test_longrope_factors_of_the_wrong_length_are_a_clear_error():
-    hf = transformers.Phi3Config(**BASE).to_dict()
+    hf = transformers.Phi3Config(**FAMILY_BASE).to_dict()
     hf["rope_scaling"] = {"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [1.0] * 7}
     with pytest.raises(ValueError, match="rope_scaling.long_factor needs 8 values"):
         Config.from_hf_config(hf)

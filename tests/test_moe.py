@@ -25,12 +25,12 @@ from lit_qlora.nf4 import count_linears, dequantize_nf4, is_nf4  # noqa: E402
 from lit_qlora.nf4.grouped import ExpertLinear, GroupedMM  # noqa: E402
 
 from helpers import MOE_FAMILIES as FAMILIES  # noqa: E402
-from helpers import write_tiny_moe  # noqa: E402
+from helpers import tokens, write_tiny_moe  # noqa: E402
 
 VOCAB = 256
 
-def tokens(shape: tuple[int, ...], seed: int = 2) -> torch.Tensor:
-    return torch.randint(0, VOCAB, shape, generator=torch.Generator().manual_seed(seed))
+def moe_tokens(shape: tuple[int, ...], seed: int = 2) -> torch.Tensor:
+    return tokens(shape, seed, vocab=VOCAB)
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -58,7 +58,7 @@ def test_logits_and_greedy_tokens_equal_transformers(family):
     model_type, path = family
     reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     ours = load_model(path, "none", "32-true")
-    idx = tokens((2, 24))
+    idx = moe_tokens((2, 24))
     prompt = [5, 17, 200, 42, 7]
     with torch.no_grad():
         diff = (ours(idx) - reference(idx).logits).abs().max().item()
@@ -96,7 +96,7 @@ def test_nf4_stacks_every_experts_projections_and_keeps_the_router_precise(famil
                 name = f"model.layers.{i}.self_attn.{proj}_proj.weight"
                 hf_state[name].copy_(dequantize_nf4(state[name]))
         hf_state["lm_head.weight"].copy_(dequantize_nf4(state["lm_head.weight"]))
-    idx = tokens((2, 16))
+    idx = moe_tokens((2, 16))
     with torch.no_grad():
         assert (model(idx) - reference(idx).logits).abs().max().item() <= 1e-5
 
@@ -105,7 +105,7 @@ def test_the_router_load_counts_every_tokens_top_k(family):
     model_type, path = family
     model = load_model(path, "none", "32-true")
     with torch.no_grad():
-        model(tokens((3, 10)))
+        model(moe_tokens((3, 10)))
     k = FAMILIES[model_type]["num_experts_per_tok"]
     for block in model.model.layers:
         assert block.mlp.load.shape == (8,) and block.mlp.load.sum().item() == 3 * 10 * k
@@ -145,7 +145,7 @@ def test_one_training_step_equals_transformers_with_peft_target_parameters(famil
         for name, t in expected.items():
             assert own[name].shape == t.shape, name
             own[name].copy_(t)
-    idx = tokens((2, 12))
+    idx = moe_tokens((2, 12))
     ours_loss = torch.nn.functional.cross_entropy(model.train()(idx)[:, :-1].reshape(-1, VOCAB),
                                                   idx[:, 1:].reshape(-1))
     theirs_loss = with_adapter.train()(idx, labels=idx).loss
@@ -233,7 +233,7 @@ def test_merged_export_loads_in_transformers_with_our_logits(family, tmp_path):
     model = load_model(path, "nf4", "32-true")
     adapter = random_adapter(model, tmp_path / "a", "nf4")
     assert {type(m) for m in lora_modules(model).values()} >= {LoRAExpertLinear}
-    idx = tokens((2, 12))
+    idx = moe_tokens((2, 12))
     with torch.no_grad():
         ours = model.eval()(idx)
         again = load_model(path, adapter_dir=adapter, precision="32-true")(idx)
@@ -257,7 +257,7 @@ def test_the_auxiliary_loss_equals_transformers_while_the_router_trains(family):
 
     model_type, path = family
     model = load_model(path, "none", "32-true")
-    idx = tokens((2, 10))
+    idx = moe_tokens((2, 10))
     apply_lora(model, r=4, alpha=8, dtype=torch.float32, targets=["q"])
     model.train()(idx)
     assert auxiliary_loss(model) is None  # the router does not train

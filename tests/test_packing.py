@@ -14,25 +14,11 @@ import torch.nn.functional as F
 
 import lit_qlora.model.transformer as model_module
 from lit_qlora.model.attention_mask import attention_mask, document_ids, document_lengths
-from lit_qlora.data.sft import IGNORE_INDEX, Collate, Sample, pack
+from lit_qlora.data.sft import IGNORE_INDEX, Collate, pack
 from lit_qlora.model.attention import capped_attention
 from lit_qlora.train.loss import lm_loss_sum
 
-from test_model import CASES, reference_and_ours  # tiny random models of every family (tests/ is on sys.path)
-
-DOCS = [7, 19, 4, 11, 9]  # packed into 30 tokens: [7, 19, 4] | [11, 9] + 10 padding; 19, 11 and 9 pass every window
-
-
-def documents(vocab: int, lengths=DOCS) -> list[Sample]:
-    g = torch.Generator().manual_seed(3)
-    samples = []
-    for n in lengths:
-        ids = torch.randint(3, vocab, (n,), generator=g)
-        labels = ids.clone()
-        labels[: n // 3] = IGNORE_INDEX  # a prompt
-        samples.append(Sample(ids, labels))
-    return samples
-
+from helpers import FAMILY_CASES, packable_documents, reference_and_ours  # tiny random models of every family
 
 def spans(positions: torch.Tensor, lengths: list[int]) -> list[tuple[int, int, int]]:
     """(row, start, end) of every document of a padded packed batch whose rows hold `lengths` real tokens."""
@@ -45,10 +31,10 @@ def spans(positions: torch.Tensor, lengths: list[int]) -> list[tuple[int, int, i
 
 # ---------------------------------------------------------------------------------------------- every family
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", list(FAMILY_CASES))
 def test_each_packed_document_has_its_logits_and_loss_alone(case):
-    _, model, config = reference_and_ours(*CASES[case])
-    samples = documents(config.vocab_size)
+    _, model, config = reference_and_ours(*FAMILY_CASES[case])
+    samples = packable_documents(config.vocab_size)
     packed = pack(samples, max_seq_length=30)
     assert [len(s) for s in packed] == [30, 20]
     batch = Collate(pad_id=0)(packed)
@@ -74,8 +60,8 @@ def test_each_packed_document_has_its_logits_and_loss_alone(case):
 
 
 def test_packed_positions_with_activation_checkpointing_give_the_same_gradients():
-    _, model, config = reference_and_ours(*CASES["gemma2-tight-softcaps"])
-    batch = Collate(pad_id=0)(pack(documents(config.vocab_size), max_seq_length=30))
+    _, model, config = reference_and_ours(*FAMILY_CASES["gemma2-tight-softcaps"])
+    batch = Collate(pad_id=0)(pack(packable_documents(config.vocab_size), max_seq_length=30))
     grads = []
     for blocks in (0, config.n_layer):
         model.zero_grad()
@@ -87,7 +73,7 @@ def test_packed_positions_with_activation_checkpointing_give_the_same_gradients(
 
 
 def test_packed_positions_are_refused_while_decoding():
-    _, model, _ = reference_and_ours(*CASES["llama-untied"])
+    _, model, _ = reference_and_ours(*FAMILY_CASES["llama-untied"])
     model.set_kv_cache(1, 16)
     with pytest.raises(ValueError, match="not KV-cache decoding"):
         model(torch.tensor([[5, 6]]), input_pos=torch.arange(2), positions=torch.arange(2)[None])
@@ -166,7 +152,7 @@ def test_documents_and_their_lengths_come_from_the_positions():
 # ---------------------------------------------------------------------------------------------- the data
 
 def test_pack_and_collate_carry_positions_restarting_at_each_document_and_padding_at_zero():
-    samples = documents(50, [3, 4, 2])
+    samples = packable_documents(50, [3, 4, 2])
     packed = pack(samples, max_seq_length=7)
     assert [s.positions.tolist() for s in packed] == [[0, 1, 2, 0, 1, 2, 3], [0, 1]]
     batch = Collate(pad_id=9)(packed)
@@ -178,10 +164,10 @@ def test_pack_and_collate_carry_positions_restarting_at_each_document_and_paddin
 
 
 def test_unpacked_batches_carry_no_positions_and_attend_with_plain_causal_sdpa(monkeypatch):
-    samples = documents(97, [5, 8])
+    samples = packable_documents(97, [5, 8])
     batch = Collate(pad_id=0)(samples)
     assert set(batch) == {"input_ids", "labels"}
-    _, model, _ = reference_and_ours(*CASES["llama-untied"])
+    _, model, _ = reference_and_ours(*FAMILY_CASES["llama-untied"])
     calls = []
     sdpa = F.scaled_dot_product_attention
 
