@@ -119,7 +119,7 @@ def estimate(spec: Optional[EstimateSpec] = None, **settings: Any) -> dict[str, 
             sampling = sampling_phase(config, grpo, parts, cache_len, dtype_bytes, objective.fixed_pass_bytes, kept)
             total += kept
             peak["grpo"] = {"num_generations": grpo.num_generations, "training_peak_bytes": total,
-                            "reference_pass": bool(grpo.beta), **sampling,
+                            "reference_pass": grpo.uses_reference, **sampling,
                             "sets_the_peak": "sampling" if sampling["sampling_peak_bytes"] > total else "training"}
             total = max(total, sampling["sampling_peak_bytes"])
         return total, parts, trace.host_peak, peak

@@ -72,6 +72,12 @@ class GRPOArgs:
     """The format reward's regular expression, matched from the completion's start (re.DOTALL)."""
 
     @property
+    def uses_reference(self) -> bool:
+        """Whether the KL penalty needs the reference's log-probabilities (beta > 0): a reference pass per batch of
+        rollouts, the `kl` metric and the starting adapter kept."""
+        return self.beta > 0
+
+    @property
     def eps_high(self) -> float:
         return self.epsilon if self.epsilon_high is None else self.epsilon_high
 

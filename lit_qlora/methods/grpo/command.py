@@ -68,7 +68,7 @@ class GRPO(Method):
     def describe(self) -> str:
         """What the run optimizes, in a line."""
         g, init_adapter = self.settings, self.spec.train.init_adapter
-        kl = "no KL penalty (beta 0: no reference pass)" if not g.beta else (
+        kl = "no KL penalty (beta 0: no reference pass)" if not g.uses_reference else (
             f"KL penalty beta {g.beta} to " + (f"the adapter of {init_adapter}, as the run starts from it"
                                                if init_adapter is not None else "the base with the adapters off"))
         clip = f"clip [{1 - g.epsilon:g}, {1 + g.eps_high:g}]"
@@ -91,7 +91,7 @@ class GRPO(Method):
         from lit_qlora.train.policy import starting_adapter
 
         g = self.settings
-        start = starting_adapter(config.train.init_adapter) if g.beta else None
+        start = starting_adapter(config.train.init_adapter) if g.uses_reference else None
         return GRPOModule(model, config.train, config.total_steps, config.start_step, compile=config.compile, grpo=g,
                           rewards=self.rewards(), tokenizer=dm.tokenizer,
                           reference_start=start, seed=config.seed, source=dm.source, pad_id=pad_id_of(dm.tokenizer),

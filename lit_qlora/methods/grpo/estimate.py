@@ -61,7 +61,7 @@ class GRPOStep:
         from lit_qlora.methods.dpo.estimate import _peak_within, every_position_trained
         from lit_qlora.methods.grpo.module import completion_logps
 
-        if not (self.grpo.beta or self.grpo.num_iterations > 1):
+        if not (self.grpo.uses_reference or self.grpo.num_iterations > 1):
             return
         model, batch, _, _, phase = self._args
         phase.phase = "reference"
@@ -84,7 +84,7 @@ class GRPOStep:
         with every_position_trained():  # (logsumexp allocates what its kernel does)
             logps = completion_logps(model, batch, g.temperature)
             kept = torch.zeros_like(logps)  # old and reference log-probs: kept from the rollouts, a float a token
-            terms = token_terms(logps, logps.detach() if g.num_iterations == 1 else kept, kept if g.beta else None,
+            terms = token_terms(logps, logps.detach() if g.num_iterations == 1 else kept, kept if g.uses_reference else None,
                                 torch.zeros(rows), batch["mask"], g.epsilon, g.eps_high, g.beta)
             counts = StepCounts(float(rows), float(rows * completion), 1.0, g.max_completion_length)
             return micro_loss(terms, batch["mask"], g.loss_type, counts)

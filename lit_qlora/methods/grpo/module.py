@@ -153,7 +153,7 @@ class GRPOModule(FinetuneModule):
         self.log_completions(owners, completions, per_function, rewards, step + 1)
         if g.num_iterations > 1:
             rollouts.old_logps = self.fixed_logps(rollouts, None)
-        if g.beta:
+        if g.uses_reference:
             rollouts.ref_logps = self.fixed_logps(rollouts, self.reference_start, reference=True)
         return rollouts
 
@@ -278,7 +278,7 @@ class GRPOModule(FinetuneModule):
             "clip_ratio/low_mean": (sums[3] / tokens).item(), "clip_ratio/high_mean": (sums[4] / tokens).item(),
             "clip_ratio/region_mean": ((sums[3] + sums[4]) / tokens).item(),
         })
-        if g.beta:
+        if g.uses_reference:
             metrics["kl"] = (sums[2] / tokens).item()
         return metrics
 
