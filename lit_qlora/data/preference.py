@@ -24,7 +24,7 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
-from lit_qlora.data.errors import DataError
+from lit_qlora.data.errors import DataError, row_place, unusable_rows
 from lit_qlora.data.formats import read_source, rename_columns
 from lit_qlora.data.prompts import PromptStyle, Segment, raw_segments
 from lit_qlora.data.sft import IGNORE_INDEX, ROLES, Sample, tokenize_segments
@@ -123,16 +123,6 @@ def _pair(row: Any, fmt: str) -> tuple[Optional[dict], list[str]]:
     return {"prompt": prompt + chosen[:-1], "chosen": chosen[-1]["content"], "rejected": rejected[-1]["content"]}, []
 
 
-def _rows_error(source: str, bad: dict[str, list[str]]) -> DataError:
-    def some(numbers: list[str]) -> str:
-        more = f" and {len(numbers) - 5} more" if len(numbers) > 5 else ""
-        return ("row " if len(numbers) == 1 else "rows ") + ", ".join(numbers[:5]) + more
-
-    details = "; ".join(f"{some(numbers)}: {problem}" for problem, numbers in bad.items())
-    return DataError(f"{source} has preference rows that cannot be used: {details}. {PAIR_HELP} Fix or remove those "
-                     "rows.")
-
-
 def to_pairs(rows: list, fmt: str, source: str, lines: Optional[list[int]] = None
              ) -> tuple[list[dict], dict[str, int]]:
     """Normalized pairs of `rows` and how many rows of each format there were. `fmt`: "auto" (each row by its
@@ -158,12 +148,11 @@ def to_pairs(rows: list, fmt: str, source: str, lines: Optional[list[int]] = Non
     pairs, bad = [], {}
     for index, (row, row_fmt) in enumerate(zip(rows, formats)):
         pair, problems = _pair(row, row_fmt or "implicit")  # a row auto cannot place: told what it lacks
-        where = f"{index + 1}" if lines is None or lines[index] == index + 1 else f"{index + 1} (line {lines[index]})"
         for problem in dict.fromkeys(problems):
-            bad.setdefault(problem, []).append(where)
+            bad.setdefault(problem, []).append(row_place(index, lines))
         pairs.append(pair)
     if bad:
-        raise _rows_error(source, bad)
+        raise unusable_rows(source, "preference ", bad, PAIR_HELP)
     counts: dict[str, int] = {}
     for row_fmt in formats:
         counts[row_fmt] = counts.get(row_fmt, 0) + 1
@@ -214,15 +203,17 @@ def render_pair(pair: dict, style: PromptStyle, tokenizer: Any) -> tuple[list[Se
     """The segments of prompt + chosen and of prompt + rejected. A messages pair is rendered by the prompt style, and
     every trained segment but the last is masked (earlier assistant turns of the prompt are context); a raw-text pair
     is its prompt (masked) and the answer with the tokenizer's EOS (trained), as prompt/completion rows are."""
-    out = []
-    for side in ("chosen", "rejected"):
-        if "prompt_text" in pair:
-            out.append(raw_segments({"prompt": pair["prompt_text"], "completion": pair[side]}, tokenizer))
-            continue
-        segments = style.render({"messages": [*pair["prompt"], {"role": "assistant", "content": pair[side]}]})
-        last = max(i for i, s in enumerate(segments) if s.train)
-        out.append([Segment(s.text, s.train and i == last) for i, s in enumerate(segments)])
-    return out[0], out[1]
+    return render_answer(pair, pair["chosen"], style, tokenizer), render_answer(pair, pair["rejected"], style, tokenizer)
+
+
+def render_answer(row: dict, answer: str, style: PromptStyle, tokenizer: Any) -> list[Segment]:
+    """The segments of a row's prompt (`prompt` messages or raw `prompt_text`) and `answer`, only the answer (with
+    its stop) trained: what `render_pair` renders for each side, and `litqlora kto` for its one completion."""
+    if "prompt_text" in row:
+        return raw_segments({"prompt": row["prompt_text"], "completion": answer}, tokenizer)
+    segments = style.render({"messages": [*row["prompt"], {"role": "assistant", "content": answer}]})
+    last = max(i for i, s in enumerate(segments) if s.train)
+    return [Segment(s.text, s.train and i == last) for i, s in enumerate(segments)]
 
 
 def tokenize_pairs(pairs: Sequence[dict], style: PromptStyle, tokenizer: Any, max_seq_length: int

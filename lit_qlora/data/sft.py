@@ -14,7 +14,7 @@ from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
-from lit_qlora.data.errors import DataError
+from lit_qlora.data.errors import DataError, row_place, unusable_rows
 from lit_qlora.data.files import FORMAT_HELP, read_rows
 from lit_qlora.data.formats import read_source
 from lit_qlora.data.prompts import PromptStyle, Segment
@@ -88,16 +88,10 @@ def validate_rows(rows: Sequence[Any], source: str, lines: Optional[Sequence[int
         )
     bad: dict[str, list[str]] = {}
     for index, row in enumerate(rows):
-        where = f"{index + 1}" if lines is None or lines[index] == index + 1 else f"{index + 1} (line {lines[index]})"
         for problem in dict.fromkeys(_row_problems(row)):
-            bad.setdefault(problem, []).append(where)
+            bad.setdefault(problem, []).append(row_place(index, lines))
     if bad:
-        def some(numbers: list[str]) -> str:
-            more = f" and {len(numbers) - 5} more" if len(numbers) > 5 else ""
-            return ("row " if len(numbers) == 1 else "rows ") + ", ".join(numbers[:5]) + more
-
-        details = "; ".join(f"{some(numbers)}: {problem}" for problem, numbers in bad.items())
-        raise DataError(f"{source} has rows that cannot be used: {details}. {FORMAT_HELP} Fix or remove those rows.")
+        raise unusable_rows(source, "", bad, FORMAT_HELP)
     return [_normalize(row) for row in rows]
 
 

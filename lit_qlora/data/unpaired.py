@@ -12,14 +12,15 @@ Row forms, as TRL documents them:
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import torch
 
-from lit_qlora.data.errors import DataError
+from lit_qlora.data.errors import DataError, row_place, unusable_rows
 from lit_qlora.data.formats import read_source, rename_columns
-from lit_qlora.data.preference import read_side, render_pair, to_pairs
+from lit_qlora.data.preference import read_side, render_answer, to_pairs
 from lit_qlora.data.prompts import PromptStyle
 from lit_qlora.data.sft import IGNORE_INDEX, Sample, tokenize_segments
 
@@ -80,15 +81,11 @@ def to_unpaired(rows: list, source: str, lines: Optional[list[int]] = None) -> l
     out, bad = [], {}
     for index, row in enumerate(rows):
         normalized, problems = unpaired_row(row)
-        where = f"{index + 1}" if lines is None or lines[index] == index + 1 else f"{index + 1} (line {lines[index]})"
         for problem in dict.fromkeys(problems):
-            bad.setdefault(problem, []).append(where)
+            bad.setdefault(problem, []).append(row_place(index, lines))
         out.append(normalized)
     if bad:
-        details = "; ".join(f"{'row' if len(n) == 1 else 'rows'} {', '.join(n[:5])}"
-                            f"{f' and {len(n) - 5} more' if len(n) > 5 else ''}: {problem}" for problem, n in bad.items())
-        raise DataError(f"{source} has unpaired rows that cannot be used: {details}. {ROW_HELP} Fix or remove those "
-                        "rows.")
+        raise unusable_rows(source, "unpaired ", bad, ROW_HELP)
     return out
 
 
@@ -99,8 +96,6 @@ def read_unpaired(source: str, subset: Optional[str], split: str, columns: Optio
     good = sum(r["label"] for r in out)
     print(f"Data: {source}: {len(out)} rows, {good} desirable and {len(out) - good} undesirable")
     if good == 0 or good == len(out):
-        import warnings
-
         warnings.warn(f"{source}: every row is {'desirable' if good else 'undesirable'}: KTO learns from both kinds "
                       "(TRL advises between 1:1 and 4:3 desirable to undesirable; --kto.desirable_weight and "
                       "undesirable_weight balance an uneven mix).", UserWarning, stacklevel=2)
@@ -136,12 +131,9 @@ def tokenize_unpaired(rows: Sequence[dict], style: PromptStyle, tokenizer: Any, 
                       ) -> list[UnpairedSample]:
     """One sample per row: the rendered prompt (masked) and completion (trained), truncated to `max_seq_length`
     keeping the start; a row whose prompt alone fills it is left out (one counted warning each)."""
-    import warnings
-
     samples, truncated, dropped = [], 0, 0
     for row_number, row in enumerate(rows):
-        pair = {**row, "chosen": row["completion"], "rejected": row["completion"]}
-        sample = tokenize_segments(render_pair(pair, style, tokenizer)[0], tokenizer)
+        sample = tokenize_segments(render_answer(row, row["completion"], style, tokenizer), tokenizer)
         if len(sample) > max_seq_length:
             truncated += 1
             sample = Sample(sample.input_ids[:max_seq_length], sample.labels[:max_seq_length])

@@ -7,6 +7,7 @@ Light at import, as `finetune` is: the CLI reads the signature for `--help`."""
 
 from __future__ import annotations
 
+from functools import cached_property
 from typing import Any, Optional
 
 from lit_qlora.methods.grpo.args import GRPOSpec
@@ -54,16 +55,15 @@ class GRPO(Method):
     def require_valid(self) -> None:
         spec, g = self.spec, self.settings
         g.require_valid(spec.train.global_batch_size, spec.devices * spec.num_nodes, spec.train.max_seq_length)
-        self.rewards()  # a reward that cannot load fails before anything else loads
+        self.rewards  # noqa: B018  (a reward that cannot load fails before anything else loads)
 
+    @cached_property
     def rewards(self) -> list[Any]:
         """The reward functions, loaded once per run."""
         from lit_qlora.methods.grpo.rewards import load_rewards
 
-        if getattr(self, "_rewards", None) is None:
-            g = self.settings
-            self._rewards = load_rewards(g.rewards, g.reward_weights, g.format_pattern)
-        return self._rewards
+        g = self.settings
+        return load_rewards(g.rewards, g.reward_weights, g.format_pattern)
 
     def describe(self) -> str:
         """What the run optimizes, in a line."""
@@ -93,7 +93,7 @@ class GRPO(Method):
         g = self.settings
         start = starting_adapter(config.train.init_adapter) if g.uses_reference else None
         return GRPOModule(model, config.train, config.total_steps, config.start_step, compile=config.compile, grpo=g,
-                          rewards=self.rewards(), tokenizer=dm.tokenizer,
+                          rewards=self.rewards, tokenizer=dm.tokenizer,
                           reference_start=start, seed=config.seed, source=dm.source, pad_id=pad_id_of(dm.tokenizer),
                           out_dir=config.out_dir)
 
