@@ -30,7 +30,7 @@ from jsonargparse import ArgumentError, ArgumentParser
 from lit_qlora.base.errors import InvalidInput, MissingFile, UserError
 from lit_qlora.eval import SAMPLE_DATA_FILE
 from lit_qlora.eval.truthfulqa import check_truthfulqa_file
-from lit_qlora.base.hardware import PrecisionChoice
+from lit_qlora.base.precision import PrecisionChoice
 from lit_qlora.train.args import TrainArgs, flatten
 
 # The fine-tune, the checkpoint code and the report (each imports torch) are imported where used: the CLI imports

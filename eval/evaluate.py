@@ -10,12 +10,13 @@ import tempfile
 import time
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any, Literal, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
 
-from lit_qlora.checkpoint.download import DownloadError
+from lit_qlora.checkpoint.download import DEFAULT_CHECKPOINT, DownloadError
 from lit_qlora.base.errors import InvalidInput, MissingFile
+from lit_qlora.deploy.choice import ModelChoice
 from lit_qlora.eval.truthfulqa import LOCAL_TASKS, check_truthfulqa_file, prepare_local_tasks
-from lit_qlora.base.hardware import PrecisionChoice, resolved
 
 
 # lm-eval (our LM adapter subclasses its LM; its evaluator, task index and utils take over a second), torch and
@@ -81,69 +82,59 @@ def package_version(name: str) -> Optional[str]:
         return None
 
 
-def evaluate(
-    checkpoint_dir: Path,
-    tasks: str,
-    adapter_dir: Optional[Path] = None,
-    quantize: Optional[Literal["nf4", "none"]] = None,
-    precision: PrecisionChoice = "auto",
-    data_file: Optional[Path] = None,
-    limit: Optional[float] = None,
-    batch_size: int = 8,
-    num_fewshot: Optional[int] = None,
-    out_dir: Path = Path("out/evaluate"),
-    device: Optional[str] = None,
-) -> dict:
+@dataclass(kw_only=True)
+class EvaluateSpec(ModelChoice):
+    """`litqlora evaluate`'s options: the model (ModelChoice: a merged fine-tune, or a base and --adapter_dir) and the
+    lm-eval run."""
+
+    tasks: str
+    """lm-eval task names, comma-separated (e.g. truthfulqa_mc2,hellaswag); any name lm-eval knows."""
+    data_file: Optional[Path] = None
+    """Local TruthfulQA multiple-choice rows (JSON, JSON Lines or Parquet with question, mc1_targets, mc2_targets) for
+    truthfulqa_mc1 / truthfulqa_mc2, so they run offline. The bundled sample: eval/data/truthfulqa_mc_sample.jsonl."""
+    limit: Optional[float] = None
+    """Evaluate only the first N examples of each task (below 1: that fraction); for quick checks."""
+    batch_size: int = 8
+    """Sequences per forward pass."""
+    num_fewshot: Optional[int] = None
+    """Few-shot examples per prompt, for tasks that do not fix it (TruthfulQA fixes 0)."""
+    out_dir: Path = Path("out/evaluate")
+    """Where results.json and the samples go."""
+
+
+def evaluate(spec: Optional[EvaluateSpec] = None, **settings: Any) -> dict:
     """Evaluate a checkpoint, or a base + LoRA adapter, on lm-eval tasks; writes OUT_DIR/results.json.
 
     Prints lm-eval's table. results.json is the dictionary `lm_eval.simple_evaluate` returns (results,
     configs, versions, n-shot, ...) plus a "lit_qlora" key with the model and run info (wall seconds, peak
-    memory); OUT_DIR/samples_TASK.jsonl holds each example's inputs, log-likelihoods and scores.
-
-    Args:
-        checkpoint_dir: Hugging Face model directory: a merged fine-tune, or the base of --adapter_dir.
-        tasks: lm-eval task names, comma-separated (e.g. truthfulqa_mc2,hellaswag); any name lm-eval knows.
-        adapter_dir: A fine-tune's out_dir (or its final/ directory): evaluate its LoRA adapter on top of the base, unmerged.
-        quantize: nf4 = NF4-quantize every base linear as it loads (with an adapter: the exact model QLoRA
-            trained); none = plain precision weights. With --adapter_dir it defaults to what the adapter was
-            trained with (adapter_config.json "quantize"), else none.
-        precision: Weights and compute dtype: auto (bf16 where the device computes it natively, else fp32 on a CPU
-            and fp16 on a GPU), bf16-true, 16-mixed (fp16 for inference), 16-true (fp16) or 32-true (fp32).
-        data_file: Local TruthfulQA multiple-choice rows (JSON, JSON Lines or Parquet with question,
-            mc1_targets, mc2_targets) for truthfulqa_mc1 / truthfulqa_mc2, so they run offline. The bundled
-            sample: eval/data/truthfulqa_mc_sample.jsonl.
-        limit: Evaluate only the first N examples of each task (below 1: that fraction); for quick checks.
-        batch_size: Sequences per forward pass.
-        num_fewshot: Few-shot examples per prompt, for tasks that do not fix it (TruthfulQA fixes 0).
-        out_dir: Where results.json and the samples go.
-        device: cpu, cuda, cuda:1, ...; default cuda when available, else cpu.
+    memory); OUT_DIR/samples_TASK.jsonl holds each example's inputs, log-likelihoods and scores. Takes an
+    EvaluateSpec, or its fields as keywords (`evaluate(tasks="truthfulqa_mc2", adapter_dir=...)`).
     """
     import torch
     from lm_eval import simple_evaluate  # slow imports, see the top of the module
     from lm_eval.utils import make_table
 
     from lit_qlora.checkpoint.files import atomic_write_text
-    from lit_qlora.checkpoint.loading import load_model, resolve_quantize
-    from lit_qlora.checkpoint.adapter import read_adapter_config
     from lit_qlora.memory.accounting import module_bytes, peak_rss_bytes
     from lit_qlora.checkpoint.tokenizer import Tokenizer
-    from lit_qlora.checkpoint.hf import require_checkpoint
     from lit_qlora.base.threads import govern_threads
 
+    spec = EvaluateSpec.of(spec, settings)
     started = time.perf_counter()
-    names = split_tasks(tasks)
-    checkpoint_dir = Path(checkpoint_dir)
-    if not (checkpoint_dir / "config.json").is_file():
+    names = split_tasks(spec.tasks)
+    checkpoint_dir = Path(spec.checkpoint_dir)
+    if checkpoint_dir != DEFAULT_CHECKPOINT and not (checkpoint_dir / "config.json").is_file():
         raise MissingFile(f"--checkpoint_dir {checkpoint_dir} has no config.json: it must be a Hugging Face "
                           "model directory (see `litqlora download` / `litqlora convert_gguf`).")
-    require_checkpoint(checkpoint_dir)  # its config's fields, weights and tokenizer, before lm-eval starts
+    spec.check()  # its config's fields, weights and tokenizer, and the adapter's config, before lm-eval starts
+    data_file, limit, adapter_dir = spec.data_file, spec.limit, spec.adapter_dir
     if data_file is not None:
         check_truthfulqa_file(Path(data_file))
     if limit is not None and limit <= 0:
         raise InvalidInput(f"--limit must be positive, got {limit}")
     if limit is not None and limit >= 1:
         limit = int(limit)
-    run_device = torch.device(device) if device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    run_device = spec.run_device
 
     with tempfile.TemporaryDirectory(prefix="litqlora-tasks-") as tmp:
         include = prepare_local_tasks(Path(data_file), Path(tmp)) if data_file is not None else None
@@ -153,23 +144,21 @@ def evaluate(
                                "uses none of them.")
 
         tokenizer = Tokenizer(checkpoint_dir)
-        acfg = read_adapter_config(adapter_dir) if adapter_dir is not None else None
+        acfg = spec.adapter_config
         if acfg and acfg.get("prompt_style"):
             print(f"Prompt format: lm-eval's tasks format their own prompts (truthfulqa_mc2: its 6-example QA "
                   f"preamble, 0-shot), not the {acfg['prompt_style']} style the adapter trained in; every harness "
                   "user's scores are on that same text.")
-        quantize = resolve_quantize(quantize, acfg)
-        precision = resolved(precision, run_device.type)  # results.json records what ran
-        model = load_model(checkpoint_dir, quantize, precision, adapter_dir, device=run_device)
+        model = spec.load()
         govern_threads(model)  # an evaluation shares the CPU with other processes (lit_qlora.base.threads)
         loaded = time.perf_counter()
         if run_device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(run_device)
         from lit_qlora.eval.lm import LitQLoRALM  # lm-eval: see the top of the module
 
-        lm = LitQLoRALM(model, tokenizer, batch_size=batch_size)
+        lm = LitQLoRALM(model, tokenizer, batch_size=spec.batch_size)
         try:
-            results = simple_evaluate(model=lm, tasks=names, num_fewshot=num_fewshot, batch_size=batch_size,
+            results = simple_evaluate(model=lm, tasks=names, num_fewshot=spec.num_fewshot, batch_size=spec.batch_size,
                                       limit=limit, task_manager=manager, log_samples=True)
         except ConnectionError as e:
             hint = (f" {', '.join(LOCAL_TASKS)} can run offline from a local file: --data_file FILE."
@@ -185,14 +174,14 @@ def evaluate(
     results["lit_qlora"] = {
         "checkpoint_dir": str(checkpoint_dir.resolve()),
         "adapter_dir": str(Path(adapter_dir).resolve()) if adapter_dir is not None else None,
-        "quantize": quantize.value,
-        "precision": precision,
+        "quantize": spec.run_quantize,
+        "precision": spec.run_precision,
         "device": str(run_device),
         "tasks": names,
         "data_file": str(Path(data_file).resolve()) if data_file is not None else None,
         "limit": limit,
-        "num_fewshot": num_fewshot,
-        "batch_size": batch_size,
+        "num_fewshot": spec.num_fewshot,
+        "batch_size": spec.batch_size,
         "max_length": lm.max_length,
         "model_bytes": module_bytes(model),
         "adapter_config": acfg,
@@ -207,7 +196,7 @@ def evaluate(
     }
     results = to_jsonable(results)
 
-    out_dir = Path(out_dir)
+    out_dir = Path(spec.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     print(make_table(results))
     if results.get("groups"):

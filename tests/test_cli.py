@@ -50,7 +50,7 @@ def test_version_and_lightnings_names_and_misplaced_flags_are_understood():
 
 
 def test_lightnings_short_precision_names_mean_what_they_mean_there():
-    from lit_qlora.base.hardware import choose_precision
+    from lit_qlora.base.precision import choose_precision
 
     for short, full in (("bf16", "bf16-mixed"), ("16", "16-mixed"), ("32", "32-true")):
         chosen, why = choose_precision(short, "cpu")
@@ -304,7 +304,7 @@ def test_the_demo_recipe_fine_tunes_and_compares_answers_to_a_held_out_question(
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["steps"] == 3 and summary["val_loss"] < summary["initial_val_loss"]
     capsys.readouterr()
-    generate_command(question, checkpoint_dir=smollm2_dir, adapter_dir=tmp_path, compare_base=True)
+    generate_command(prompt=question, checkpoint_dir=smollm2_dir, adapter_dir=tmp_path, compare_base=True)
     base, tuned = capsys.readouterr().out.split("fine-tuned (with the adapter")
     assert base.startswith("base model (NF4, without the adapter):\n  ")
     assert tuned.startswith(f" from {tmp_path}):\n  ")

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import lit_qlora
-from lit_qlora.base.hardware import PRECISION_ALIASES, PrecisionChoice
-from lit_qlora.model.config import (ADAPTER_DTYPES, DTYPE_NAMES, DTYPES, LOSS_SCALED_PRECISIONS, MIXED_PRECISIONS,
-                                    PRECISION_DTYPES, Precision, Quantize)
+from lit_qlora.base.precision import (ADAPTER_DTYPES, DTYPE_NAMES, DTYPES, LOSS_SCALED_PRECISIONS, MIXED_PRECISIONS,
+                                      PRECISION_ALIASES, PRECISION_DTYPES, Precision, PrecisionChoice)
+from lit_qlora.model.config import Quantize
 
 
 def test_views_of_the_table_agree():

@@ -10,7 +10,8 @@ import torch
 
 from lit_qlora.base import hardware
 from lit_qlora.estimate.command import estimate_precision
-from lit_qlora.base.hardware import AVX2_ENV, choose_precision
+from lit_qlora.base.hardware import AVX2_ENV
+from lit_qlora.base.precision import choose_precision
 
 
 def fake_cuda(monkeypatch, capability, name):
@@ -95,7 +96,8 @@ def test_the_avx2_environment_caps_aten_and_the_auto_choice(tmp_path):
     32-true, and a bf16 matmul runs much slower than fp32 (oneDNN emulates it) where the CPU has native bf16."""
     script = """
 import json, time, torch
-from lit_qlora.base.hardware import choose_precision, avx2_capped
+from lit_qlora.base.hardware import avx2_capped
+from lit_qlora.base.precision import choose_precision
 def gflops(dtype):
     a, b = torch.randn(512, 576).to(dtype), torch.randn(1536, 576).to(dtype)
     for _ in range(3): a @ b.T
@@ -135,12 +137,13 @@ def test_a_capped_process_gets_an_inductor_cache_of_its_own(tmp_path):
 def test_the_precision_registry_is_what_the_cli_the_table_and_auto_read():
     import typing
 
-    from lit_qlora.model.config import _PRECISION_TABLE, Precision
+    from lit_qlora.base import precision
 
-    assert [row[0] for row in _PRECISION_TABLE] == list(hardware.PRECISIONS)  # one dtype row per precision
-    assert typing.get_args(Precision) == hardware.PRECISIONS
-    assert typing.get_args(hardware.PrecisionChoice) == ("auto", *hardware.PRECISIONS, *hardware.PRECISION_ALIASES)
-    assert set(hardware.PRECISION_ALIASES.values()) <= set(hardware.PRECISIONS)
-    assert set(hardware.PRECISION_NEAREST.values()) <= set(hardware.PRECISIONS)
-    for name in hardware.PRECISIONS:  # an explicit precision resolves to itself, wherever the run lands
+    assert list(precision.PRECISION_DTYPES) == list(precision.PRECISIONS)  # one dtype row per precision
+    assert list(precision.ADAPTER_DTYPES) == list(precision.PRECISIONS)
+    assert typing.get_args(precision.Precision) == precision.PRECISIONS
+    assert typing.get_args(precision.PrecisionChoice) == ("auto", *precision.PRECISIONS, *precision.PRECISION_ALIASES)
+    assert set(precision.PRECISION_ALIASES.values()) <= set(precision.PRECISIONS)
+    assert set(precision.PRECISION_NEAREST.values()) <= set(precision.PRECISIONS)
+    for name in precision.PRECISIONS:  # an explicit precision resolves to itself, wherever the run lands
         assert choose_precision(name, "cpu")[0] == name

@@ -44,7 +44,7 @@ def test_llama_cpp_answers_as_generate_at_f16_and_the_same_fact_at_q8_0(fine_tun
 
     tok = Tokenizer(smollm2_dir)
     prompt = tok.apply_chat_template([{"role": "user", "content": QUESTION}], add_generation_prompt=True)
-    want = generate_command(QUESTION, checkpoint_dir=smollm2_dir, adapter_dir=fine_tune, max_new_tokens=24,
+    want = generate_command(prompt=QUESTION, checkpoint_dir=smollm2_dir, adapter_dir=fine_tune, max_new_tokens=24,
                             precision="32-true")
     got = llama_cpp_reply(fine_tune / "final" / "model-f16.gguf", prompt, 24)
     assert got.strip() == want.strip()

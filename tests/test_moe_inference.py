@@ -74,7 +74,7 @@ def test_generate_with_the_kv_cache_equals_no_cache_and_transformers_on_the_merg
     from lit_qlora.lora.experts import LoRAExpertLinear
 
     path, adapter = mixture(model_type)
-    said = generate_command(QUESTION, checkpoint_dir=path, adapter_dir=adapter, precision="32-true",
+    said = generate_command(prompt=QUESTION, checkpoint_dir=path, adapter_dir=adapter, precision="32-true",
                             max_new_tokens=NEW_TOKENS, compare_base=True)
     base_part, _, tuned_part = capsys.readouterr().out.partition(f"fine-tuned (with the adapter from {adapter}):\n  ")
     assert base_part.startswith("base model (NF4, without the adapter):\n  ") and tuned_part == said + "\n"

@@ -103,6 +103,7 @@ def test_a_fine_tune_is_served_and_exported_in_the_format_it_trained_in(style, t
 
     from lit_qlora.deploy import generate as generate_module
     from lit_qlora.model import sampling
+    from lit_qlora.deploy.choice import ModelChoice
     from lit_qlora.deploy.litserve_api import ChatAPI, chat_messages
 
     out = tmp_path / "run"
@@ -115,9 +116,9 @@ def test_a_fine_tune_is_served_and_exported_in_the_format_it_trained_in(style, t
 
     fed = []
     monkeypatch.setattr(sampling, "generate", lambda model, ids, *a, **kw: fed.append(list(ids)) or iter(()))
-    generate_module.generate_command(QUESTION, checkpoint_dir=tiny_llama_dir, adapter_dir=out, max_new_tokens=1)
+    generate_module.generate_command(prompt=QUESTION, checkpoint_dir=tiny_llama_dir, adapter_dir=out, max_new_tokens=1)
     assert fed == [training]
-    api = ChatAPI(tiny_llama_dir, out, None, "32-true", 8)  # the OpenAI server's worker, as LitServe sets it up
+    api = ChatAPI(ModelChoice(checkpoint_dir=tiny_llama_dir, adapter_dir=out, precision="32-true"), 8)  # the OpenAI server's worker, as LitServe sets it up
     api.setup("cpu")
     request = SimpleNamespace(messages=[SimpleNamespace(role="user", content=QUESTION)])
     assert api.tokenizer.encode_chat(chat_messages(request)) == training

@@ -225,9 +225,10 @@ def test_an_unexpected_failure_is_a_500_error_object(tmp_path):
     from litserve.utils import LitAPIStatus
 
     from lit_qlora.deploy.litserve_api import ChatSpec
+    from lit_qlora.deploy.choice import ModelChoice
     from lit_qlora.deploy.serve import build_server
 
-    server = build_server(tmp_path, api_key=KEY)
+    server = build_server(ModelChoice(checkpoint_dir=tmp_path, device="cpu"), api_key=KEY)
 
     def broken():
         raise RuntimeError("a bug")

@@ -16,7 +16,7 @@ from lit_qlora.cli.usage import Options
 from lit_qlora.base.errors import UserError
 from lit_qlora.estimate.args import EstimateSpec
 from lit_qlora.methods.grpo.args import GRPOSpec
-from lit_qlora.base.hardware import choose_precision
+from lit_qlora.base.precision import choose_precision
 from lit_qlora.methods.dpo.args import DPOArgs, DPOSpec, PairTrainArgs
 from lit_qlora.train.args import LoRAArgs
 from lit_qlora.train.spec import RunSpec, decide

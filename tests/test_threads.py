@@ -309,7 +309,7 @@ def load_for_evaluate(tiny_llama_dir, tmp_path, monkeypatch):
 def load_for_generate(tiny_llama_dir, tmp_path, monkeypatch):
     from lit_qlora.deploy.generate import generate_command
 
-    generate_command("Hello", checkpoint_dir=tiny_llama_dir, precision="32-true", max_new_tokens=1)
+    generate_command(prompt="Hello", checkpoint_dir=tiny_llama_dir, precision="32-true", max_new_tokens=1)
 
 
 def load_for_chat(tiny_llama_dir, tmp_path, monkeypatch):
@@ -323,9 +323,10 @@ def load_for_chat(tiny_llama_dir, tmp_path, monkeypatch):
 
 def load_for_serve(tiny_llama_dir, tmp_path, monkeypatch):
     pytest.importorskip("litserve")
+    from lit_qlora.deploy.choice import ModelChoice
     from lit_qlora.deploy.litserve_api import ChatAPI
 
-    ChatAPI(tiny_llama_dir, None, None, "32-true", 4).setup("cpu")  # what a server's worker runs
+    ChatAPI(ModelChoice(checkpoint_dir=tiny_llama_dir, precision="32-true"), 4).setup("cpu")  # what a server's worker runs
 
 
 @pytest.mark.parametrize("load", [load_for_train, load_for_evaluate, load_for_generate, load_for_chat, load_for_serve],

@@ -13,7 +13,7 @@ from pathlib import Path
 sys.path[:0] = [".", "tests"]
 import torch  # noqa: E402
 from helpers import write_tiny_llama  # noqa: E402
-from lit_qlora.base.hardware import choose_precision  # noqa: E402
+from lit_qlora.base.precision import choose_precision  # noqa: E402
 from lit_qlora.train.args import DataArgs, LoRAArgs, TrainArgs  # noqa: E402
 from lit_qlora.train.run import fit, setup  # noqa: E402
 from lit_qlora.train.spec import RunSpec  # noqa: E402

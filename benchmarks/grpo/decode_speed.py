@@ -44,6 +44,7 @@ def main() -> None:
     import torch
 
     from lit_qlora.checkpoint.loading import load_model
+    from lit_qlora.base.precision import resolved
     from lit_qlora.checkpoint.tokenizer import Tokenizer
     from lit_qlora.data.files import GRPO_DEMO_DATASET
     from lit_qlora.methods.grpo.rollout import Decoder, sample_group
@@ -57,7 +58,8 @@ def main() -> None:
               "cores": os.cpu_count(), "torch": torch.__version__, "device": args.device, "group": args.group,
               "tokens": args.tokens, "prompts": args.prompts, "rounds": args.rounds, "rows": []}
     for quantize in args.quantize:
-        model = load_model(args.checkpoint_dir, quantize, args.precision, device=args.device)
+        model = load_model(args.checkpoint_dir, quantize, resolved(args.precision, torch.device(args.device).type),
+                           device=args.device)
         apply_lora(model, r=8, alpha=16, dropout=0.05, targets="all")
         model.eval()
         decoder = Decoder(cache_len=args.cache_len)

@@ -85,7 +85,7 @@ def main() -> None:
     if args.child == "ours":
         return peers.ours_child(args)
     if args.dtype is None:
-        from lit_qlora.base.hardware import choose_precision
+        from lit_qlora.base.precision import choose_precision
 
         args.dtype = "bf16" if choose_precision("auto", "cpu")[0].startswith("bf16") else "fp32"
     args.checkpoint_dir = str(write_checkpoint(args.tokenizer_dir))

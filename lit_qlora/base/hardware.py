@@ -1,4 +1,5 @@
-"""`--precision auto`: the precision that suits the hardware a run lands on, and why; the ISA caps that make any
+"""The hardware a run lands on: whether the CPU computes bf16 and fp16 natively, what a CUDA device of a compute
+capability computes in (which `--precision auto` reads: lit_qlora.base.precision), and the ISA caps that make any
 x86 CPU behave like an AVX2-only one (tests, benchmarks, and a user reproducing a laptop's speed).
 
 Without native bf16 a CPU emulates bf16 (and fp16) matmuls in oneDNN: on a 2-core AVX2-only EPYC a 1024x576x1536
@@ -6,31 +7,12 @@ linear ran at 43 GFLOPS in fp32, 7.7 in bf16, 9.1 in fp16, and the SmolLM2 QLoRA
 against 59 in 32-true (benchmarks/README.md, "Every CPU"). A GPU without bf16 (T4, V100: compute capability < 8.0) has
 fp16 tensor cores: fp16 compute with fp32 adapters and dynamic loss scaling (`16-mixed`) is what its users expect.
 
-torch is imported inside the functions: the CLI reads `PrecisionChoice` to build `--help` without loading torch.
+torch is imported inside the functions: the CLI's `--help` must not load it.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Literal
-
-PRECISIONS = ("bf16-true", "bf16-mixed", "16-mixed", "16-true", "32-true")
-"""The precisions a run computes in (Lightning's names): the registry that `--precision`'s choices, its help, the
-dtype table (lit_qlora.model.config, one row each) and `choose_precision` read. A new one is a name here and a row
-there."""
-
-PRECISION_ALIASES = {"bf16": "bf16-mixed", "16": "16-mixed", "32": "32-true"}
-"""Lightning's short names and what they mean there (and here)."""
-
-PrecisionChoice = Literal[("auto", *PRECISIONS, *PRECISION_ALIASES)]  # type: ignore[valid-type]
-"""What `--precision` accepts: auto, one of Lightning's names, or one of Lightning's short aliases (PRECISION_ALIASES)."""
-
-PRECISION_NEAREST = {"64": "32-true", "64-true": "32-true", "double": "32-true", "fp32": "32-true",
-                     "float32": "32-true", "fp16": "16-mixed", "float16": "16-mixed", "half": "16-mixed",
-                     "bfloat16": "bf16-true", "bf16-true-mixed": "bf16-mixed", "transformer-engine": "bf16-true",
-                     "transformer-engine-float16": "16-mixed"}
-"""Names users type that lit-qlora does not take, and the nearest it does (a base in fp64 or Transformer Engine's FP8
-is not something QLoRA computes in)."""
 
 # oneDNN's ISA levels, oldest first, as ONEDNN_MAX_CPU_ISA names them (oneDNN's enum dnnl_cpu_isa_t). bf16 matmuls
 # are native from AVX512_CORE_BF16 on (vdpbf16ps; AMX after it).
@@ -130,26 +112,3 @@ def uses_cuda(accelerator: str) -> bool:
     if accelerator in ("cuda", "gpu"):
         return True
     return accelerator == "auto" and torch.cuda.is_available()
-
-
-def choose_precision(precision: str, accelerator: str = "auto") -> tuple[str, str]:
-    """(the precision a run uses, why): an explicit choice wins; `auto` looks at the device the run lands on."""
-    if precision in PRECISION_ALIASES:
-        return PRECISION_ALIASES[precision], f"--precision {precision}, Lightning's short name for it"
-    if precision != "auto":
-        return precision, "given with --precision"
-    if uses_cuda(accelerator):
-        import torch
-
-        major, minor = torch.cuda.get_device_capability()
-        chosen, why = cuda_precision(major, minor, torch.cuda.get_device_name())
-        return chosen, f"auto: {why}"
-    native, why = cpu_native_bf16()
-    if native:
-        return "bf16-true", f"auto: {why}"
-    return "32-true", f"auto: {why}, so bf16 would be emulated (~5-10x slower than fp32)"
-
-
-def resolved(precision: str, accelerator: str = "auto") -> str:
-    """`choose_precision` without the why."""
-    return choose_precision(precision, accelerator)[0]

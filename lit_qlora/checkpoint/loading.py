@@ -14,8 +14,8 @@ from typing import Iterable, Iterator, Optional
 import torch
 
 from lit_qlora.checkpoint.hf import load_checkpoint
-from lit_qlora.model.config import DTYPES, PRECISION_DTYPES, Config, Precision, Quantize
-from lit_qlora.base.hardware import PrecisionChoice, resolved
+from lit_qlora.model.config import Config, Quantize
+from lit_qlora.base.precision import DTYPES, PRECISION_DTYPES, Precision
 from lit_qlora.lora.layer import apply_lora
 from lit_qlora.checkpoint.adapter import load_adapter, read_adapter_config
 from lit_qlora.model.transformer import Transformer
@@ -33,7 +33,7 @@ def resolve_quantize(quantize: Quantize | str | None, adapter_config: Optional[d
 def load_model(
     checkpoint_dir: Path | str,
     quantize: Quantize | str | None = None,
-    precision: Optional[PrecisionChoice] = None,
+    precision: Optional[Precision] = None,
     adapter_dir: Path | str | None = None,
     shard: Optional[TensorParallelShard] = None,
     *,
@@ -48,8 +48,8 @@ def load_model(
         checkpoint_dir: Hugging Face model directory.
         quantize: nf4 = every base linear not in `ignore_modules` stored as NF4 (QLoRA); none = plain weights.
             Default: what the adapter trained with, else none.
-        precision: Compute dtype (Lightning's name, or auto: what suits `device`, lit_qlora.base.hardware). Default: the
-            adapter's, else bf16-true.
+        precision: Compute dtype (Lightning's name, resolved: a caller with `auto` asks lit_qlora.base.precision).
+            Default: the adapter's, else bf16-true.
         adapter_dir: A fine-tune's output: its base is rebuilt exactly as it trained (NF4 codes from the dtype
             training quantized, the same NF4 layout and ignored modules, from adapter_config.json) and its LoRA
             adapter is applied on top.
@@ -61,8 +61,9 @@ def load_model(
             every rank's shard NF4-quantized on its own, dequantized and put back together (dense); the rest NF4.
         device: Where the model goes once loaded (loading and quantization run on the CPU).
     """
-    if precision == "auto":
-        precision = resolved(precision, "cuda" if device is not None and torch.device(device).type == "cuda" else "cpu")
+    if precision is not None and precision not in PRECISION_DTYPES:  # `auto` is resolved once, by the caller
+        raise ValueError(f"load_model takes a resolved precision ({', '.join(PRECISION_DTYPES)}) or None, got "
+                         f"{precision!r}: resolve it first (lit_qlora.base.precision.resolved).")
     if adapter_dir is None:
         quantize = resolve_quantize(quantize)
         model = _load_base(Path(checkpoint_dir), quantize, PRECISION_DTYPES[precision or "bf16-true"], ignore_modules,

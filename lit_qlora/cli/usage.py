@@ -42,9 +42,10 @@ class Options:
     @classmethod
     def of(cls, command: Command) -> Options:
         spec = spec_class(command)
-        if spec is not None:  # a run spec's fields are the command's options
+        if spec is not None:  # a spec's fields are the command's options
             hints = typing.get_type_hints(spec)
-            params = [(f.name, hints[f.name], False) for f in spec.cli_fields()]
+            required = set(spec.required_fields())
+            params = [(f.name, hints[f.name], f.name in required) for f in spec.cli_fields()]
         else:
             hints = typing.get_type_hints(command)
             params = [(name, hints.get(name, Any), param.default is inspect.Parameter.empty)
@@ -79,8 +80,9 @@ class Options:
 
 
 def spec_class(command: Command) -> Optional[type]:
-    """The run spec a verb takes (its `spec` parameter's dataclass, lit_qlora.train.spec.RunSpec or a subclass), whose
-    fields are the verb's options; None: the verb's own parameters are."""
+    """The spec a verb takes (its `spec` parameter's dataclass, a lit_qlora.base.spec.CommandSpec: a training run's
+    RunSpec, an inference command's ModelChoice), whose fields are the verb's options; None: the verb's own
+    parameters are."""
     parameter = inspect.signature(command).parameters.get("spec")
     if parameter is None:
         return None
@@ -229,7 +231,7 @@ def usage_error(argv: list[str], table: dict[str, Command]) -> Optional[str]:
 def nearest_value(hint: Any, value: Any) -> Optional[str]:
     """For a choice option given a value it does not take: the nearest choice (a precision name users type from
     elsewhere, PRECISION_NEAREST; else the closest spelling), or None."""
-    from lit_qlora.base.hardware import PRECISION_NEAREST, PrecisionChoice
+    from lit_qlora.base.precision import PRECISION_NEAREST, PrecisionChoice
 
     choices = [str(c) for arm in union_arms(hint) if typing.get_origin(arm) is Literal for c in typing.get_args(arm)]
     if not choices or value is None:

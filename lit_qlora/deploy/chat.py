@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import signal
 import sys
-from pathlib import Path
-from typing import Iterator, Literal, Optional
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
 
 from lit_qlora.base.errors import InvalidInput
-from lit_qlora.base.hardware import PrecisionChoice
+from lit_qlora.deploy.choice import ModelChoice
 
 # torch and the model are imported inside the functions: the CLI imports this module to build --help.
 
@@ -103,53 +103,43 @@ class ChatSession:
                 self.messages = messages + [{"role": "assistant", "content": said}]
 
 
-def chat_command(
-    checkpoint_dir: Optional[Path] = None,
-    adapter_dir: Optional[Path] = None,
-    quantize: Optional[Literal["nf4", "none"]] = None,
-    precision: PrecisionChoice = "auto",
-    system: Optional[str] = None,
-    temperature: float = 0.7,
-    top_p: Optional[float] = 0.9,
-    top_k: Optional[int] = None,
-    max_new_tokens: int = 256,
-    seed: int = 1234,
-) -> None:
+@dataclass(kw_only=True)
+class ChatCommandSpec(ModelChoice):
+    """`litqlora chat`'s options: the model (ModelChoice; a chat model, or a fine-tune of one) and the sampling."""
+
+    system: Optional[str] = None
+    """A system message that opens every conversation."""
+    temperature: float = 0.7
+    """0 is greedy (the same reply every time); higher is more varied."""
+    top_p: Optional[float] = 0.9
+    """Sample from the most likely tokens that make up this much probability (nucleus sampling)."""
+    top_k: Optional[int] = None
+    """Sample among the k most likely tokens only."""
+    max_new_tokens: int = 256
+    """Longest reply, in tokens."""
+    seed: int = 1234
+    """Seed of the sampler (a conversation repeats with the same inputs)."""
+
+
+def chat_command(spec: Optional[ChatCommandSpec] = None, **settings: Any) -> None:
     """Chat with a model in the terminal, several turns, replies streamed (/reset starts over, /exit ends, Ctrl-C
     stops a reply and, at the prompt, ends).
 
-    Args:
-        checkpoint_dir: Hugging Face model directory with a chat template; default: the bundled SmolLM2-135M-Instruct.
-        adapter_dir: A fine-tune's out_dir (or its final/): chat with the adapter applied.
-        quantize: nf4 or none for the base; default: what the adapter trained with, else none.
-        precision: auto (bf16 where the device computes it natively, else fp32 on a CPU and fp16 on a GPU),
-            bf16-true, 16-true or 32-true.
-        system: A system message that opens every conversation.
-        temperature: 0 is greedy (the same reply every time); higher is more varied.
-        top_p: Sample from the most likely tokens that make up this much probability (nucleus sampling).
-        top_k: Sample among the k most likely tokens only.
-        max_new_tokens: Longest reply, in tokens.
-        seed: Seed of the sampler (a conversation repeats with the same inputs).
+    Takes a ChatCommandSpec, or its fields as keywords (`chat_command(adapter_dir=...)`).
     """
-    from lit_qlora.checkpoint.hf import require_checkpoint
-    from lit_qlora.checkpoint.loading import load_model
-    from lit_qlora.data.inference import trained_tokenizer
-    from lit_qlora.checkpoint.download import DEFAULT_CHECKPOINT
-    from lit_qlora.export.gguf_import import ensure_default_checkpoint
     from lit_qlora.base.threads import govern_threads
 
+    spec = ChatCommandSpec.of(spec, settings)
     # Ctrl-C stops a reply (and, at the prompt, leaves) even where the chat was started with SIGINT ignored, as a
     # script's background job or a parent that ignores it passes it on: Python would keep ignoring it.
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    checkpoint_dir = Path(checkpoint_dir or DEFAULT_CHECKPOINT)
-    ensure_default_checkpoint(checkpoint_dir)
-    require_checkpoint(checkpoint_dir)
-    model = load_model(checkpoint_dir, quantize, precision, adapter_dir)
+    spec.check()
+    model = spec.load()
     govern_threads(model)  # a chat shares the CPU with other processes (lit_qlora.base.threads)
     # the conversation in the prompt format the adapter trained with (lit_qlora.data.inference)
-    session = ChatSession(model, trained_tokenizer(checkpoint_dir, adapter_dir), system, seed)
+    session = ChatSession(model, spec.tokenizer(), spec.system, spec.seed)
     interactive = sys.stdin.isatty()
-    print(f"Chatting with {checkpoint_dir}{f' + {adapter_dir}' if adapter_dir else ''}: {COMMANDS}.", flush=True)
+    print(f"Chatting with {spec.describe()}: {COMMANDS}.", flush=True)
     try:
         while True:
             try:
@@ -172,7 +162,7 @@ def chat_command(
                 print("(new conversation)", flush=True)
                 continue
             if text:
-                answer(session, text, max_new_tokens, temperature, top_k, top_p)
+                answer(session, text, spec.max_new_tokens, spec.temperature, spec.top_k, spec.top_p)
     finally:
         session.close()
 

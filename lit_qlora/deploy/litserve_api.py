@@ -27,6 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.base import BaseHTTPMiddleware
 
 from lit_qlora.base.errors import InvalidInput
+from lit_qlora.deploy.choice import ModelChoice
 
 
 # ---- OpenAI error objects ----------------------------------------------------------------------------------------
@@ -153,29 +154,26 @@ def chat_messages(request: ChatRequest) -> list[dict[str, str]]:
 class ChatAPI(ls.LitAPI):
     """OpenAI chat completions through the checkpoint's chat template; the model loads in the worker (`setup`)."""
 
-    def __init__(self, checkpoint_dir: Any, adapter_dir: Optional[Any], quantize: Optional[str], precision: str,
-                 max_new_tokens: int, **kwargs: Any) -> None:
+    def __init__(self, choice: ModelChoice, max_new_tokens: int, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.checkpoint_dir, self.adapter_dir, self.quantize = checkpoint_dir, adapter_dir, quantize
-        self.precision, self.max_new_tokens = precision, max_new_tokens
+        self.choice, self.max_new_tokens = choice, max_new_tokens
 
     def setup(self, device: str) -> None:
         import signal
 
-        from lit_qlora.checkpoint.loading import load_model
-        from lit_qlora.data.inference import trained_tokenizer
         from lit_qlora.base.threads import govern_threads
 
         # This is LitServe's inference worker (spawned: `litqlora serve`'s handlers are not inherited). Ctrl-C in a
         # terminal reaches the whole group: the main process stops the server and then this worker, so the worker
         # itself lets SIGINT pass instead of dying mid-reply with a KeyboardInterrupt traceback.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        self.model = load_model(self.checkpoint_dir, self.quantize, self.precision, self.adapter_dir)
+        self.model = self.choice.load()  # on the choice's device (LitServe's `device` follows it: build_server)
         govern_threads(self.model)  # the server shares the CPU with other processes (lit_qlora.base.threads)
         # the prompt format the adapter trained with (lit_qlora.data.inference): the ids training saw
-        self.tokenizer = trained_tokenizer(self.checkpoint_dir, self.adapter_dir)
+        self.tokenizer = self.choice.tokenizer()
         if not self.tokenizer.has_chat_template and self.tokenizer.prompt_format is None:
-            raise InvalidInput(f"{self.checkpoint_dir} has no chat template: serve answers chat messages through it.")
+            raise InvalidInput(f"{self.choice.checkpoint_dir} has no chat template: serve answers chat messages "
+                               "through it.")
 
     def prompt_ids(self, request: ChatRequest) -> list[int]:
         """The token ids the model is fed for `request`: its messages through the chat template (400 when the

@@ -19,80 +19,66 @@ from __future__ import annotations
 import logging
 import os
 import signal
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Any, Optional
 
 from lit_qlora.base import switches
 from lit_qlora.base.errors import InvalidInput
-from lit_qlora.base.hardware import PrecisionChoice
+from lit_qlora.deploy.choice import ModelChoice
 
 # litserve, torch and the model are imported inside the functions: the CLI imports this module to build --help.
 
 
-def build_server(checkpoint_dir: Path, adapter_dir: Optional[Path] = None, quantize: Optional[str] = None,
-                 precision: str = "auto", api_key: Optional[str] = None, max_new_tokens: int = 512,
+@dataclass(kw_only=True)
+class ServeSpec(ModelChoice):
+    """`litqlora serve`'s options: the model (ModelChoice; a chat model, or a fine-tune of one) and the server."""
+
+    host: str = "127.0.0.1"
+    """Interface to listen on; 127.0.0.1 (this machine only) by default, 0.0.0.0 for every interface."""
+    port: int = 8000
+    """TCP port."""
+    api_key: Optional[str] = None
+    """Require `Authorization: Bearer API_KEY` on /v1 routes (default: LIT_QLORA_API_KEY, else none)."""
+    max_new_tokens: int = 512
+    """A reply's length when the request gives no max_tokens, and the most it may ask for."""
+    model_name: Optional[str] = None
+    """The model id /v1/models lists (default: the adapter's or checkpoint's directory name)."""
+
+
+def build_server(choice: ModelChoice, api_key: Optional[str] = None, max_new_tokens: int = 512,
                  model_name: Optional[str] = None):
     import litserve as ls
 
     from lit_qlora.deploy.litserve_api import BearerToken, ChatAPI, ChatSpec, add_model_routes, install_error_handlers
 
-    name = model_name or (Path(adapter_dir).name if adapter_dir else Path(checkpoint_dir).name)
-    api = ChatAPI(Path(checkpoint_dir), adapter_dir, quantize, precision, max_new_tokens, spec=ChatSpec(name))
+    name = model_name or Path(choice.adapter_dir or choice.checkpoint_dir).name
+    api = ChatAPI(choice, max_new_tokens, spec=ChatSpec(name))
     middlewares = [(BearerToken, {"api_key": api_key})] if api_key else None
-    server = ls.LitServer(api, accelerator="auto", devices=1, workers_per_device=1, timeout=600,
+    server = ls.LitServer(api, accelerator=choice.run_device.type, devices=1, workers_per_device=1, timeout=600,
                           middlewares=middlewares)
     add_model_routes(server.app, name)
     install_error_handlers(server.app)
     return server
 
 
-def serve_command(
-    checkpoint_dir: Optional[Path] = None,
-    adapter_dir: Optional[Path] = None,
-    quantize: Optional[Literal["nf4", "none"]] = None,
-    precision: PrecisionChoice = "auto",
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    api_key: Optional[str] = None,
-    max_new_tokens: int = 512,
-    model_name: Optional[str] = None,
-) -> None:
+def serve_command(spec: Optional[ServeSpec] = None, **settings: Any) -> None:
     """Serve a model over the OpenAI API (/v1/chat/completions, streamed or not; /v1/models), with LitServe.
 
-    Args:
-        checkpoint_dir: Hugging Face model directory with a chat template; default: the bundled SmolLM2-135M-Instruct.
-        adapter_dir: A fine-tune's out_dir (or its final/): serve the model with its adapter.
-        quantize: nf4 or none for the base; default: what the adapter trained with, else none.
-        precision: auto (bf16 where the device computes it natively, else fp32 on a CPU and fp16 on a GPU),
-            bf16-true, 16-true or 32-true.
-        host: Interface to listen on; 127.0.0.1 (this machine only) by default, 0.0.0.0 for every interface.
-        port: TCP port.
-        api_key: Require `Authorization: Bearer API_KEY` on /v1 routes (default: LIT_QLORA_API_KEY, else none).
-        max_new_tokens: A reply's length when the request gives no max_tokens, and the most it may ask for.
-        model_name: The model id /v1/models lists (default: the adapter's or checkpoint's directory name).
+    Takes a ServeSpec, or its fields as keywords (`serve_command(adapter_dir=..., port=8001)`).
     """
-    from lit_qlora.checkpoint.adapter import read_adapter_config
-    from lit_qlora.data.inference import trained_tokenizer
-    from lit_qlora.checkpoint.download import DEFAULT_CHECKPOINT
-    from lit_qlora.checkpoint.hf import require_checkpoint
-    from lit_qlora.export.gguf_import import ensure_default_checkpoint
-
-    checkpoint_dir = Path(checkpoint_dir or DEFAULT_CHECKPOINT)
-    ensure_default_checkpoint(checkpoint_dir)
+    spec = ServeSpec.of(spec, settings)
     # Checked here, where a bad path is a one-line error: in LitServe's worker it is a traceback and a failed start.
-    require_checkpoint(checkpoint_dir)
-    if adapter_dir is not None:
-        read_adapter_config(adapter_dir)
-    tokenizer = trained_tokenizer(checkpoint_dir, adapter_dir)
+    spec.check()
+    tokenizer = spec.tokenizer()
     if not tokenizer.has_chat_template and tokenizer.prompt_format is None:
-        raise InvalidInput(f"{checkpoint_dir} has no chat template (tokenizer_config.json chat_template) and no "
+        raise InvalidInput(f"{spec.checkpoint_dir} has no chat template (tokenizer_config.json chat_template) and no "
                            "fine-tune's prompt style was given (--adapter_dir): serve answers chat messages through "
                            "one of them. Serve a chat model or a fine-tune of it, or use `litqlora generate` for this "
                            "one.")
-    server = build_server(checkpoint_dir, adapter_dir, quantize, precision,
-                          api_key or switches.text("LIT_QLORA_API_KEY"), max_new_tokens, model_name)
-    print(f"Serving {checkpoint_dir}{f' + {adapter_dir}' if adapter_dir else ''} on http://{host}:{port}/v1",
-          flush=True)
+    server = build_server(spec, spec.api_key or switches.text("LIT_QLORA_API_KEY"), spec.max_new_tokens,
+                          spec.model_name)
+    print(f"Serving {spec.describe()} on http://{spec.host}:{spec.port}/v1", flush=True)
     # SIGINT and SIGTERM, sent to this process or its group, with or without a terminal, stop it as Ctrl-C does: the
     # main process shuts LitServe down (it stops its worker processes on KeyboardInterrupt; on a bare SIGTERM it would
     # leave them running), and the forked processes, which inherit these handlers, leave quietly (no traceback from a
@@ -103,7 +89,7 @@ def serve_command(
         signal.signal(signum, lambda signum, frame: _stop(main_pid, signum, received))
     try:
         # uvicorn's own lines (startup, each request, shutdown) at warning: the lines above and below say it
-        server.run(host=host, port=port, generate_client_file=False, num_api_servers=1, log_level="warning")
+        server.run(host=spec.host, port=spec.port, generate_client_file=False, num_api_servers=1, log_level="warning")
     except KeyboardInterrupt:
         pass
     finally:

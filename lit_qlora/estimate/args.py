@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import ClassVar, Literal, Optional
 
 from lit_qlora.methods.grpo.args import GRPOArgs
-from lit_qlora.base.hardware import PrecisionChoice
+from lit_qlora.base.precision import PrecisionChoice
 from lit_qlora.methods.dpo.args import DPOArgs
 from lit_qlora.methods.kto.args import KTOArgs
 from lit_qlora.train.args import DataArgs

@@ -20,7 +20,7 @@ from lit_qlora.estimate.args import EstimateSpec
 from lit_qlora.estimate.cards import GiB, device_memory as card_memory
 from lit_qlora.estimate.step import offload_decision, other_temporaries, parallel_bytes, trace_step
 from lit_qlora.base.errors import InvalidInput
-from lit_qlora.base.hardware import choose_precision
+from lit_qlora.base.precision import choose_precision
 from lit_qlora.train.args import TrainArgs
 from lit_qlora.train.method import Method
 
@@ -112,7 +112,7 @@ def estimate(spec: Optional[EstimateSpec] = None, **settings: Any) -> dict[str, 
             peak["dpo"] = preference_report(objective, runs.describe(), train, micro_batch_size, trace.peak_op)
         total = sum(parts.values())
         if method == "grpo":  # the larger of the training step and the rollouts' sampling
-            from lit_qlora.model.config import PRECISION_DTYPES
+            from lit_qlora.base.precision import PRECISION_DTYPES
 
             dtype_bytes, cache_len = PRECISION_DTYPES[precision].itemsize, length or train.max_seq_length
             kept = kept_cache_bytes(config, grpo, cache_len, dtype_bytes, device)

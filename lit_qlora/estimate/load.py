@@ -17,7 +17,9 @@ from typing import Any
 
 import torch
 
-from lit_qlora.model.config import DTYPES, Config
+from lit_qlora.model.config import Config
+
+from lit_qlora.base.precision import DTYPES
 
 
 def checkpoint_dtype(source: Path) -> torch.dtype:

@@ -241,7 +241,7 @@ def offload_decision(config: Config, precision: Precision, train: TrainArgs, dev
     `device_total` bytes, where known: --device_memory) would decide it (lit_qlora.train.offload.offload_choice),
     but for the host's available memory, which is not known here. `rows`: sequences per sample (a preference pair's
     2: the run decides on its micro_batch_size alone, and the pinned buffers hold every row)."""
-    from lit_qlora.model.config import PRECISION_DTYPES
+    from lit_qlora.base.precision import PRECISION_DTYPES
     from lit_qlora.model.offload import pinned_size
     from lit_qlora.train.offload import block_input_bytes, offload_choice
 
@@ -267,7 +267,7 @@ def trace_step(config: Config, quantize: Quantize, precision: Precision, lora: L
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from lit_qlora.model.config import ADAPTER_DTYPES, PRECISION_DTYPES
+    from lit_qlora.base.precision import ADAPTER_DTYPES, PRECISION_DTYPES
     from lit_qlora.lora.layer import apply_lora
     from lit_qlora.checkpoint.loading import default_dtype, random_base
     from lit_qlora.memory.trace import AllocationTrace, StepPhase

@@ -53,7 +53,7 @@ def ensure_default_checkpoint(checkpoint_dir: Path) -> None:
 def convert_gguf(file: str | Path, out_dir: Path, dtype: str = "float32") -> Path:
     """Convert a GGUF file ("smollm2" = the bundled SmolLM2-135M-Instruct) into a HF checkpoint directory."""
     from lit_qlora.checkpoint.files import atomic_write_text, write_safetensors
-    from lit_qlora.model.config import DTYPES
+    from lit_qlora.base.precision import DTYPES
 
     if dtype not in DTYPES:
         raise InvalidInput(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}.")

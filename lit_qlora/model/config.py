@@ -7,12 +7,10 @@ import json
 from dataclasses import asdict, dataclass, replace
 from enum import Enum
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-import torch
 
 from lit_qlora.base.errors import InvalidInput, MissingFile
-from lit_qlora.base.hardware import PRECISIONS
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "qwen3_moe", "mixtral",
                          "olmoe", "gpt_oss")
@@ -48,26 +46,6 @@ HF_DEFAULTS: dict[str, dict[str, Any]] = {
 GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                 "original_max_position_embeddings": 4096}
 
-# The one precision/dtype table: Lightning's precision name, the dtype's name in our files (adapter_config.json's
-# base_dtype / lora_dtype, `convert_gguf --dtype`), the torch dtype of the base and the compute, the adapters' dtype.
-# Everything below is a view of it. (`auto` is not a row: lit_qlora.base.hardware resolves it to one.)
-_PRECISION_TABLE = (
-    ("bf16-true", "bfloat16", torch.bfloat16, torch.bfloat16),
-    ("bf16-mixed", "bfloat16", torch.bfloat16, torch.float32),  # bf16 compute, fp32 adapters and AdamW state
-    ("16-mixed", "float16", torch.float16, torch.float32),  # fp16 compute, fp32 adapters and AdamW state
-    ("16-true", "float16", torch.float16, torch.float16),
-    ("32-true", "float32", torch.float32, torch.float32),
-)
-Precision = Literal[PRECISIONS]  # type: ignore[valid-type]
-"""A resolved precision (what `--precision auto` becomes: lit_qlora.base.hardware.choose_precision)."""
-PRECISION_DTYPES: dict[str, torch.dtype] = {precision: dtype for precision, _, dtype, _ in _PRECISION_TABLE}
-ADAPTER_DTYPES: dict[str, torch.dtype] = {precision: lora for precision, _, _, lora in _PRECISION_TABLE}
-MIXED_PRECISIONS = frozenset(p for p, _, dtype, lora in _PRECISION_TABLE if dtype != lora)
-"""Precisions whose trainable weights (and AdamW state) are fp32 over a narrower base and compute."""
-LOSS_SCALED_PRECISIONS = frozenset(p for p in MIXED_PRECISIONS if PRECISION_DTYPES[p] == torch.float16)
-"""Mixed precisions that train with dynamic loss scaling: fp16's range needs it, bf16's does not."""
-DTYPES: dict[str, torch.dtype] = {name: dtype for _, name, dtype, _ in _PRECISION_TABLE}  # (a dtype per name)
-DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for _, name, dtype, _ in _PRECISION_TABLE}
 
 
 class Quantize(str, Enum):

@@ -23,7 +23,7 @@ from lightning.fabric.plugins.precision.utils import _convert_fp_tensor, _DtypeC
 from lightning.pytorch.plugins.precision import Precision as TrainerPrecision
 from lightning_utilities import apply_to_collection
 
-from lit_qlora.model.config import LOSS_SCALED_PRECISIONS, MIXED_PRECISIONS, PRECISION_DTYPES, Precision
+from lit_qlora.base.precision import LOSS_SCALED_PRECISIONS, MIXED_PRECISIONS, PRECISION_DTYPES, Precision
 from lit_qlora.nf4 import count_linears, is_nf4, quantize_linears
 
 

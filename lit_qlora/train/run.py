@@ -24,7 +24,8 @@ from lit_qlora.export.gguf_import import ensure_default_checkpoint
 from lit_qlora.train.guards import oom_advice
 from lit_qlora.lora.layer import apply_lora, resolve_targets, tied_head_note
 from lit_qlora.memory.accounting import peak_memory_stats, release_free_memory
-from lit_qlora.model.config import ADAPTER_DTYPES, DTYPE_NAMES, MIXED_PRECISIONS, PRECISION_DTYPES, Config, Quantize
+from lit_qlora.model.config import Config, Quantize
+from lit_qlora.base.precision import ADAPTER_DTYPES, DTYPE_NAMES, MIXED_PRECISIONS, PRECISION_DTYPES
 from lit_qlora.nf4 import count_linears
 from lit_qlora.parallel.distributed import build_strategy, keep_frozen_out_of_ddp, nf4_shards_for
 from lit_qlora.parallel.tensor_parallel import TensorParallelShard

@@ -11,23 +11,22 @@ Light at import: the CLI reads these classes for `--help`, which must not wait f
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Literal, Optional, Union
+from typing import Literal, Optional, Union
 
 from lit_qlora.checkpoint.download import DEFAULT_CHECKPOINT
 from lit_qlora.base.errors import UserError
-from lit_qlora.base.hardware import PrecisionChoice, choose_precision, cpu_emulates, uses_cuda
+from lit_qlora.base.spec import CommandSpec
+from lit_qlora.base.hardware import cpu_emulates, uses_cuda
+from lit_qlora.base.precision import PrecisionChoice, choose_precision
 from lit_qlora.train.args import DataArgs, ExportArgs, LoRAArgs, TrainArgs
 from lit_qlora.train.loggers import LoggerName
 
 
 @dataclass
-class RunSpec:
+class RunSpec(CommandSpec):
     """A training run's settings: `litqlora finetune`'s options, which every training verb shares."""
-
-    cli_skip: ClassVar[frozenset[str]] = frozenset()
-    """Fields a verb does not offer as flags (they keep their defaults), e.g. dpo's tensor_parallel."""
 
     checkpoint_dir: Path = DEFAULT_CHECKPOINT
     """Base model (Hugging Face directory). The default is the bundled SmolLM2-135M-Instruct, converted on first
@@ -86,27 +85,6 @@ class RunSpec:
     is set; pip install mlflow)."""
     export: ExportArgs = field(default_factory=ExportArgs)
     """More exports of the fine-tune beside final/'s adapter, merged model and PEFT adapter."""
-
-    @classmethod
-    def of(cls, spec: Optional[RunSpec], settings: dict[str, Any]) -> Any:
-        """A verb's spec from what its caller gave: a spec, or its fields as keywords (`finetune(out_dir=...)`,
-        as Python callers and the tests write it), not both."""
-        if spec is None:
-            return cls(**settings)
-        if settings:
-            raise TypeError(f"pass a {cls.__name__} or its fields as keywords, not both (got {sorted(settings)})")
-        return spec
-
-    @classmethod
-    def add_arguments(cls, parser: Any) -> None:
-        """This spec's fields as a jsonargparse parser's options, at the top level (`--out_dir`, `--lora.r`)."""
-        parser.add_class_arguments(cls, nested_key=None, as_group=False, skip=set(cls.cli_skip), sub_configs=True,
-                                   fail_untyped=False)
-
-    @classmethod
-    def cli_fields(cls) -> list[Any]:
-        """The dataclass fields a user can set from the command line or a YAML file."""
-        return [f for f in fields(cls) if f.name not in cls.cli_skip]
 
 
 @dataclass(frozen=True)
