@@ -60,3 +60,20 @@ def test_packing_is_refused_once_with_its_reason(name, tmp_path):
         method_for(EstimateSpec(method=name, data=replace(EstimateSpec().data, packing=True)), name)
     assert str(estimate.value) == f"--method {name}: {verb.value}"
     assert isinstance(spec.data, DataArgs)
+
+
+def test_the_estimate_asks_the_method_and_never_its_name():
+    """estimate's report and its sections come from the method object (batch_unit, estimate_section,
+    render_estimate): adding a method edits no branch there."""
+    import ast
+    from pathlib import Path
+
+    import lit_qlora.estimate.command as command
+
+    tree = ast.parse(Path(command.__file__).read_text(encoding="utf-8"))
+    names = {method.name for method in METHODS.values()}
+    compared = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Compare)
+                and any(isinstance(c, ast.Constant) and c.value in names for c in [node.left, *node.comparators])]
+    assert compared == []
+    assert METHODS["dpo"].batch_size(3) == "3 pairs (6 sequences)" and METHODS["sft"].batch_size(3) == "3"
+    assert METHODS["sft"].render_estimate({"method": "sft"}) == []

@@ -13,16 +13,13 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from lit_qlora.methods import METHODS
-from lit_qlora.methods.grpo.estimate import kept_cache_bytes, render_grpo, sampling_phase
-from lit_qlora.methods.dpo.estimate import SEQUENCES_PER_PAIR, PreferenceStep, reference_pass
 from lit_qlora.estimate.search import AUTO_LENGTH_TRACES, LENGTH_STEP, largest_batches, longest_context
 from lit_qlora.estimate.args import EstimateSpec
 from lit_qlora.estimate.cards import GiB, device_memory as card_memory
 from lit_qlora.estimate.step import offload_decision, other_temporaries, parallel_bytes, trace_step
 from lit_qlora.base.errors import InvalidInput
 from lit_qlora.base.precision import choose_precision
-from lit_qlora.train.args import TrainArgs
-from lit_qlora.train.method import Method
+from lit_qlora.train.method import Method, TracedStep
 
 # torch and the model stack are imported inside the functions, and annotations name their types as text: the CLI
 # imports `estimate` to build `--help` (lit_qlora.cli.commands says why and how).
@@ -74,7 +71,7 @@ def estimate(spec: Optional[EstimateSpec] = None, **settings: Any) -> dict[str, 
         if value < least:
             raise InvalidInput(f"{flag} must be at least {least}, got {value}.")
     runs = method_for(spec, method)
-    method, grpo = runs.name, getattr(runs.spec, "grpo", None)
+    method = runs.name
     config, source = resolve_config(checkpoint_dir)
     quantize = Quantize(quantize)
     world_size = devices * num_nodes
@@ -92,7 +89,7 @@ def estimate(spec: Optional[EstimateSpec] = None, **settings: Any) -> dict[str, 
                          "memory too, e.g. --device_memory 24GiB.")
     precision, precision_reason = estimate_precision(precision, device)
     print(f"Estimating {config.name} ({source}): {'QLoRA (NF4 base)' if quantize is Quantize.NF4 else 'LoRA'}, "
-          f"{method}, micro-batch {batch_size(train.micro_batch_size, method)} x {train.max_seq_length} tokens, "
+          f"{method}, micro-batch {runs.batch_size(train.micro_batch_size)} x {train.max_seq_length} tokens, "
           f"activation checkpointing {train.activation_checkpointing}, {world_size} rank(s), {device}, precision "
           f"{precision} ({precision_reason})")
 
@@ -108,20 +105,11 @@ def estimate(spec: Optional[EstimateSpec] = None, **settings: Any) -> dict[str, 
             max_seq_length=length or train.max_seq_length), device, micro_batch_size, budget, objective)
         parts = parallel_bytes(trace.peak_by_category, config, strategy, world_size, tensor_parallel)
         peak = {"peak_operation": trace.peak_op, "other_temporaries_by_op": other_temporaries(trace, parts)}
-        if isinstance(objective, PreferenceStep):
-            peak["dpo"] = preference_report(objective, runs.describe(), train, micro_batch_size, trace.peak_op)
-        total = sum(parts.values())
-        if method == "grpo":  # the larger of the training step and the rollouts' sampling
-            from lit_qlora.base.precision import PRECISION_DTYPES
-
-            dtype_bytes, cache_len = PRECISION_DTYPES[precision].itemsize, length or train.max_seq_length
-            kept = kept_cache_bytes(config, grpo, cache_len, dtype_bytes, device)
-            sampling = sampling_phase(config, grpo, parts, cache_len, dtype_bytes, objective.fixed_pass_bytes, kept)
-            total += kept
-            peak["grpo"] = {"num_generations": grpo.num_generations, "training_peak_bytes": total,
-                            "reference_pass": grpo.uses_reference, **sampling,
-                            "sets_the_peak": "sampling" if sampling["sampling_peak_bytes"] > total else "training"}
-            total = max(total, sampling["sampling_peak_bytes"])
+        section, total = runs.estimate_section(TracedStep(
+            objective, config, parts, trace.peak_op, sum(parts.values()), micro_batch_size,
+            length or train.max_seq_length, precision, device))
+        if section is not None:
+            peak[runs.name] = section
         return total, parts, trace.host_peak, peak
 
     def traced(what: str, search: Callable) -> Callable:
@@ -204,53 +192,6 @@ def method_for(spec: EstimateSpec, name: Optional[str]) -> Method:
     return method
 
 
-def batch_size(micro_batch_size: int, method: str) -> str:
-    """A micro-batch as the report names it: sequences for sft, pairs (of two sequences each) for dpo."""
-    if method == "dpo":
-        return f"{micro_batch_size} pairs ({SEQUENCES_PER_PAIR * micro_batch_size} sequences)"
-    return str(micro_batch_size)
-
-
-def preference_report(step: PreferenceStep, objective: str, train: TrainArgs, pairs: int, peak_operation: str
-                      ) -> dict[str, Any]:
-    """estimate.json's `dpo` section: the objective, the step's sequences, and what the reference costs."""
-    when = reference_pass(step.dpo)
-    if when is None:
-        model = "none: ORPO is reference-free"
-    elif train.init_adapter is not None:
-        model = ("the same base with the starting adapter (--train.init_adapter): +0 bytes of weights (its pass sets "
-                 "the training adapter aside: a copy of the LoRA weights, in the pass's bytes)")
-    else:
-        model = "the same base, adapters off: +0 bytes of weights"
-    return {"objective": objective, "loss": step.dpo.loss,
-            "reference": step.dpo.reference if when else None, "sequences_per_micro_batch": SEQUENCES_PER_PAIR * pairs,
-            "answer_tokens": "every position (the worst case, as for sft)", "reference_model": model,
-            "reference_pass": when, "reference_pass_bytes": step.reference_pass_bytes,
-            "reference_pass_peak_operation": step.reference_pass_op or None,
-            "reference_pass_sets_the_peak": peak_operation.endswith("(reference)")}
-
-
-def render_preference(result: dict[str, Any]) -> list[str]:
-    """The report's lines on a dpo step: its sequences and its reference."""
-    dpo = result["dpo"]
-    lines = ["", f"Method dpo: {dpo['objective']}",
-             f"  micro-batch {batch_size(result['micro_batch_size'], 'dpo')} of {result['max_seq_length']} tokens in "
-             f"one forward and backward; answer tokens: {dpo['answer_tokens']}",
-             f"  reference: {dpo['reference_model']}"]
-    if dpo["reference_pass"] is None:
-        return lines
-    cost = f"{dpo['reference_pass_bytes'] / GiB:.3f} GiB"
-    if dpo["reference_pass"] == "every step":
-        where = ("it sets the step's peak" if dpo["reference_pass_sets_the_peak"]
-                 else f"under the step's peak ({result.get('peak_operation') or 'elsewhere'})")
-        lines.append(f"  its pass, a no-grad forward of the {dpo['sequences_per_micro_batch']} sequences in every "
-                     f"step, peaks at {cost} above what is live before it: {where}")
-    else:
-        lines.append(f"  cached: 2 floats per pair (host memory), no forward in the step; the forwards that fill the "
-                     f"table, once before training, peak at {cost} above the weights")
-    return lines
-
-
 def estimate_precision(precision: str, device: str) -> tuple[str, str]:
     """(the precision the estimate models, why): --precision auto on a cuda target assumes an Ampere-or-newer GPU."""
     if precision == "auto" and device == "cuda":
@@ -269,10 +210,8 @@ def render(result: dict[str, Any]) -> str:
     lines += [f"  {part}: {nbytes / GiB:.3f}" for part, nbytes in result.get("other_temporaries_by_op", {}).items()]
     if result.get("peak_operation"):
         lines += ["", f"The peak is reached at: {result['peak_operation']}"]
-    if result.get("dpo"):
-        lines += render_preference(result)
-    if result.get("grpo"):
-        lines += render_grpo(result)
+    if result.get(result["method"]):  # the method's own section (estimate_section)
+        lines += METHODS[result["method"]].render_estimate(result)
     if "load_host_bytes" in result:
         from lit_qlora.estimate.load import render_load
 
@@ -281,7 +220,7 @@ def render(result: dict[str, Any]) -> str:
         lines += ["", f"Host memory for offloaded activations: {result['offload_host_bytes'] / GiB:.2f} GiB (not in "
                       f"the peak above; {result['offload_pinned_bytes'] / GiB:.2f} GiB of pinned buffers)"]
     if "traced_peaks" in result:
-        batch = batch_size(result["micro_batch_size"], result["method"])
+        batch = METHODS[result["method"]].batch_size(result["micro_batch_size"])
         lines += ["", f"On {result['device_memory_bytes'] / GiB:.0f} GiB: the longest sequence that fits micro-batch "
                       f"{batch} is {result['max_seq_length']} tokens "
                       f"({result['bytes_per_token'] / 1024:.0f} KiB more per token; traced at "
@@ -296,7 +235,7 @@ def render_batch_search(result: dict[str, Any]) -> list[str]:
     lower bound, and says so)."""
     lines: list[str] = []
     sizes = result["max_micro_batch_size_by_checkpointing"]
-    unit = " pairs" if result["method"] == "dpo" else ""
+    unit = f" {METHODS[result['method']].batch_unit}".rstrip()
     limit = result["micro_batch_search_limit"]
     size = {k: f"{v} or more (the search stops at {limit})" if v == limit else str(v) for k, v in sizes.items()}
     lines += ["", f"On {result['device_memory_bytes'] / GiB:.0f} GiB: largest micro-batch {size['on']}{unit} with "

@@ -12,7 +12,7 @@ Light at import: the CLI reads the methods for `--help`, which must not wait for
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any, Callable, ClassVar, Optional
 
 from lit_qlora.base.errors import UserError
@@ -20,6 +20,26 @@ from lit_qlora.train.spec import RunSpec
 
 STRATEGIES = ("auto", "ddp", "fsdp", "tp")
 """What --strategy offers a method that refuses none."""
+
+
+@dataclass(frozen=True)
+class TracedStep:
+    """What `litqlora estimate` traced of a method's training step on a rank, handed to the method's own section of
+    the report (`Method.estimate_section`)."""
+
+    step: Any
+    """The method's `estimate_step()` object (None: SFT's step)."""
+    config: Any
+    """The model's lit_qlora.model.config.Config."""
+    by_category: dict[str, int]
+    """The step's peak bytes per rank by category."""
+    peak_operation: str
+    total: int
+    """The step's peak bytes per rank."""
+    micro_batch_size: int
+    max_seq_length: int
+    precision: str
+    device: str
 
 
 class Method:
@@ -37,6 +57,8 @@ class Method:
     """The spec's field holding the method's own settings (`dpo` for `--dpo.*`); None: it has none."""
     rows_per_sample: ClassVar[int] = 1
     """Sequences one sample puts through a forward (a preference pair: 2), for the offload decision."""
+    batch_unit: ClassVar[str] = ""
+    """What its micro-batch counts where that is not sequences ("pairs": rows_per_sample sequences each)."""
     refusals: ClassVar[dict[str, str]] = {}
     """Settings the method does not run with -> why. Keys: "strategy NAME" (`strategy tp` also stands for any
     --tensor_parallel other than 1), "packing", "compile"."""
@@ -119,3 +141,19 @@ class Method:
         None: SFT's step."""
         return None
 
+    @classmethod
+    def batch_size(cls, micro_batch_size: int) -> str:
+        """A micro-batch as the estimate's report names it: `4`, or `4 pairs (8 sequences)`."""
+        if not cls.batch_unit:
+            return str(micro_batch_size)
+        return f"{micro_batch_size} {cls.batch_unit} ({cls.rows_per_sample * micro_batch_size} sequences)"
+
+    def estimate_section(self, traced: TracedStep) -> tuple[Optional[dict[str, Any]], int]:
+        """estimate.json's section on what this method's step adds (under the method's name), and the peak per rank
+        with it; SFT: none, the traced step's peak."""
+        return None, traced.total
+
+    @staticmethod
+    def render_estimate(result: dict[str, Any]) -> list[str]:
+        """The estimate report's lines on this method's section of `result` (estimate.json)."""
+        return []

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from lit_qlora.methods.dpo.args import METRICS, ORPO_METRICS, DPOSpec
-from lit_qlora.train.method import Method
+from lit_qlora.train.method import Method, TracedStep
 
 
 def dpo(spec: Optional[DPOSpec] = None, **settings: Any) -> dict[str, Any]:
@@ -35,6 +35,7 @@ class DPO(Method):
     command = staticmethod(dpo)
     spec_class = DPOSpec
     rows_per_sample = 2
+    batch_unit = "pairs"
     demo_data = "PREFERENCE_DEMO_DATASET"
     metric_names = METRICS + ORPO_METRICS
     refusals = {
@@ -82,3 +83,15 @@ class DPO(Method):
         from lit_qlora.methods.dpo.estimate import PreferenceStep
 
         return PreferenceStep(self.settings)
+
+    def estimate_section(self, traced: TracedStep) -> tuple[Optional[dict[str, Any]], int]:
+        from lit_qlora.methods.dpo.estimate import preference_section
+
+        return preference_section(traced.step, self.describe(), self.spec.train.init_adapter, traced.micro_batch_size,
+                                  traced.peak_operation), traced.total
+
+    @staticmethod
+    def render_estimate(result: dict[str, Any]) -> list[str]:
+        from lit_qlora.methods.dpo.estimate import render_preference
+
+        return render_preference(result)

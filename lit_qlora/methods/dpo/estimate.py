@@ -112,6 +112,48 @@ class PreferenceStep:
         self.reference_pass_bytes, self.reference_pass_op = found["bytes"], found["op"]  # the last: a steady step's
         return logps
 
+def preference_section(step: PreferenceStep, objective: str, init_adapter: Any, pairs: int, peak_operation: str
+                       ) -> dict[str, Any]:
+    """estimate.json's `dpo` section: the objective, the step's sequences, and what the reference costs."""
+    when = reference_pass(step.dpo)
+    if when is None:
+        model = "none: ORPO is reference-free"
+    elif init_adapter is not None:
+        model = ("the same base with the starting adapter (--train.init_adapter): +0 bytes of weights (its pass sets "
+                 "the training adapter aside: a copy of the LoRA weights, in the pass's bytes)")
+    else:
+        model = "the same base, adapters off: +0 bytes of weights"
+    return {"objective": objective, "loss": step.dpo.loss,
+            "reference": step.dpo.reference if when else None, "sequences_per_micro_batch": SEQUENCES_PER_PAIR * pairs,
+            "answer_tokens": "every position (the worst case, as for sft)", "reference_model": model,
+            "reference_pass": when, "reference_pass_bytes": step.reference_pass_bytes,
+            "reference_pass_peak_operation": step.reference_pass_op or None,
+            "reference_pass_sets_the_peak": peak_operation.endswith("(reference)")}
+
+
+def render_preference(result: dict[str, Any]) -> list[str]:
+    """The report's lines on a dpo step: its sequences and its reference."""
+    GiB = 2**30
+    dpo = result["dpo"]
+    pairs = result["micro_batch_size"]
+    lines = ["", f"Method dpo: {dpo['objective']}",
+             f"  micro-batch {pairs} pairs ({SEQUENCES_PER_PAIR * pairs} sequences) of {result['max_seq_length']} "
+             f"tokens in one forward and backward; answer tokens: {dpo['answer_tokens']}",
+             f"  reference: {dpo['reference_model']}"]
+    if dpo["reference_pass"] is None:
+        return lines
+    cost = f"{dpo['reference_pass_bytes'] / GiB:.3f} GiB"
+    if dpo["reference_pass"] == "every step":
+        where = ("it sets the step's peak" if dpo["reference_pass_sets_the_peak"]
+                 else f"under the step's peak ({result.get('peak_operation') or 'elsewhere'})")
+        lines.append(f"  its pass, a no-grad forward of the {dpo['sequences_per_micro_batch']} sequences in every "
+                     f"step, peaks at {cost} above what is live before it: {where}")
+    else:
+        lines.append(f"  cached: 2 floats per pair (host memory), no forward in the step; the forwards that fill the "
+                     f"table, once before training, peak at {cost} above the weights")
+    return lines
+
+
 
 @contextmanager
 def _peak_within(trace: Any) -> Iterator[dict[str, Any]]:

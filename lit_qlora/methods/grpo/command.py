@@ -11,7 +11,7 @@ from functools import cached_property
 from typing import Any, Optional
 
 from lit_qlora.methods.grpo.args import GRPOSpec
-from lit_qlora.train.method import Method
+from lit_qlora.train.method import Method, TracedStep
 
 
 def grpo(spec: Optional[GRPOSpec] = None, **settings: Any) -> dict[str, Any]:
@@ -101,3 +101,24 @@ class GRPO(Method):
         from lit_qlora.methods.grpo.estimate import GRPOStep
 
         return GRPOStep(self.settings)
+
+    def estimate_section(self, traced: TracedStep) -> tuple[Optional[dict[str, Any]], int]:
+        """The larger of the training step and the rollouts' sampling sets the peak."""
+        from lit_qlora.base.precision import PRECISION_DTYPES
+        from lit_qlora.methods.grpo.estimate import kept_cache_bytes, sampling_phase
+
+        g, config, length = self.settings, traced.config, traced.max_seq_length
+        dtype_bytes = PRECISION_DTYPES[traced.precision].itemsize
+        kept = kept_cache_bytes(config, g, length, dtype_bytes, traced.device)
+        sampling = sampling_phase(config, g, traced.by_category, length, dtype_bytes, traced.step.fixed_pass_bytes, kept)
+        training = traced.total + kept
+        section = {"num_generations": g.num_generations, "training_peak_bytes": training,
+                   "reference_pass": g.uses_reference, **sampling,
+                   "sets_the_peak": "sampling" if sampling["sampling_peak_bytes"] > training else "training"}
+        return section, max(training, sampling["sampling_peak_bytes"])
+
+    @staticmethod
+    def render_estimate(result: dict[str, Any]) -> list[str]:
+        from lit_qlora.methods.grpo.estimate import render_grpo
+
+        return render_grpo(result)
