@@ -226,6 +226,42 @@ def test_grouped_mm_pads_unaligned_widths_without_changing_values():
     assert torch.allclose(b.grad[1].float(), torch.zeros(12, 3)) and b.grad[2].abs().sum() > 0
 
 
+@pytest.mark.parametrize("skewed", [False, True])
+def test_bf16_grouped_products_pad_each_expert_and_keep_the_per_expert_values(skewed):
+    """bf16 on the CPU: rows padded per expert (one batched matmul where the counts are close, each expert's own
+    multiple of PAD_ROWS where one expert takes most rows); forward, input and weight gradients equal one matmul per
+    expert in fp32 within bf16 rounding; an input changed in place between two calls is read again."""
+    from lit_qlora.nf4 import grouped
+
+    torch.manual_seed(0)
+    experts, rows, k, n = 8, 300, 64, 24
+    weights = torch.tensor([40.0] + [1.0] * 7) if skewed else torch.ones(experts)
+    counts = torch.bincount(torch.multinomial(weights, rows, replacement=True), minlength=experts)
+    offsets = grouped.group_offsets(counts)
+    place, width, padded_offsets = grouped._rows_layout(offsets, experts)
+    assert (width is None) == skewed and place.unique().numel() == rows
+    a = torch.randn(rows, k, dtype=torch.bfloat16, requires_grad=True)
+    b = torch.randn(experts, k, n, dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(rows, n, dtype=torch.bfloat16)
+    y = GroupedMM.apply(a, b, offsets)
+    y.backward(g)
+    spans = list(zip([0, *offsets.tolist()[:-1]], offsets.tolist()))
+    ref_y = torch.cat([a[s:e].float() @ b[i].float() for i, (s, e) in enumerate(spans)])
+    ref_ga = torch.cat([g[s:e].float() @ b[i].float().T for i, (s, e) in enumerate(spans)])
+    ref_gb = torch.stack([a[s:e].float().T @ g[s:e].float() for s, e in spans])
+    for got, ref in ((y, ref_y), (a.grad, ref_ga), (b.grad, ref_gb)):
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), ref, rtol=2**-7, atol=2**-7 * ref.abs().max().item())
+    with torch.no_grad():
+        x = torch.randn(rows, k, dtype=torch.bfloat16)
+        first = grouped.grouped_mm(x, b.detach(), offsets)
+        x.add_(1.0)  # the kept padded copy of x is stale now
+        again = grouped.grouped_mm(x, b.detach(), offsets)
+    assert not torch.equal(first, again)
+    torch.testing.assert_close(again.float(), torch.cat([x[s:e].float() @ b[i].detach().float()
+                                                         for i, (s, e) in enumerate(spans)]), rtol=2**-7, atol=0.1)
+
+
 def test_merged_export_loads_in_transformers_with_our_logits(family, tmp_path):
     model_type, path = family
     from helpers import random_adapter
