@@ -256,6 +256,26 @@ def test_a_bad_checkpoint_or_adapter_is_a_one_line_error_before_serving(tmp_path
         assert str(tmp_path / "missing") in done.stderr
 
 
+def test_a_streamed_client_that_goes_away_stops_its_generation(server):
+    """A streamed reply whose client disconnects stops at its next token: the request queued behind it waits for
+    nothing more. Timed against the same server's pace in this test: the same long stream read to its end first."""
+    story = dict(model="smollm2", messages=[{"role": "user", "content": "Write a long story about a lighthouse."}],
+                 temperature=0, max_tokens=300, stream=True, stream_options={"include_usage": True})
+    started = time.perf_counter()
+    chunks = list(client(server).chat.completions.create(**story))
+    whole = time.perf_counter() - started
+    generated = chunks[-1].usage.completion_tokens
+    assert generated >= 150, "the story must be long enough to time its rest"
+    stream = client(server).chat.completions.create(**story)
+    next(iter(stream))  # its first piece: the reply is being generated now
+    stream.close()  # the client goes away
+    started = time.perf_counter()
+    assert create(server, "Name a primary color.", max_tokens=4).choices[0].message.content
+    waited = time.perf_counter() - started
+    # Had the dropped reply gone on, this request would have waited for nearly all of it (`whole`).
+    assert waited < whole / 3, f"the next request waited {waited:.1f} s; the whole stream took {whole:.1f} s"
+
+
 def test_sixteen_concurrent_streamed_clients_each_get_their_whole_reply_and_usage(server, expected):
     """16 clients streaming at once (a bounded loop each: every reply must end, none may hang): each gets the full
     greedy reply for its question, its finish reason (stop, or length at max_tokens) and its own usage chunk."""

@@ -8,8 +8,10 @@ The worker's `encode_response` yields `{"content": piece}` for each piece of a r
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
+import os
 import secrets
 import time
 from typing import Any, AsyncIterator, Iterator, Optional
@@ -105,11 +107,31 @@ class ChatRequest(ChatCompletionRequest):
     """Which of the request's n choices this copy answers: LitServe queues one copy per choice (`model_copy`, n set
     to 1), which would otherwise draw the same tokens from the same seed."""
     _copies: int = PrivateAttr(default=0)
+    _stream: str = PrivateAttr(default="")
+    """The streamed request's id (every choice's copy has it), under which the API server posts a disconnect."""
 
     def model_copy(self, *args: Any, **kwargs: Any) -> "ChatRequest":
         copy = super().model_copy(*args, **kwargs)
         copy._choice, self._copies = self._copies, self._copies + 1
+        copy._stream = self._stream
         return copy
+
+
+class Disconnects:
+    """Where the API server posts that a streamed request's client went away, and its worker looks after every token
+    (then stops generating): a folder of empty files named by the request's id, which both processes see (LitServe's
+    worker is a spawned process with no channel back from the server but the request itself)."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+
+    def post(self, stream: str) -> None:
+        if stream:
+            with open(os.path.join(self.folder, stream), "w"):
+                pass
+
+    def gone(self, stream: str) -> bool:
+        return bool(stream) and os.path.exists(os.path.join(self.folder, stream))
 
 
 def choice_seed(seed: int, choice: int) -> int:
@@ -154,9 +176,10 @@ def chat_messages(request: ChatRequest) -> list[dict[str, str]]:
 class ChatAPI(ls.LitAPI):
     """OpenAI chat completions through the checkpoint's chat template; the model loads in the worker (`setup`)."""
 
-    def __init__(self, choice: ModelChoice, max_new_tokens: int, **kwargs: Any) -> None:
+    def __init__(self, choice: ModelChoice, max_new_tokens: int, disconnects: Optional[Disconnects] = None,
+                 **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.choice, self.max_new_tokens = choice, max_new_tokens
+        self.choice, self.max_new_tokens, self.disconnects = choice, max_new_tokens, disconnects
 
     def setup(self, device: str) -> None:
         import signal
@@ -210,6 +233,9 @@ class ChatAPI(ls.LitAPI):
         def counted(tokens: Iterator[int]) -> Iterator[int]:
             nonlocal generated
             for token in tokens:
+                if self.disconnects is not None and self.disconnects.gone(request._stream):
+                    tokens.close()  # the client went away: stop here, and free the worker for the next request
+                    return
                 generated += 1
                 yield token
 
@@ -247,12 +273,14 @@ class ChatSpec(OpenAISpec):
     last chunk when `stream_options.include_usage` asks), `finish_reason` "length" for a reply cut short, one id per
     completion, and an error status for a request refused before its reply starts, streamed or not."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, disconnects: Optional[Disconnects] = None) -> None:
         super().__init__()
-        self.model_name = model_name
+        self.model_name, self.disconnects = model_name, disconnects
 
     async def chat_completion(self, request: ChatRequest, background_tasks: BackgroundTasks) -> Any:
         check_request(request)
+        if request.stream:
+            request._stream = shortuuid()
         response = await super().chat_completion(request, background_tasks)
         if isinstance(response, StreamingResponse):
             # The stream's first event waits for the reply's first piece: a refusal before it (the context, the chat
@@ -309,6 +337,10 @@ class ChatSpec(OpenAISpec):
             if request.stream_options is not None and request.stream_options.include_usage:
                 yield event([], usage.info())
             yield "data: [DONE]\n\n"
+        except (GeneratorExit, asyncio.CancelledError):  # the client went away mid-reply: its worker stops
+            if self.disconnects is not None:
+                self.disconnects.post(request._stream)
+            raise
         except HTTPException as e:
             if not started:
                 raise

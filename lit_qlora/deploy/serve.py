@@ -11,14 +11,18 @@ and its OpenAI spec.
 * every error is an OpenAI error object, `{"error": {"message", "type", "param", "code"}}`: 400 for a value no reply
   can honour (and a conversation past the context), 401, 404, 422 for a body that does not match the schema, 500;
   the server goes on;
-* one worker answers one request at a time from a queue: concurrent requests never share a batch or a KV cache.
+* one worker answers one request at a time from a queue: concurrent requests never share a batch or a KV cache; a
+  streamed request whose client goes away stops generating at its next token, freeing the worker for the next.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import shutil
 import signal
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -50,10 +54,14 @@ def build_server(choice: ModelChoice, api_key: Optional[str] = None, max_new_tok
                  model_name: Optional[str] = None):
     import litserve as ls
 
-    from lit_qlora.deploy.litserve_api import BearerToken, ChatAPI, ChatSpec, add_model_routes, install_error_handlers
+    from lit_qlora.deploy.litserve_api import (BearerToken, ChatAPI, ChatSpec, Disconnects, add_model_routes,
+                                               install_error_handlers)
 
     name = model_name or Path(choice.adapter_dir or choice.checkpoint_dir).name
-    api = ChatAPI(choice, max_new_tokens, spec=ChatSpec(name))
+    folder = tempfile.mkdtemp(prefix="litqlora-serve-")  # a streamed request's disconnect, posted for its worker
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    disconnects = Disconnects(folder)
+    api = ChatAPI(choice, max_new_tokens, disconnects, spec=ChatSpec(name, disconnects))
     middlewares = [(BearerToken, {"api_key": api_key})] if api_key else None
     server = ls.LitServer(api, accelerator=choice.run_device.type, devices=1, workers_per_device=1, timeout=600,
                           middlewares=middlewares)
