@@ -374,3 +374,35 @@ def live_group_members(pgid: int) -> list[int]:
         if int(fields[2]) == pgid and fields[0] != "Z":
             members.append(int(stat.parent.name))
     return members
+
+
+def test_a_refused_request_is_logged_as_the_clients_error_not_as_a_missing_traceback(caplog):
+    """A worker's 400 reaches the API server as an error status; LitServe's 'Please check the above traceback' ERROR
+    line (no traceback is there for a refusal) gives way to one WARNING line saying what was refused; a real failure
+    is an ERROR pointing at the worker's traceback."""
+    import asyncio
+    import logging
+
+    from litserve.utils import LitAPIStatus
+
+    from lit_qlora.deploy.litserve_api import ChatSpec, refusal
+
+    async def pipe(data):
+        yield data, LitAPIStatus.ERROR
+
+    async def drain(data):
+        return [item async for item in ChatSpec("m")._outputs(pipe(data))]
+
+    caplog.set_level(logging.INFO)
+    with pytest.raises(Exception) as refused:
+        asyncio.run(drain(refusal(400, "The messages are too long.", "messages", "context_length_exceeded")))
+    assert refused.value.status_code == 400
+    logging.getLogger("litserve.server").error("Error occurred while streaming outputs from the inference worker. "
+                                               "Please check the above traceback.")
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("WARNING", "refused a request (400 context_length_exceeded): The messages are too long.")]
+    caplog.clear()
+    with pytest.raises(Exception) as failed:
+        asyncio.run(drain(RuntimeError("a bug")))
+    assert failed.value.status_code == 500
+    assert [(r.levelname, "traceback is above" in r.getMessage()) for r in caplog.records] == [("ERROR", True)]

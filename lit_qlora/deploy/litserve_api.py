@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 import os
 import secrets
 import time
@@ -291,10 +292,15 @@ class ChatSpec(OpenAISpec):
         return response
 
     async def _outputs(self, pipe: AsyncIterator) -> AsyncIterator[dict[str, Any]]:
+        quiet_litserve_error_line()
         async for data, status in pipe:
             if status == LitAPIStatus.ERROR:
                 if isinstance(data, HTTPException):
+                    detail = data.detail if isinstance(data.detail, dict) else {"message": data.detail}
+                    log.warning("refused a request (%s%s): %s", data.status_code,
+                                f" {detail['code']}" if detail.get("code") else "", detail.get("message"))
                     raise data
+                log.error("the model failed while answering a request: the inference worker's traceback is above")
                 raise refusal(500, "The model failed while answering; the server's log has the traceback.", None,
                               "internal_error")
             yield json.loads(data)
@@ -347,6 +353,23 @@ class ChatSpec(OpenAISpec):
             detail = e.detail if isinstance(e.detail, dict) else {"message": str(e.detail)}
             body = error_body(e.status_code, str(detail.get("message")), detail.get("param"), detail.get("code"))
             yield f"data: {json.dumps(body)}\n\n"
+
+
+log = logging.getLogger("lit_qlora.serve")
+"""The server's own lines: a refused request (a client error, one line) and a failed one (after its traceback)."""
+
+
+class _NotOurs(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Error occurred while streaming outputs from the inference worker")
+
+
+def quiet_litserve_error_line() -> None:
+    """LitServe's API server logs one ERROR line, 'Please check the above traceback', for every error a worker sends
+    back, a client's 400 included (the worker logs no traceback for an HTTPException): ours say which it was."""
+    logger = logging.getLogger("litserve.server")
+    if not any(isinstance(f, _NotOurs) for f in logger.filters):
+        logger.addFilter(_NotOurs())
 
 
 async def _prepend(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
