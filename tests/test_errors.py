@@ -331,7 +331,7 @@ BUILTIN_RAISES = {
     "eval/tasks/utils.py": 1,  # as many log-likelihoods as labels
     "lit_qlora/checkpoint/files.py": 3,  # two caught at once (-> CheckpointError); TensorSpec's arguments
     "lit_qlora/nf4/gemv.py": 1,  # the isa= argument tests use to force a build
-    "lit_qlora/checkpoint/loading.py": 1,  # load_model's arguments
+    "lit_qlora/checkpoint/loading.py": 2,  # load_model's arguments: a resolved precision; no layout with an adapter
     "lit_qlora/methods/grpo/loss.py": 1,  # a loss_type the settings' check already refused
     "lit_qlora/methods/grpo/rewards.py": 2,  # score's own arguments of uneven lengths (a caller's bug, not a user's)
     "lit_qlora/methods/grpo/rollout.py": 1,  # a prompt past the compiled decode's cache (the data module leaves such out)
