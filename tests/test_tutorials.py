@@ -120,7 +120,8 @@ def test_deploy_tutorial_runs_as_written(smollm2_dir, tmp_path):
     assert serve.returncode == 0, serve.stderr
     replies = [line for line in serve.stdout.splitlines()
                if line.strip() and not line.startswith(("INFO", "20", "Serving ", "Stopped serving"))]
-    assert "Paris" in replies[-2] and replies[-1].strip()  # the first reply, then the streamed one
+    # the first reply (temperature 0: one line naming Paris), then the streamed one, sampled: it may span lines
+    assert "Paris" in replies[0] and len(replies) >= 2, serve.stdout
     assert "Stopped serving (SIGTERM)." in serve.stdout  # `kill $!`: one line, the server's last
 
 
