@@ -13,8 +13,8 @@ from pathlib import Path
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-from lit_qlora.checkpoint.download import DEFAULT_CHECKPOINT, DownloadError
-from lit_qlora.base.errors import InvalidInput, MissingFile
+from lit_qlora.checkpoint.download import DownloadError
+from lit_qlora.base.errors import InvalidInput
 from lit_qlora.deploy.choice import ModelChoice
 from lit_qlora.eval.truthfulqa import LOCAL_TASKS, check_truthfulqa_file, prepare_local_tasks
 
@@ -122,11 +122,8 @@ def evaluate(spec: Optional[EvaluateSpec] = None, **settings: Any) -> dict:
     spec = EvaluateSpec.of(spec, settings)
     started = time.perf_counter()
     names = split_tasks(spec.tasks)
-    checkpoint_dir = Path(spec.checkpoint_dir)
-    if checkpoint_dir != DEFAULT_CHECKPOINT and not (checkpoint_dir / "config.json").is_file():
-        raise MissingFile(f"--checkpoint_dir {checkpoint_dir} has no config.json: it must be a Hugging Face "
-                          "model directory (see `litqlora download` / `litqlora convert_gguf`).")
     spec.check()  # its config's fields, weights and tokenizer, and the adapter's config, before lm-eval starts
+    checkpoint_dir = spec.checkpoint_dir
     data_file, limit, adapter_dir = spec.data_file, spec.limit, spec.adapter_dir
     if data_file is not None:
         check_truthfulqa_file(Path(data_file))

@@ -40,7 +40,6 @@ class ModelChoice(CommandSpec):
     def check(self, tokenizer: bool = True) -> None:
         """The checkpoint (the bundled default converted on first use) and the adapter's config, each problem a
         one-paragraph error now, before the model loads (or, for serve, before a worker starts)."""
-        from lit_qlora.checkpoint.adapter import read_adapter_config
         from lit_qlora.checkpoint.hf import require_checkpoint
         from lit_qlora.export.gguf_import import ensure_default_checkpoint
 
@@ -49,7 +48,7 @@ class ModelChoice(CommandSpec):
         require_checkpoint(self.checkpoint_dir, tokenizer=tokenizer)
         if self.adapter_dir is not None:
             self.adapter_dir = Path(self.adapter_dir)
-            read_adapter_config(self.adapter_dir)
+            self.adapter_config  # noqa: B018  (read and checked now; kept for the quantize and results.json)
 
     @cached_property
     def run_device(self) -> Any:

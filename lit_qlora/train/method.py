@@ -153,7 +153,7 @@ class Method:
         with it; SFT: none, the traced step's peak."""
         return None, traced.total
 
-    @staticmethod
-    def render_estimate(result: dict[str, Any]) -> list[str]:
+    @classmethod
+    def render_estimate(cls, result: dict[str, Any]) -> list[str]:
         """The estimate report's lines on this method's section of `result` (estimate.json)."""
         return []

@@ -90,8 +90,8 @@ class DPO(Method):
         return preference_section(traced.step, self.describe(), self.spec.train.init_adapter, traced.micro_batch_size,
                                   traced.peak_operation), traced.total
 
-    @staticmethod
-    def render_estimate(result: dict[str, Any]) -> list[str]:
+    @classmethod
+    def render_estimate(cls, result: dict[str, Any]) -> list[str]:
         from lit_qlora.methods.dpo.estimate import render_preference
 
-        return render_preference(result)
+        return render_preference(result, cls.batch_size(result["micro_batch_size"]))

@@ -131,14 +131,13 @@ def preference_section(step: PreferenceStep, objective: str, init_adapter: Any, 
             "reference_pass_sets_the_peak": peak_operation.endswith("(reference)")}
 
 
-def render_preference(result: dict[str, Any]) -> list[str]:
-    """The report's lines on a dpo step: its sequences and its reference."""
+def render_preference(result: dict[str, Any], batch: str) -> list[str]:
+    """The report's lines on a dpo step (its micro-batch as `batch` names it): its sequences and its reference."""
     GiB = 2**30
     dpo = result["dpo"]
-    pairs = result["micro_batch_size"]
     lines = ["", f"Method dpo: {dpo['objective']}",
-             f"  micro-batch {pairs} pairs ({SEQUENCES_PER_PAIR * pairs} sequences) of {result['max_seq_length']} "
-             f"tokens in one forward and backward; answer tokens: {dpo['answer_tokens']}",
+             f"  micro-batch {batch} of {result['max_seq_length']} tokens in one forward and backward; answer "
+             f"tokens: {dpo['answer_tokens']}",
              f"  reference: {dpo['reference_model']}"]
     if dpo["reference_pass"] is None:
         return lines

@@ -117,8 +117,8 @@ class GRPO(Method):
                    "sets_the_peak": "sampling" if sampling["sampling_peak_bytes"] > training else "training"}
         return section, max(training, sampling["sampling_peak_bytes"])
 
-    @staticmethod
-    def render_estimate(result: dict[str, Any]) -> list[str]:
+    @classmethod
+    def render_estimate(cls, result: dict[str, Any]) -> list[str]:
         from lit_qlora.methods.grpo.estimate import render_grpo
 
         return render_grpo(result)
