@@ -63,6 +63,11 @@ def test_a_choice_is_checked_before_anything_loads(tmp_path):
 
     with pytest.raises(UserError, match="config.json"):
         ModelChoice(checkpoint_dir=tmp_path).check()
+    with pytest.raises(UserError, match="--device 'gpu0' is not a device"):
+        ModelChoice(device="gpu0").run_device  # noqa: B018
+    if not torch.cuda.is_available():
+        with pytest.raises(UserError, match="no CUDA GPU"):
+            ModelChoice(device="cuda").run_device  # noqa: B018
     with pytest.raises(TypeError, match="not both"):
         from lit_qlora.deploy.generate import GenerateSpec, generate_command
 

@@ -12,6 +12,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal, Optional
 
+from lit_qlora.base.errors import InvalidInput
 from lit_qlora.base.precision import PrecisionChoice, resolved
 from lit_qlora.base.spec import CommandSpec
 from lit_qlora.checkpoint.download import DEFAULT_CHECKPOINT
@@ -55,9 +56,16 @@ class ModelChoice(CommandSpec):
         """The torch.device the model runs on."""
         import torch
 
-        if self.device:
-            return torch.device(self.device)
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if not self.device:
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        try:
+            device = torch.device(self.device)
+        except RuntimeError:
+            raise InvalidInput(f"--device {self.device!r} is not a device: give cpu, cuda or cuda:N.") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise InvalidInput(f"--device {self.device}: this machine has no CUDA GPU that torch can use; leave "
+                               "--device out (cpu here) or give cpu.")
+        return device
 
     @cached_property
     def run_precision(self) -> str:
