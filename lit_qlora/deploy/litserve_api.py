@@ -15,7 +15,7 @@ import logging
 import os
 import secrets
 import time
-from typing import Any, AsyncIterator, Iterator, Optional
+from typing import Any, AsyncIterator, Optional
 
 import litserve as ls
 from fastapi import BackgroundTasks, HTTPException
@@ -198,6 +198,9 @@ class ChatAPI(ls.LitAPI):
         if not self.tokenizer.has_chat_template and self.tokenizer.prompt_format is None:
             raise InvalidInput(f"{self.choice.checkpoint_dir} has no chat template: serve answers chat messages "
                                "through it.")
+        from lit_qlora.model.batch_decode import DecodeBatch
+
+        self.batch, self.replies = DecodeBatch(self.model), {}
 
     def prompt_ids(self, request: ChatRequest) -> list[int]:
         """The token ids the model is fed for `request`: its messages through the chat template (400 when the
@@ -218,37 +221,58 @@ class ChatAPI(ls.LitAPI):
                           "context_length_exceeded")
         return ids
 
-    def predict(self, request: ChatRequest, context: Any = None) -> Iterator[Any]:
-        """The reply's text pieces as they are generated, then its finish reason and token counts."""
-        from lit_qlora.model.sampling import decoded_pieces, generate
+    def admit(self, uid: Any, request: ChatRequest) -> None:
+        """Join `request` to the running batch (its prompt prefilled now): its pieces come out of `step`. A refusal
+        (its messages, its context) raises before it joins."""
+        from lit_qlora.model.batch_decode import Row
+        from lit_qlora.model.sampling import Pieces
 
-        tok = self.tokenizer
         ids = self.prompt_ids(request)
         asked = request.max_completion_tokens or request.max_tokens or self.max_new_tokens
         limit = min(asked, self.max_new_tokens, self.model.config.max_seq_length - len(ids))
-        temperature = 0.7 if request.temperature is None else request.temperature
-        top_p = request.top_p if request.top_p is not None and request.top_p < 1 else None
         seed = secrets.randbits(63) if request.seed is None else choice_seed(request.seed, request._choice)
-        generated = 0
+        self.batch.add(Row(uid, ids, limit, temperature=0.7 if request.temperature is None else request.temperature,
+                           top_p=request.top_p if request.top_p is not None and request.top_p < 1 else None,
+                           stop_ids=frozenset(self.tokenizer.eos_ids), seed=seed))
+        self.replies[uid] = Reply(request._stream, len(ids), Pieces(self.tokenizer))
 
-        def counted(tokens: Iterator[int]) -> Iterator[int]:
-            nonlocal generated
-            for token in tokens:
-                if self.disconnects is not None and self.disconnects.gone(request._stream):
-                    tokens.close()  # the client went away: stop here, and free the worker for the next request
-                    return
-                generated += 1
-                yield token
+    def step(self) -> list[tuple[Any, Optional[dict[str, Any]]]]:
+        """One token for every reply in the batch: (uid, `{"content": piece}`) for a reply's text as it grows, then
+        (uid, `{"finish_reason", "usage"}`) when it ends, and (uid, None) for one whose client went away (it stops
+        here). The pieces' protocol is ChatSpec's."""
+        out: list[tuple[Any, Optional[dict[str, Any]]]] = []
+        for uid, reply in list(self.replies.items()):
+            if self.disconnects is not None and self.disconnects.gone(reply.stream):
+                self.batch.drop(uid)
+                del self.replies[uid]
+                out.append((uid, None))
+        for t in self.batch.step() if self.replies else ():
+            reply = self.replies[t.key]
+            pieces = [reply.pieces.push(t.token)] if t.token is not None else []
+            reply.generated += t.token is not None
+            if t.finish:
+                pieces.append(reply.pieces.flush())
+            out += [(t.key, {"content": piece}) for piece in pieces if piece]
+            if t.finish:
+                del self.replies[t.key]
+                out.append((t.key, {"finish_reason": t.finish, "usage": {"prompt_tokens": reply.prompt_tokens,
+                                                                          "completion_tokens": reply.generated}}))
+        return out
 
-        tokens = generate(self.model, ids, limit, temperature, None, tok.eos_ids, seed=seed, top_p=top_p)
-        yield from decoded_pieces(tok, counted(tokens))
-        # `generate` stops at a stop id (not counted) or after `limit` tokens: a full count means it was cut short.
-        yield {"finish_reason": "length" if generated == limit else "stop",
-               "usage": {"prompt_tokens": len(ids), "completion_tokens": generated}}
+    def abandon(self) -> list[Any]:
+        """Every reply in flight, ended (the batch emptied): after a failure of the model mid-step."""
+        uids = list(self.replies)
+        self.replies.clear()
+        self.batch.release()
+        return uids
 
-    def encode_response(self, output: Iterator[Any], context: Any = None) -> Iterator[dict[str, Any]]:
-        for item in output:
-            yield {"content": item} if isinstance(item, str) else item
+
+class Reply:
+    """A reply in the running batch, as the worker keeps it: its stream's id (a disconnect is posted under it), its
+    prompt's length, its text so far and how many tokens it has."""
+
+    def __init__(self, stream: str, prompt_tokens: int, pieces: Any) -> None:
+        self.stream, self.prompt_tokens, self.pieces, self.generated = stream, prompt_tokens, pieces, 0
 
 
 # ---- the API server's side ---------------------------------------------------------------------------------------
@@ -277,6 +301,12 @@ class ChatSpec(OpenAISpec):
     def __init__(self, model_name: str, disconnects: Optional[Disconnects] = None) -> None:
         super().__init__()
         self.model_name, self.disconnects = model_name, disconnects
+
+    def pre_setup(self, lit_api: Any) -> None:
+        # The endpoints alone: OpenAISpec would also require a generator `predict`, which ChatAPI does not have (its
+        # worker answers through lit_qlora.deploy.batching's loop, `admit` and `step`).
+        self.add_endpoint(self.api_path, self.chat_completion, ["POST"])
+        self.add_endpoint(self.api_path, self.options_chat_completions, ["OPTIONS"])
 
     async def chat_completion(self, request: ChatRequest, background_tasks: BackgroundTasks) -> Any:
         check_request(request)

@@ -11,8 +11,10 @@ and its OpenAI spec.
 * every error is an OpenAI error object, `{"error": {"message", "type", "param", "code"}}`: 400 for a value no reply
   can honour (and a conversation past the context), 401, 404, 422 for a body that does not match the schema, 500;
   the server goes on;
-* one worker answers one request at a time from a queue: concurrent requests never share a batch or a KV cache; a
-  streamed request whose client goes away stops generating at its next token, freeing the worker for the next.
+* one worker decodes up to `--max_batch_size` replies together (continuous batching, lit_qlora.deploy.batching): a
+  request joins the running batch at the next token, each reply answers as it would alone, a finished one leaves at
+  once, and a streamed request whose client goes away stops generating at its next token; a request's `n` choices are
+  rows of one batch.
 """
 
 from __future__ import annotations
@@ -48,12 +50,15 @@ class ServeSpec(ModelChoice):
     """A reply's length when the request gives no max_tokens, and the most it may ask for."""
     model_name: Optional[str] = None
     """The model id /v1/models lists (default: the adapter's or checkpoint's directory name)."""
+    max_batch_size: int = 16
+    """Replies decoded together (continuous batching: a request joins at the next token); more wait their turn."""
 
 
 def build_server(choice: ModelChoice, api_key: Optional[str] = None, max_new_tokens: int = 512,
-                 model_name: Optional[str] = None):
+                 model_name: Optional[str] = None, max_batch_size: int = 16):
     import litserve as ls
 
+    from lit_qlora.deploy.batching import BatchingLoop
     from lit_qlora.deploy.litserve_api import (BearerToken, ChatAPI, ChatSpec, Disconnects, add_model_routes,
                                                install_error_handlers)
 
@@ -61,7 +66,8 @@ def build_server(choice: ModelChoice, api_key: Optional[str] = None, max_new_tok
     folder = tempfile.mkdtemp(prefix="litqlora-serve-")  # a streamed request's disconnect, posted for its worker
     atexit.register(shutil.rmtree, folder, ignore_errors=True)
     disconnects = Disconnects(folder)
-    api = ChatAPI(choice, max_new_tokens, disconnects, spec=ChatSpec(name, disconnects))
+    api = ChatAPI(choice, max_new_tokens, disconnects, spec=ChatSpec(name, disconnects),
+                  loop=BatchingLoop(max_batch_size))
     middlewares = [(BearerToken, {"api_key": api_key})] if api_key else None
     server = ls.LitServer(api, accelerator=choice.run_device.type, devices=1, workers_per_device=1, timeout=600,
                           middlewares=middlewares)
@@ -84,8 +90,10 @@ def serve_command(spec: Optional[ServeSpec] = None, **settings: Any) -> None:
                            "fine-tune's prompt style was given (--adapter_dir): serve answers chat messages through "
                            "one of them. Serve a chat model or a fine-tune of it, or use `litqlora generate` for this "
                            "one.")
+    if spec.max_batch_size < 1:
+        raise InvalidInput(f"--max_batch_size {spec.max_batch_size}: at least 1 reply must decode at a time.")
     server = build_server(spec, spec.api_key or switches.text("LIT_QLORA_API_KEY"), spec.max_new_tokens,
-                          spec.model_name)
+                          spec.model_name, spec.max_batch_size)
     print(f"Serving {spec.describe()} on http://{spec.host}:{spec.port}/v1", flush=True)
     # SIGINT and SIGTERM, sent to this process or its group, with or without a terminal, stop it as Ctrl-C does: the
     # main process shuts LitServe down (it stops its worker processes on KeyboardInterrupt; on a bare SIGTERM it would

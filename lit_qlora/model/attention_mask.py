@@ -26,7 +26,8 @@ def attention_mask(q_pos: torch.Tensor, kv_len: int, window: Optional[int], deco
     """The boolean mask for SDPA (True: attend), or None where plain causal attention (`is_causal`) is exact.
 
     Without `positions`: a (T, kv_len) mask over the row's indices `q_pos` (a KV cache of `kv_len` slots while
-    decoding, or a sliding window shorter than the row), else None. With packed `positions` (B, T): causal, same
+    decoding, or a sliding window shorter than the row), else None; while decoding rows that each stand at their own
+    positions, `q_pos` (B, T), a (B, 1, T, kv_len) mask. With packed `positions` (B, T): causal, same
     document and, given `window`, at most window - 1 positions back, as (B, 1, T, T).
 
     `flex` (a full-sequence forward where `lit_qlora.model.attention.use_flex_attention`): the same mask as a
@@ -46,9 +47,11 @@ def attention_mask(q_pos: torch.Tensor, kv_len: int, window: Optional[int], deco
     if not decoding and (window is None or q_pos.numel() <= window):
         return None
     kv_pos = torch.arange(kv_len, device=q_pos.device)
-    mask = kv_pos[None, :] <= q_pos[:, None]
+    if q_pos.dim() == 2:  # decoding rows each at its own positions (a continuous batch): (B, 1, T, kv_len)
+        q_pos = q_pos[:, None]
+    mask = kv_pos <= q_pos[..., None]
     if window is not None:
-        mask &= (q_pos[:, None] - kv_pos[None, :]) < window
+        mask &= (q_pos[..., None] - kv_pos) < window
     return mask
 
 

@@ -78,17 +78,34 @@ def generate(
         model.clear_kv_cache()
 
 
+class Pieces:
+    """A reply's text as its tokens come, piece by piece (a multi-byte character that spans tokens waits for its last
+    one): `push` each token, then `flush` once for what is left. What a streamed reply shows."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer, self.ids, self.shown = tokenizer, [], ""
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        text = self.tokenizer.decode(self.ids)
+        if text.endswith("\ufffd"):
+            return ""
+        piece, self.shown = text[len(self.shown):], text
+        return piece
+
+    def flush(self) -> str:
+        text = self.tokenizer.decode(self.ids)
+        piece, self.shown = text[len(self.shown):], text
+        return piece
+
+
 def decoded_pieces(tokenizer, tokens: Iterable[int]) -> Iterator[str]:
-    """The text of `tokens` as they come, piece by piece (a multi-byte character that spans tokens waits for its
-    last one): what a streamed reply shows."""
-    ids: list[int] = []
-    shown = ""
+    """The text of `tokens` as they come (`Pieces`), each non-empty piece once."""
+    pieces = Pieces(tokenizer)
     for token in tokens:
-        ids.append(token)
-        text = tokenizer.decode(ids)
-        if not text.endswith("\ufffd"):
-            yield text[len(shown):]
-            shown = text
-    text = tokenizer.decode(ids)
-    if len(text) > len(shown):
-        yield text[len(shown):]
+        piece = pieces.push(token)
+        if piece:
+            yield piece
+    piece = pieces.flush()
+    if piece:
+        yield piece

@@ -116,6 +116,31 @@ class KVCache(nn.Module):
         return self.k[: k.size(0)], self.v[: v.size(0)]
 
 
+class CacheView(nn.Module):
+    """A block's keys and values inside a larger cache that a caller manages (`lit_qlora.model.batch_decode`): each
+    forward reads and writes the views `select` chose, one row of it (a request's prefill, `input_pos` (T,)) or its
+    first rows, each at its own positions (a continuous batch's decode step, `input_pos` (rows, T)). A module only so
+    it can sit where the block's KVCache does; its tensors are not state."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        super().__init__()
+        self.whole_k, self.whole_v = k, v
+        self.k, self.v = k, v
+
+    def select(self, rows: slice, length: int) -> None:
+        self.k, self.v = self.whole_k[rows, :, :length], self.whole_v[rows, :, :length]
+
+    def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        if input_pos.dim() == 1:
+            self.k.index_copy_(2, input_pos, k.to(self.k.dtype))
+            self.v.index_copy_(2, input_pos, v.to(self.v.dtype))
+        else:
+            rows = torch.arange(input_pos.size(0), device=input_pos.device)[:, None]
+            self.k[rows, :, input_pos] = k.transpose(1, 2).to(self.k.dtype)  # (rows, T, n_kv, d) at each row's T
+            self.v[rows, :, input_pos] = v.transpose(1, 2).to(self.v.dtype)
+        return self.k, self.v
+
+
 class Attention(nn.Module):
     def __init__(self, config: Config) -> None:
         super().__init__()
@@ -132,7 +157,7 @@ class Attention(nn.Module):
         if config.attn_sinks:
             self.sinks = nn.Parameter(torch.zeros(nh))
         self.scale = attention_scale(config)
-        self.kv_cache: Optional[KVCache] = None
+        self.kv_cache: Optional[KVCache | CacheView] = None
 
     def forward(self, x, cos, sin, mask: Optional[torch.Tensor], input_pos: Optional[torch.Tensor]) -> torch.Tensor:
         B, T, _ = x.shape

@@ -1,0 +1,185 @@
+"""Continuous batching: many generations decoded together, one token per row per forward, each row at its own
+position, a row joining between two steps and leaving the step it finishes (what `litqlora serve` runs).
+
+Each row answers exactly as `lit_qlora.model.sampling.generate` would alone with the same settings and seed: it is
+prefilled alone (its prompt through the model as one row), samples from its own generator, and stops at a stop id (not
+yielded) or after its `limit` tokens. The rows share one KV cache, `rows x length` per block, grown by doubling as
+rows join or lengthen; a row's keys and values live in its cache row, and the live rows are always the first ones (one
+that leaves is replaced by the last), so a step runs the first `len(rows)` cache rows over the longest row's length,
+each row's mask hiding the positions beyond its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from lit_qlora.base.errors import InvalidInput
+from lit_qlora.model.sampling import sample
+from lit_qlora.model.transformer import CacheView, Transformer
+
+
+@dataclass
+class Row:
+    """One generation in the batch: what it was asked for and where it stands."""
+
+    key: Any
+    """The caller's name for it (a request's id)."""
+    prompt: Sequence[int]
+    limit: int
+    """The most tokens it may generate."""
+    temperature: float = 0.0
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+    stop_ids: frozenset = frozenset()
+    seed: int = 1234
+    adapter: int = 0
+    """Which of the model's adapters it decodes with (`lit_qlora.lora.bank`); 0: the model as loaded."""
+    generated: int = 0
+    logits: Optional[torch.Tensor] = field(default=None, repr=False)
+    """The next token's logits (vocab,), from its prefill or the last step."""
+    generator: Optional[torch.Generator] = field(default=None, repr=False)
+
+    @property
+    def position(self) -> int:
+        """Where its next token's key and value go: after the prompt and the tokens fed back so far."""
+        return len(self.prompt) + self.generated
+
+
+@dataclass
+class Token:
+    """What a step gives for one row: its new token (None when it stopped at a stop id) and, on its last step, why it
+    ended ("stop": a stop id; "length": its limit)."""
+
+    key: Any
+    token: Optional[int]
+    finish: Optional[str] = None
+
+
+class DecodeBatch:
+    """The rows decoding together on `model` (module doc). `add` a row, then `step` until `rows` is empty; `drop` one
+    whose caller went away. `before_forward(rows)`, when given, runs before each forward with the rows it computes
+    (one row for a prefill): how per-row adapters are chosen."""
+
+    def __init__(self, model: Transformer, before_forward: Optional[Callable[[list[Row]], None]] = None) -> None:
+        self.model = model
+        self.rows: list[Row] = []
+        self.before_forward = before_forward
+        self.views: list[CacheView] = []
+        self.capacity = (0, 0)  # (rows, positions) of the cache
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.model.embed_tokens.weight.device
+
+    @torch.inference_mode()
+    def add(self, row: Row) -> None:
+        """Prefill `row` (its prompt as one row through the model) and keep its next token's logits for `step`."""
+        context = self.model.config.max_seq_length
+        if not row.prompt or len(row.prompt) + row.limit > context:
+            raise InvalidInput(f"A prompt of {len(row.prompt)} tokens and {row.limit} new ones do not fit the "
+                               f"model's context ({context} tokens).")
+        if row.limit < 1:
+            raise InvalidInput(f"A row must be allowed at least one new token, not {row.limit}.")
+        if row.generator is None:
+            row.generator = torch.Generator(device=self.device).manual_seed(row.seed)
+        self._reserve(len(self.rows) + 1, len(row.prompt))
+        index = len(self.rows)
+        self._select(slice(index, index + 1), len(row.prompt))
+        if self.before_forward is not None:
+            self.before_forward([row])
+        ids = torch.tensor([list(row.prompt)], device=self.device)
+        hidden = self.model.forward_hidden(ids, torch.arange(len(row.prompt), device=self.device))
+        row.logits = self.model.logits(hidden[:, -1:])[0, -1]  # the head on the last position only
+        self.rows.append(row)
+
+    @torch.inference_mode()
+    def step(self) -> list[Token]:
+        """Every row's next token from its pending logits; the rows that go on are then fed it (one forward)."""
+        out, going = [], []
+        for row in self.rows:
+            token = sample(row.logits, row.temperature, row.top_k, row.generator, row.top_p)
+            if token in row.stop_ids:
+                out.append(Token(row.key, None, "stop"))
+                continue
+            row.generated += 1
+            finished = row.generated >= row.limit
+            out.append(Token(row.key, token, "length" if finished else None))
+            if not finished:
+                going.append((row, token))
+        ended = {t.key for t in out if t.finish}
+        for key in ended:
+            self.drop(key)
+        if going:
+            self._forward(going)
+        return out
+
+    def drop(self, key: Any) -> None:
+        """Take the row named `key` out (the last row moves into its cache row); nothing if there is none."""
+        index = next((i for i, row in enumerate(self.rows) if row.key == key), None)
+        if index is None:
+            return
+        last = len(self.rows) - 1
+        if index != last:
+            length = self.rows[last].position
+            with torch.inference_mode():
+                for view in self.views:
+                    view.whole_k[index, :, :length] = view.whole_k[last, :, :length]
+                    view.whole_v[index, :, :length] = view.whole_v[last, :, :length]
+            self.rows[index] = self.rows[last]
+        self.rows.pop()
+        if not self.rows:
+            self.release()
+
+    def release(self) -> None:
+        """Free the cache (the next `add` allocates one again) and leave the model's blocks without one."""
+        self.rows, self.views, self.capacity = [], [], (0, 0)
+        self.model.clear_kv_cache()
+
+    def _forward(self, going: list[tuple[Row, int]]) -> None:
+        # the drops reordered self.rows (a last row moves into a dropped one's place): its rows are `going`'s
+        token_of = {id(row): token for row, token in going}
+        rows = self.rows
+        tokens = torch.tensor([[token_of[id(row)]] for row in rows], device=self.device)
+        # The token just sampled goes at position - 1: `generated` already counts it.
+        pos = torch.tensor([[row.position - 1] for row in rows], device=self.device)
+        length = max(row.position for row in rows)
+        self._reserve(len(rows), length)
+        self._select(slice(0, len(rows)), length)
+        if self.before_forward is not None:
+            self.before_forward(rows)
+        logits = self.model.logits(self.model.forward_hidden(tokens, pos))[:, -1]
+        for row, row_logits in zip(rows, logits):
+            row.logits = row_logits
+
+    def _select(self, rows: slice, length: int) -> None:
+        for view in self.views:
+            view.select(rows, length)
+        self.model.max_cache_len = length  # the masks' key length: the views'
+
+    def _reserve(self, rows: int, length: int) -> None:
+        """A cache of at least `rows` x `length` (doubling each that falls short, the kept rows copied over)."""
+        have_rows, have_len = self.capacity
+        if rows <= have_rows and length <= have_len:
+            return
+        new_rows, new_len = max(have_rows, 1), max(have_len, 64)
+        while new_rows < rows:
+            new_rows *= 2
+        while new_len < length:
+            new_len *= 2
+        new_len = min(new_len, self.model.config.max_seq_length)
+        c, ref = self.model.config, self.model.model.embed_tokens.weight
+        dtype = ref.dtype if ref.dtype.is_floating_point else torch.bfloat16
+        views, kept = [], len(self.rows)
+        for i, block in enumerate(self.model.model.layers):
+            k = torch.zeros(new_rows, c.n_query_groups, new_len, c.head_dim, device=self.device, dtype=dtype)
+            v = torch.zeros_like(k)
+            if self.views and kept:
+                k[:kept, :, :have_len] = self.views[i].whole_k[:kept]
+                v[:kept, :, :have_len] = self.views[i].whole_v[:kept]
+            view = CacheView(k, v)
+            block.self_attn.kv_cache = view
+            views.append(view)
+        self.views, self.capacity = views, (new_rows, new_len)
