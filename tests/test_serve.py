@@ -276,6 +276,36 @@ def test_a_streamed_client_that_goes_away_stops_its_generation(server):
     assert waited < whole / 3, f"the next request waited {waited:.1f} s; the whole stream took {whole:.1f} s"
 
 
+def test_a_request_joins_a_running_batch_and_leaves_before_the_long_reply_beside_it_ends(server, expected):
+    """Continuous batching: a short request sent while a long reply streams is answered at once (it joins the batch
+    at the next token) with exactly its greedy reply, and it is done before the long one has ended; one at a time it
+    would have waited for the whole long reply."""
+    import threading
+
+    story = dict(model="smollm2", messages=[{"role": "user", "content": "Write a long story about a lighthouse."}],
+                 temperature=0, max_tokens=300, stream=True)
+    arrived, flowing = [], threading.Event()
+
+    def read_story() -> None:
+        for chunk in client(server).chat.completions.create(**story):
+            arrived.append((time.monotonic(), chunk))
+            if len(arrived) == 3:
+                flowing.set()
+
+    reader = threading.Thread(target=read_story)
+    reader.start()
+    assert flowing.wait(120)
+    q = QUESTIONS[1]
+    short = create(server, q, max_tokens=4)
+    short_done = time.monotonic()
+    reader.join(300)
+    answer = expected[q]
+    assert short.choices[0].message.content == answer.tok.decode(answer.reply[:4])
+    assert arrived[-1][1].choices[0].finish_reason == "length"  # the story ran its 300 tokens
+    later = [t for t, _ in arrived if t > short_done]
+    assert len(later) > 100, f"only {len(later)} of the story's pieces came after the short reply"
+
+
 def test_sixteen_concurrent_streamed_clients_each_get_their_whole_reply_and_usage(server, expected):
     """16 clients streaming at once (a bounded loop each: every reply must end, none may hang): each gets the full
     greedy reply for its question, its finish reason (stop, or length at max_tokens) and its own usage chunk."""
@@ -406,3 +436,58 @@ def test_a_refused_request_is_logged_as_the_clients_error_not_as_a_missing_trace
         asyncio.run(drain(RuntimeError("a bug")))
     assert failed.value.status_code == 500
     assert [(r.levelname, "traceback is above" in r.getMessage()) for r in caplog.records] == [("ERROR", True)]
+
+
+def test_ctrl_c_with_streams_in_flight_ends_each_with_an_error_event_within_3_s(smollm2_dir):
+    """Ctrl-C (SIGINT to the group) while two streamed replies are being generated: each stream ends with an error
+    event saying the server shut down (never an empty reply or a cut connection), the server is gone within 3 s, and
+    it prints one line."""
+    import http.client
+    import json
+    import threading
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "lit_qlora.cli", "serve", "--checkpoint_dir", str(smollm2_dir),
+                             "--port", str(port), "--precision", "32-true"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    events: dict[int, list] = {0: [], 1: []}
+    flowing = [threading.Event(), threading.Event()]
+    try:
+        wait_until_serving(f"http://127.0.0.1:{port}", proc)
+
+        def stream(i: int) -> None:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+            body = {"model": "m", "messages": [{"role": "user", "content": "Write a long story about a lighthouse."}],
+                    "temperature": 0, "max_tokens": 400, "stream": True}
+            conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+            response = conn.getresponse()
+            assert response.status == 200
+            for line in response:  # raises if the connection is cut mid-stream
+                if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
+                    events[i].append(json.loads(line[6:]))
+                    if len(events[i]) == 3:
+                        flowing[i].set()
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in (0, 1)]
+        for t in threads:
+            t.start()
+        assert all(f.wait(120) for f in flowing), "the streams did not start"
+        sent = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=30)
+        took = time.monotonic() - sent
+        for t in threads:
+            t.join(30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    output = proc.stdout.read()
+    limit = 3 if os.getloadavg()[0] < (os.cpu_count() or 1) else 6
+    assert took <= limit, (took, output)
+    for i in (0, 1):
+        *pieces, last = events[i]
+        assert len(pieces) >= 3 and all(e["choices"][0]["finish_reason"] is None for e in pieces)
+        assert last["error"]["code"] == "server_shutdown" and "shutting down" in last["error"]["message"], last
+    assert proc.returncode == 0 and "Traceback" not in output, output
+    assert output.split("/v1\n", 1)[1].strip().splitlines() == ["Stopped serving (SIGINT)."], output

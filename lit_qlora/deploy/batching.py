@@ -6,7 +6,8 @@ otherwise it takes every request already queued (up to `max_rows` in flight, the
 to the running batch (ChatAPI.admit: its prompt prefilled, or a refusal sent back as its error), and runs one decode
 step for the whole batch (ChatAPI.step), sending each reply's new piece, and its end, to the API server. A request
 therefore joins at the next token, a finished or disconnected one leaves at once, and the `n` choices of a request
-(queued together) decode as rows of one batch.
+(queued together) decode as rows of one batch. Once the server is shutting down (Notices), every reply in flight ends
+with an error event at the next step, and every request still queued is refused.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from typing import Any
 from fastapi import HTTPException
 from litserve.loops.base import _SENTINEL_VALUE, LitLoop
 from litserve.utils import LitAPIStatus, LoopResponseType, PickleableHTTPException
+
+from lit_qlora.deploy.litserve_api import shutdown_refusal
 
 log = logging.getLogger("lit_qlora.serve")
 
@@ -44,8 +47,16 @@ class BatchingLoop(LitLoop):
         while True:
             if not self.admit(lit_api, request_queue, transport):
                 return
+            if self.queue_ids and lit_api.shutting():
+                self.end_all(lit_api, transport, shutdown_refusal())
             if self.queue_ids:
                 self.step(lit_api, transport)
+
+    def end_all(self, lit_api: Any, transport: Any, error: HTTPException) -> None:
+        """End every reply in flight with `error` (an error event after the pieces sent so far)."""
+        for uid in lit_api.abandon():
+            self.send(transport, self.queue_ids.pop(uid), uid, PickleableHTTPException.from_exception(error),
+                      LitAPIStatus.ERROR)
 
     def admit(self, lit_api: Any, request_queue: Queue, transport: Any) -> bool:
         """Join what is queued to the batch, waiting for a request only when none is in flight; False: the server

@@ -118,21 +118,40 @@ class ChatRequest(ChatCompletionRequest):
         return copy
 
 
-class Disconnects:
-    """Where the API server posts that a streamed request's client went away, and its worker looks after every token
-    (then stops generating): a folder of empty files named by the request's id, which both processes see (LitServe's
-    worker is a spawned process with no channel back from the server but the request itself)."""
+class Notices:
+    """What the server's processes tell each other through a folder both see (LitServe's worker is a spawned process
+    with no channel back from the API server but the requests themselves): that a streamed request's client went
+    away (an empty file named by the request's id: its worker stops generating it at the next token), and that the
+    server is shutting down (the main process posts it on SIGINT or SIGTERM: the worker ends every reply in flight
+    with an error, and refuses the rest)."""
+
+    SHUTDOWN = ".shutdown"
 
     def __init__(self, folder: str) -> None:
         self.folder = folder
 
     def post(self, stream: str) -> None:
         if stream:
-            with open(os.path.join(self.folder, stream), "w"):
-                pass
+            self._touch(stream)
 
     def gone(self, stream: str) -> bool:
         return bool(stream) and os.path.exists(os.path.join(self.folder, stream))
+
+    def shut(self) -> None:
+        self._touch(self.SHUTDOWN)
+
+    def shutting(self) -> bool:
+        return os.path.exists(os.path.join(self.folder, self.SHUTDOWN))
+
+    def _touch(self, name: str) -> None:
+        with open(os.path.join(self.folder, name), "w"):
+            pass
+
+
+def shutdown_refusal() -> HTTPException:
+    """What a request in flight, or one that arrives, gets once the server is shutting down."""
+    return refusal(503, "The server is shutting down: this reply ends here (send the request again once it is back).",
+                   None, "server_shutdown")
 
 
 def choice_seed(seed: int, choice: int) -> int:
@@ -177,10 +196,10 @@ def chat_messages(request: ChatRequest) -> list[dict[str, str]]:
 class ChatAPI(ls.LitAPI):
     """OpenAI chat completions through the checkpoint's chat template; the model loads in the worker (`setup`)."""
 
-    def __init__(self, choice: ModelChoice, max_new_tokens: int, disconnects: Optional[Disconnects] = None,
+    def __init__(self, choice: ModelChoice, max_new_tokens: int, notices: Optional[Notices] = None,
                  **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.choice, self.max_new_tokens, self.disconnects = choice, max_new_tokens, disconnects
+        self.choice, self.max_new_tokens, self.notices = choice, max_new_tokens, notices
 
     def setup(self, device: str) -> None:
         import signal
@@ -227,6 +246,8 @@ class ChatAPI(ls.LitAPI):
         from lit_qlora.model.batch_decode import Row
         from lit_qlora.model.sampling import Pieces
 
+        if self.shutting():
+            raise shutdown_refusal()
         ids = self.prompt_ids(request)
         asked = request.max_completion_tokens or request.max_tokens or self.max_new_tokens
         limit = min(asked, self.max_new_tokens, self.model.config.max_seq_length - len(ids))
@@ -242,7 +263,7 @@ class ChatAPI(ls.LitAPI):
         here). The pieces' protocol is ChatSpec's."""
         out: list[tuple[Any, Optional[dict[str, Any]]]] = []
         for uid, reply in list(self.replies.items()):
-            if self.disconnects is not None and self.disconnects.gone(reply.stream):
+            if self.notices is not None and self.notices.gone(reply.stream):
                 self.batch.drop(uid)
                 del self.replies[uid]
                 out.append((uid, None))
@@ -258,6 +279,9 @@ class ChatAPI(ls.LitAPI):
                 out.append((t.key, {"finish_reason": t.finish, "usage": {"prompt_tokens": reply.prompt_tokens,
                                                                           "completion_tokens": reply.generated}}))
         return out
+
+    def shutting(self) -> bool:
+        return self.notices is not None and self.notices.shutting()
 
     def abandon(self) -> list[Any]:
         """Every reply in flight, ended (the batch emptied): after a failure of the model mid-step."""
@@ -298,9 +322,9 @@ class ChatSpec(OpenAISpec):
     last chunk when `stream_options.include_usage` asks), `finish_reason` "length" for a reply cut short, one id per
     completion, and an error status for a request refused before its reply starts, streamed or not."""
 
-    def __init__(self, model_name: str, disconnects: Optional[Disconnects] = None) -> None:
+    def __init__(self, model_name: str, notices: Optional[Notices] = None) -> None:
         super().__init__()
-        self.model_name, self.disconnects = model_name, disconnects
+        self.model_name, self.notices = model_name, notices
 
     def pre_setup(self, lit_api: Any) -> None:
         # The endpoints alone: OpenAISpec would also require a generator `predict`, which ChatAPI does not have (its
@@ -308,18 +332,29 @@ class ChatSpec(OpenAISpec):
         self.add_endpoint(self.api_path, self.chat_completion, ["POST"])
         self.add_endpoint(self.api_path, self.options_chat_completions, ["OPTIONS"])
 
+    open_replies = 0
+    """Replies this API server process is sending now (one spec per process): a shutdown waits for them to end."""
+
     async def chat_completion(self, request: ChatRequest, background_tasks: BackgroundTasks) -> Any:
         check_request(request)
+        if self.notices is not None and self.notices.shutting():
+            raise shutdown_refusal()
         if request.stream:
             request._stream = shortuuid()
-        response = await super().chat_completion(request, background_tasks)
-        if isinstance(response, StreamingResponse):
-            # The stream's first event waits for the reply's first piece: a refusal before it (the context, the chat
-            # template) raises here and gets its status instead of a 200 stream carrying an error.
-            body = response.body_iterator
-            first = await body.__anext__()
-            response.body_iterator = _prepend(first, body)
-        return response
+        ChatSpec.open_replies += 1
+        streaming = False
+        try:
+            response = await super().chat_completion(request, background_tasks)
+            if isinstance(response, StreamingResponse):
+                # The stream's first event waits for the reply's first piece: a refusal before it (the context, the
+                # chat template) raises here and gets its status instead of a 200 stream carrying an error.
+                body = response.body_iterator
+                first = await body.__anext__()
+                response.body_iterator, streaming = _counted(first, body), True
+            return response
+        finally:
+            if not streaming:  # (a stream is counted until its last event: _counted)
+                ChatSpec.open_replies -= 1
 
     async def _outputs(self, pipe: AsyncIterator) -> AsyncIterator[dict[str, Any]]:
         quiet_litserve_error_line()
@@ -327,6 +362,8 @@ class ChatSpec(OpenAISpec):
             if status == LitAPIStatus.ERROR:
                 if isinstance(data, HTTPException):
                     detail = data.detail if isinstance(data.detail, dict) else {"message": data.detail}
+                    if detail.get("code") == "server_shutdown":  # (the one line the shutdown prints says it)
+                        raise data
                     log.warning("refused a request (%s%s): %s", data.status_code,
                                 f" {detail['code']}" if detail.get("code") else "", detail.get("message"))
                     raise data
@@ -359,7 +396,7 @@ class ChatSpec(OpenAISpec):
 
         started = False
         try:
-            for i, pipe in enumerate(pipes):  # one worker answers the n choices one after the other
+            for i, pipe in enumerate(pipes):  # the n choices decode together; their events go out in turn
                 role = "assistant"
                 async for item in self._outputs(pipe):
                     if "content" in item:
@@ -374,8 +411,8 @@ class ChatSpec(OpenAISpec):
                 yield event([], usage.info())
             yield "data: [DONE]\n\n"
         except (GeneratorExit, asyncio.CancelledError):  # the client went away mid-reply: its worker stops
-            if self.disconnects is not None:
-                self.disconnects.post(request._stream)
+            if self.notices is not None:
+                self.notices.post(request._stream)
             raise
         except HTTPException as e:
             if not started:
@@ -402,10 +439,23 @@ def quiet_litserve_error_line() -> None:
         logger.addFilter(_NotOurs())
 
 
-async def _prepend(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
-    yield first
-    async for item in rest:
-        yield item
+async def _counted(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
+    """A stream's events, `first` first, counted among ChatSpec.open_replies until the last is sent."""
+    try:
+        yield first
+        async for item in rest:
+            yield item
+    finally:
+        ChatSpec.open_replies -= 1
+
+
+def wait_for_open_replies(timeout: float) -> None:
+    """Until this API server process sends no reply, or `timeout` s (a shutdown: each reply in flight gets its
+    worker's error event first), then a moment for the last bytes to leave."""
+    deadline = time.monotonic() + timeout
+    while ChatSpec.open_replies > 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(0.2)
 
 
 def add_model_routes(app: Any, name: str) -> None:

@@ -25,6 +25,7 @@ import os
 import shutil
 import signal
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -55,25 +56,30 @@ class ServeSpec(ModelChoice):
 
 
 def build_server(choice: ModelChoice, api_key: Optional[str] = None, max_new_tokens: int = 512,
-                 model_name: Optional[str] = None, max_batch_size: int = 16):
+                 model_name: Optional[str] = None, max_batch_size: int = 16, notices: Any = None):
     import litserve as ls
 
     from lit_qlora.deploy.batching import BatchingLoop
-    from lit_qlora.deploy.litserve_api import (BearerToken, ChatAPI, ChatSpec, Disconnects, add_model_routes,
-                                               install_error_handlers)
+    from lit_qlora.deploy.litserve_api import BearerToken, ChatAPI, ChatSpec, add_model_routes, install_error_handlers
 
     name = model_name or Path(choice.adapter_dir or choice.checkpoint_dir).name
-    folder = tempfile.mkdtemp(prefix="litqlora-serve-")  # a streamed request's disconnect, posted for its worker
-    atexit.register(shutil.rmtree, folder, ignore_errors=True)
-    disconnects = Disconnects(folder)
-    api = ChatAPI(choice, max_new_tokens, disconnects, spec=ChatSpec(name, disconnects),
-                  loop=BatchingLoop(max_batch_size))
+    notices = notices or new_notices()
+    api = ChatAPI(choice, max_new_tokens, notices, spec=ChatSpec(name, notices), loop=BatchingLoop(max_batch_size))
     middlewares = [(BearerToken, {"api_key": api_key})] if api_key else None
     server = ls.LitServer(api, accelerator=choice.run_device.type, devices=1, workers_per_device=1, timeout=600,
                           middlewares=middlewares)
     add_model_routes(server.app, name)
     install_error_handlers(server.app)
     return server
+
+
+def new_notices() -> Any:
+    """The folder the server's processes post disconnects and the shutdown in (litserve_api.Notices), removed at exit."""
+    from lit_qlora.deploy.litserve_api import Notices
+
+    folder = tempfile.mkdtemp(prefix="litqlora-serve-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return Notices(folder)
 
 
 def serve_command(spec: Optional[ServeSpec] = None, **settings: Any) -> None:
@@ -92,17 +98,16 @@ def serve_command(spec: Optional[ServeSpec] = None, **settings: Any) -> None:
                            "one.")
     if spec.max_batch_size < 1:
         raise InvalidInput(f"--max_batch_size {spec.max_batch_size}: at least 1 reply must decode at a time.")
+    notices = new_notices()
     server = build_server(spec, spec.api_key or switches.text("LIT_QLORA_API_KEY"), spec.max_new_tokens,
-                          spec.model_name, spec.max_batch_size)
+                          spec.model_name, spec.max_batch_size, notices)
     print(f"Serving {spec.describe()} on http://{spec.host}:{spec.port}/v1", flush=True)
-    # SIGINT and SIGTERM, sent to this process or its group, with or without a terminal, stop it as Ctrl-C does: the
-    # main process shuts LitServe down (it stops its worker processes on KeyboardInterrupt; on a bare SIGTERM it would
-    # leave them running), and the forked processes, which inherit these handlers, leave quietly (no traceback from a
-    # worker interrupted mid-reply). Installed explicitly because a process started in the background of a script
-    # inherits SIGINT ignored, and Python then keeps ignoring it.
+    # SIGINT and SIGTERM, sent to this process or its group, with or without a terminal, stop it as Ctrl-C does
+    # (`_stop`). Installed explicitly because a process started in the background of a script inherits SIGINT
+    # ignored, and Python then keeps ignoring it; the forked processes (the API server) inherit these handlers.
     main_pid, received = os.getpid(), []
     for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda signum, frame: _stop(main_pid, signum, received))
+        signal.signal(signum, lambda signum, frame: _stop(main_pid, signum, received, notices))
     try:
         # uvicorn's own lines (startup, each request, shutdown) at warning: the lines above and below say it
         server.run(host=spec.host, port=spec.port, generate_client_file=False, num_api_servers=1, log_level="warning")
@@ -114,10 +119,30 @@ def serve_command(spec: Optional[ServeSpec] = None, **settings: Any) -> None:
     print(f"Stopped serving ({signal.Signals(received[0]).name if received else 'the server exited'}).", flush=True)
 
 
-def _stop(main_pid: int, signum: int, received: list) -> None:
+SHUTDOWN_GRACE_S = 2.0
+"""How long the API server waits, once shutting down, for its replies in flight to end (each gets its worker's
+error event at the worker's next step) before it exits anyway."""
+
+
+def _stop(main_pid: int, signum: int, received: list, notices: Any) -> None:
+    """The main process posts the shutdown (the worker ends every reply in flight with an error event and refuses
+    what is queued) and shuts LitServe down, which stops the API server, then the worker. The API server (forked: it
+    inherits this handler, from the group's signal or LitServe's SIGTERM) stops taking requests and exits once its
+    replies in flight have ended, within SHUTDOWN_GRACE_S; no process prints a traceback."""
     if os.getpid() != main_pid:
-        os._exit(0)  # a forked worker or server process: LitServe's main process tidies up; nothing to print
+        if not received:
+            received.append(signum)
+            threading.Thread(target=_exit_when_replies_end, daemon=True).start()
+        return
     if not received:  # the first: shut down (a second, while shutting down, is not a reason for a traceback)
         received.append(signum)
+        notices.shut()
         logging.getLogger("litserve").setLevel(logging.WARNING)  # its shutdown steps: the one line after says it
         raise KeyboardInterrupt
+
+
+def _exit_when_replies_end() -> None:
+    from lit_qlora.deploy.litserve_api import wait_for_open_replies
+
+    wait_for_open_replies(SHUTDOWN_GRACE_S)
+    os._exit(0)
