@@ -122,3 +122,27 @@ def load_adapter(model: nn.Module, adapter_dir: Path) -> None:
         missing = sorted(set(own) - seen)
         raise CheckpointError(f"{path} lacks {len(missing)} LoRA tensor(s) the model has, e.g. {missing[0]!r}: "
                               f"it was trained with fewer targets than {ADAPTER_CONFIG} lists.")
+
+
+def read_adapter_factors(adapter_dir: Path, flag: str = "--adapter_dir") -> tuple[dict, dict, float]:
+    """A fine-tune's adapter as (its config, {module name: (A, B)}, its scale), for a bank of adapters on one base
+    (lit_qlora.lora.bank); `flag` names the option that gave the directory, for the errors."""
+    from lit_qlora.lora.rank import lora_scale
+
+    config = read_adapter_config(adapter_dir, flag)
+    path = find_adapter_dir(adapter_dir) / ADAPTER_WEIGHTS
+    if not path.is_file():
+        raise MissingFile(f"{path} does not exist: {flag} must hold {ADAPTER_WEIGHTS}.")
+    tensors = dict(iter_safetensors(path))
+    factors = {}
+    for name, a in tensors.items():
+        if not name.endswith(".lora_A"):
+            continue
+        module = name.removesuffix(".lora_A")
+        b = tensors.get(module + ".lora_B")
+        if a.dim() != 2 or b is None:
+            raise CheckpointError(f"{path}: {module} has {'no lora_B' if b is None else 'per-expert factors'}; "
+                                  f"{flag} serves adapters on linears only (adapters on a mixture's experts: serve "
+                                  "that fine-tune alone, with --adapter_dir).")
+        factors[module] = (a, b)
+    return config, factors, lora_scale(config["r"], config["alpha"], config.get("rslora", False))

@@ -20,7 +20,12 @@ def set_rank(layer: nn.Module, r: int, alpha: float, rslora: bool, weight: torch
     if r <= 0:
         raise InvalidInput(f"LoRA rank r (--lora.r) must be positive, got {r}.")
     layer.r, layer.alpha, layer.rslora = r, alpha, rslora
-    layer.scale = alpha / math.sqrt(r) if rslora else alpha / r
+    layer.scale = lora_scale(r, alpha, rslora)
     if dtype is None:
         dtype = weight.dtype if not is_nf4(weight) else torch.bfloat16
     return dtype
+
+
+def lora_scale(r: int, alpha: float, rslora: bool = False) -> float:
+    """What an adapter's product is scaled by: alpha / r, or alpha / sqrt(r) with rsLoRA."""
+    return alpha / math.sqrt(r) if rslora else alpha / r

@@ -1,0 +1,156 @@
+"""Many LoRA adapters on one base model, chosen per row: what lets `litqlora serve --adapters` answer requests for
+different fine-tunes in one batch (the gathered A and B of Punica and S-LoRA).
+
+`AdapterBank(model)` wraps every linear an adapter targets in a `BankedLinear`, which holds each loaded adapter's
+factors stacked by slot (slot 0 is no adapter: the model as loaded; a missing layer or a smaller rank is zeros). Before
+a forward, `bank.select(slots)` names each row's slot; the forward then adds, for each row, its own adapter's
+`scale * x A^T B^T`: one matmul pair when every row has the same adapter (exactly LoRALinear's arithmetic), else the
+rows' factors gathered and two batched matmuls.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.nn as nn
+
+
+class BankedLinear(nn.Module):
+    """A linear (plain, NF4, or itself a LoRALinear) plus the bank's adapters on it, each row its own."""
+
+    def __init__(self, base: nn.Module, bank: "AdapterBank") -> None:
+        super().__init__()
+        self.base, self.bank = base, [bank]  # (a list: the bank is not a submodule of every layer)
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.A: Optional[torch.Tensor] = None  # (slots, r_max, in)
+        self.B: Optional[torch.Tensor] = None  # (slots, out, r_max)
+        self.ranks: dict[int, int] = {}  # slot -> its adapter's rank here (slots without one: absent)
+        self.scales: dict[int, float] = {}
+
+    @property
+    def weight(self) -> torch.Tensor:  # what code that reads a linear's weight (its dtype, its device) finds
+        return self.base.weight
+
+    def put(self, slot: int, a: torch.Tensor, b: torch.Tensor, scale: float, slots: int) -> None:
+        """Slot `slot`'s factors here (A (r, in), B (out, r)), in a stack of `slots` slots."""
+        r = a.size(0)
+        width = max([r, *self.ranks.values()])
+        self._resize(slots, width, a.dtype, a.device)
+        self.A[slot].zero_()
+        self.B[slot].zero_()
+        self.A[slot, :r] = a
+        self.B[slot, :, :r] = b
+        self.ranks[slot], self.scales[slot] = r, scale
+
+    def clear(self, slot: int) -> None:
+        if slot in self.ranks:
+            self.A[slot].zero_()
+            self.B[slot].zero_()
+            del self.ranks[slot], self.scales[slot]
+
+    def _resize(self, slots: int, width: int, dtype: torch.dtype, device: torch.device) -> None:
+        if self.A is not None and self.A.size(0) >= slots and self.A.size(1) >= width:
+            return
+        old_a, old_b = self.A, self.B
+        self.A = torch.zeros(slots, width, self.in_features, dtype=dtype, device=device)
+        self.B = torch.zeros(slots, self.out_features, width, dtype=dtype, device=device)
+        if old_a is not None:
+            self.A[: old_a.size(0), : old_a.size(1)] = old_a
+            self.B[: old_b.size(0), :, : old_b.size(2)] = old_b
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.base(x)
+        bank = self.bank[0]
+        if bank.uniform is not None:  # every row the same adapter: LoRALinear's own arithmetic
+            slot = bank.uniform
+            if slot not in self.ranks:
+                return out
+            r = self.ranks[slot]
+            a, b = self.A[slot, :r].to(x.dtype), self.B[slot, :, :r].to(x.dtype)
+            return out + (x @ a.T @ b.T) * self.scales[slot]
+        slots = bank.slots
+        if not any(int(s) in self.ranks for s in bank.slot_list):
+            return out
+        a, b = self.A[slots].to(x.dtype), self.B[slots].to(x.dtype)  # (rows, r_max, in), (rows, out, r_max)
+        scale = torch.tensor([self.scales.get(s, 0.0) for s in bank.slot_list], dtype=x.dtype, device=x.device)
+        rows = x.reshape(x.size(0), -1, x.size(-1))  # (rows, T, in)
+        delta = torch.bmm(torch.bmm(rows, a.transpose(1, 2)), b.transpose(1, 2)) * scale[:, None, None]
+        return out + delta.view(*x.shape[:-1], -1)
+
+
+class AdapterBank:
+    """The adapters loaded on `model`, by name, each in a slot (module doc). Slot 0 is the model as loaded."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.names: dict[str, int] = {}
+        self.layers: dict[str, BankedLinear] = {}
+        self.retiring: set[int] = set()  # slots unloaded while rows still decode with them: freed once none does
+        self.uniform: Optional[int] = 0
+        self.slots: Optional[torch.Tensor] = None
+        self.slot_list: list[int] = []
+
+    @property
+    def size(self) -> int:
+        """Slots in the stacks: 0 and every slot in use or retiring."""
+        return 1 + max([0, *self.names.values(), *self.retiring])
+
+    def add(self, name: str, factors: dict[str, tuple[torch.Tensor, torch.Tensor]], scale: float) -> int:
+        """Load an adapter: `factors` maps each module it adapts (its name in the model) to its (A, B); returns its
+        slot. The modules must be linears of the model."""
+        if name in self.names:
+            raise ValueError(f"an adapter named {name!r} is loaded already")
+        modules = dict(self.model.named_modules())
+        missing = [m for m in factors if m not in modules and m not in self.layers]
+        if missing:
+            raise ValueError(f"the adapter adapts modules this model does not have: {missing[:3]}")
+        for module_name, (a, b) in factors.items():
+            module = self.layers.get(module_name) or modules[module_name]
+            if not hasattr(module, "in_features") or a.dim() != 2:
+                raise ValueError(f"{module_name} is not a linear layer: its adapter cannot join the bank")
+            if a.shape[1] != module.in_features or b.shape != (module.out_features, a.shape[0]):
+                raise ValueError(f"{module_name}: the adapter's A {tuple(a.shape)} and B {tuple(b.shape)} do not fit "
+                                 f"its {module.in_features} -> {module.out_features} linear")
+        taken = set(self.names.values()) | self.retiring
+        slot = next(s for s in range(1, len(taken) + 2) if s not in taken)
+        slots = max(self.size, slot + 1)
+        for module_name, (a, b) in factors.items():
+            layer = self.layers.get(module_name) or self._wrap(module_name, modules[module_name])
+            layer.put(slot, a, b, scale, slots)
+        for layer in self.layers.values():  # every stack as deep as the slots: a row's slot indexes every layer
+            layer._resize(slots, layer.A.size(1), layer.A.dtype, layer.A.device)
+        self.names[name] = slot
+        return slot
+
+    def remove(self, name: str, in_use: Sequence[int] = ()) -> None:
+        """Unload `name`: no new row may use it; its slot is freed now, or once no row in `in_use` decodes with it."""
+        slot = self.names.pop(name)
+        if slot in in_use:
+            self.retiring.add(slot)
+        else:
+            self._free(slot)
+
+    def select(self, slots: Sequence[int]) -> None:
+        """The slot of each row of the next forward (retiring slots no row uses any more are freed)."""
+        for slot in [s for s in self.retiring if s not in slots]:
+            self.retiring.discard(slot)
+            self._free(slot)
+        self.slot_list = [int(s) for s in slots]
+        first = self.slot_list[0] if self.slot_list else 0
+        self.uniform = first if all(s == first for s in self.slot_list) else None
+        if self.uniform is None and self.layers:
+            device = next(iter(self.layers.values())).A.device
+            self.slots = torch.tensor(self.slot_list, device=device)
+
+    def _free(self, slot: int) -> None:
+        for layer in self.layers.values():
+            layer.clear(slot)
+
+    def _wrap(self, module_name: str, module: nn.Module) -> BankedLinear:
+        parent_name, _, child = module_name.rpartition(".")
+        parent = self.model.get_submodule(parent_name) if parent_name else self.model
+        layer = BankedLinear(module, self)
+        setattr(parent, child, layer)
+        self.layers[module_name] = layer
+        return layer
