@@ -104,7 +104,8 @@ def test_a_fine_tune_is_served_and_exported_in_the_format_it_trained_in(style, t
     from lit_qlora.deploy import generate as generate_module
     from lit_qlora.model import sampling
     from lit_qlora.deploy.choice import ModelChoice
-    from lit_qlora.deploy.litserve_api import ChatAPI, chat_messages
+    from lit_qlora.deploy.litserve_api import chat_messages
+    from lit_qlora.deploy.worker import ChatAPI
 
     out = tmp_path / "run"
     run(tiny_llama_dir, out, tmp_path, prompt_style=style)

@@ -324,7 +324,7 @@ def load_for_chat(tiny_llama_dir, tmp_path, monkeypatch):
 def load_for_serve(tiny_llama_dir, tmp_path, monkeypatch):
     pytest.importorskip("litserve")
     from lit_qlora.deploy.choice import ModelChoice
-    from lit_qlora.deploy.litserve_api import ChatAPI
+    from lit_qlora.deploy.worker import ChatAPI
 
     ChatAPI(ModelChoice(checkpoint_dir=tiny_llama_dir, precision="32-true"), 4).setup("cpu")  # what a server's worker runs
 

@@ -41,6 +41,7 @@ def load_model(
     nf4_world_size: int = 1,
     nf4_tensor_parallel: int = 1,
     device: torch.device | str | None = None,
+    base_of: Path | str | None = None,
 ) -> Transformer:
     """Load `checkpoint_dir` as a base model (in eval mode; training callers switch it to train mode).
 
@@ -60,11 +61,15 @@ def load_model(
         nf4_tensor_parallel: One process, the base of an N-rank tensor-parallel QLoRA run: the split linears hold
             every rank's shard NF4-quantized on its own, dequantized and put back together (dense); the rest NF4.
         device: Where the model goes once loaded (loading and quantization run on the CPU).
+        base_of: A fine-tune's output whose base is rebuilt as it trained (as with adapter_dir) without its adapter:
+            the base `serve --adapters` puts many fine-tunes' adapters on.
     """
     if precision is not None and precision not in PRECISION_DTYPES:  # `auto` is resolved once, by the caller
         raise ValueError(f"load_model takes a resolved precision ({', '.join(PRECISION_DTYPES)}) or None, got "
                          f"{precision!r}: resolve it first (lit_qlora.base.precision.resolved).")
-    if adapter_dir is None:
+    if base_of is not None and adapter_dir is None:
+        model = load_trained_base(Path(checkpoint_dir), read_adapter_config(Path(base_of)), quantize, precision)
+    elif adapter_dir is None:
         quantize = resolve_quantize(quantize)
         model = _load_base(Path(checkpoint_dir), quantize, PRECISION_DTYPES[precision or "bf16-true"], ignore_modules,
                            nf4_world_size, nf4_tensor_parallel, shard)
@@ -83,6 +88,18 @@ def load_model(
 def _load_adapted(checkpoint_dir: Path, adapter_dir: Path, quantize: Quantize | str | None,
                   precision: Optional[Precision]) -> Transformer:
     acfg = read_adapter_config(adapter_dir)
+    model = load_trained_base(checkpoint_dir, acfg, quantize, precision)
+    dtype = PRECISION_DTYPES[precision] if precision else None
+    lora_dtype = dtype or DTYPES[acfg.get("lora_dtype", "bfloat16")]
+    apply_lora(model, acfg["r"], acfg["alpha"], 0.0, acfg["targets"], acfg.get("rslora", False), lora_dtype)
+    load_adapter(model, adapter_dir)
+    return model
+
+
+def load_trained_base(checkpoint_dir: Path, acfg: dict, quantize: Quantize | str | None = None,
+                      precision: Optional[Precision] = None) -> Transformer:
+    """The base an adapter with config `acfg` trained on, without the adapter (eval mode not set): what `serve
+    --adapters` puts many adapters on."""
     quantize = resolve_quantize(quantize, acfg)
     dtype = PRECISION_DTYPES[precision] if precision else None
     trained_dtype = DTYPES[acfg.get("base_dtype", "bfloat16")]
@@ -95,9 +112,6 @@ def _load_adapted(checkpoint_dir: Path, adapter_dir: Path, quantize: Quantize | 
         for param in model.parameters():
             if not is_nf4(param):  # NF4 weights dequantize to the activations' dtype
                 param.data = param.data.to(dtype)
-    lora_dtype = dtype or DTYPES[acfg.get("lora_dtype", "bfloat16")]
-    apply_lora(model, acfg["r"], acfg["alpha"], 0.0, acfg["targets"], acfg.get("rslora", False), lora_dtype)
-    load_adapter(model, adapter_dir)
     return model
 
 

@@ -20,7 +20,7 @@ from fastapi import HTTPException
 from litserve.loops.base import _SENTINEL_VALUE, LitLoop
 from litserve.utils import LitAPIStatus, LoopResponseType, PickleableHTTPException
 
-from lit_qlora.deploy.litserve_api import shutdown_refusal
+from lit_qlora.deploy.litserve_api import AdapterRequest, shutdown_refusal
 
 log = logging.getLogger("lit_qlora.serve")
 
@@ -69,17 +69,30 @@ class BatchingLoop(LitLoop):
             if item == _SENTINEL_VALUE:
                 return False
             queue_id, uid, _, request = item
-            try:
-                lit_api.admit(uid, lit_api.decode_request(request))
-            except HTTPException as e:  # a client's error (its messages, its context): its status, in its reply
-                self.send(transport, queue_id, uid, PickleableHTTPException.from_exception(e), LitAPIStatus.ERROR)
+            if isinstance(request, AdapterRequest):  # an adapter loaded or dropped while serving: answered at once
+                done, answer = self.attempt(transport, queue_id, uid, "the worker failed while changing its adapters",
+                                            lit_api.command, request)
+                if done:
+                    self.send(transport, queue_id, uid, lit_api.format_encoded_response(answer), LitAPIStatus.OK)
+                    self.send(transport, queue_id, uid, "", LitAPIStatus.FINISH_STREAMING)
                 continue
-            except Exception as e:
-                log.exception("the model failed while reading a request")
-                self.put_error_response(transport, queue_id, uid, e, STREAMING)
-                continue
-            self.queue_ids[uid] = queue_id
+            done, _ = self.attempt(transport, queue_id, uid, "the model failed while reading a request",
+                                   lit_api.admit, uid, lit_api.decode_request(request))
+            if done:
+                self.queue_ids[uid] = queue_id
         return True
+
+    def attempt(self, transport: Any, queue_id: int, uid: Any, failure: str, call: Any, *args: Any) -> tuple[bool, Any]:
+        """(True, `call(*args)`), or (False, None) with its error sent as `uid`'s reply: a refusal (a client's error:
+        its messages, its context, its model) with its status; anything else logged as `failure`, with its traceback."""
+        try:
+            return True, call(*args)
+        except HTTPException as e:
+            self.send(transport, queue_id, uid, PickleableHTTPException.from_exception(e), LitAPIStatus.ERROR)
+        except Exception as e:
+            log.exception(failure)
+            self.put_error_response(transport, queue_id, uid, e, STREAMING)
+        return False, None
 
     def step(self, lit_api: Any, transport: Any) -> None:
         try:

@@ -1,10 +1,10 @@
-"""What `litqlora serve` runs inside LitServe: the chat LitAPI (the worker), the OpenAI spec's responses with real
-usage (the API server), OpenAI error objects for every error and the bearer-token check. A module of its own,
-imported only when serving (it imports litserve), whose classes LitServe can pickle into its worker process by name.
+"""What `litqlora serve`'s API server runs inside LitServe: the OpenAI spec's responses with real usage, the model and
+adapter routes, OpenAI error objects for every error and the bearer-token check; and what the worker
+(lit_qlora.deploy.worker) shares with it: the request model, the notices folder, the refusals. A module of its own,
+imported only when serving (it imports litserve).
 
-The worker's `encode_response` yields `{"content": piece}` for each piece of a reply, then one
-`{"finish_reason": ..., "usage": {...}}`; only `ChatSpec` reads them, so that protocol is this module's own.
-"""
+The worker's outputs are `{"content": piece}` for each piece of a reply, then one `{"finish_reason": ...,
+"usage": {...}}`; only `ChatSpec` reads them, so that protocol is the two modules' own."""
 
 from __future__ import annotations
 
@@ -13,24 +13,22 @@ import hashlib
 import json
 import logging
 import os
-import secrets
 import time
-from typing import Any, AsyncIterator, Optional
+import uuid
+from collections import deque
+from typing import Any, AsyncIterator, Optional, Sequence
 
-import litserve as ls
 from fastapi import BackgroundTasks, HTTPException
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from litserve.specs.openai import (ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
                                    ChatCompletionResponseChoice, ChatCompletionStreamingChoice, ChatMessage,
                                    ChoiceDelta, OpenAISpec, UsageInfo, shortuuid)
-from litserve.utils import LitAPIStatus
+from litserve.utils import LitAPIStatus, ResponseBufferItem
 from pydantic import BaseModel, PrivateAttr
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.base import BaseHTTPMiddleware
 
-from lit_qlora.base.errors import InvalidInput
-from lit_qlora.deploy.choice import ModelChoice
 
 
 # ---- OpenAI error objects ----------------------------------------------------------------------------------------
@@ -94,6 +92,25 @@ def _param_path(loc: tuple) -> Optional[str]:
 
 
 # ---- requests ----------------------------------------------------------------------------------------------------
+
+class LoadLoRARequest(BaseModel):
+    """vLLM's /v1/load_lora_adapter body."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRARequest(BaseModel):
+    lora_name: str
+
+
+class AdapterRequest(BaseModel):
+    """Load (`path` given) or drop the adapter `name`: what the two adapter routes send the worker through the
+    request queue (the worker's ChatAPI.command answers it)."""
+
+    name: str
+    path: Optional[str] = None
+
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
@@ -191,114 +208,6 @@ def chat_messages(request: ChatRequest) -> list[dict[str, str]]:
     return [{"role": m.role, "content": text(m.content)} for m in request.messages]
 
 
-# ---- the worker --------------------------------------------------------------------------------------------------
-
-class ChatAPI(ls.LitAPI):
-    """OpenAI chat completions through the checkpoint's chat template; the model loads in the worker (`setup`)."""
-
-    def __init__(self, choice: ModelChoice, max_new_tokens: int, notices: Optional[Notices] = None,
-                 **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.choice, self.max_new_tokens, self.notices = choice, max_new_tokens, notices
-
-    def setup(self, device: str) -> None:
-        import signal
-
-        from lit_qlora.base.threads import govern_threads
-
-        # This is LitServe's inference worker (spawned: `litqlora serve`'s handlers are not inherited). Ctrl-C in a
-        # terminal reaches the whole group: the main process stops the server and then this worker, so the worker
-        # itself lets SIGINT pass instead of dying mid-reply with a KeyboardInterrupt traceback.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        self.model = self.choice.load()  # on the choice's device (LitServe's `device` follows it: build_server)
-        govern_threads(self.model)  # the server shares the CPU with other processes (lit_qlora.base.threads)
-        # the prompt format the adapter trained with (lit_qlora.data.inference): the ids training saw
-        self.tokenizer = self.choice.tokenizer()
-        if not self.tokenizer.has_chat_template and self.tokenizer.prompt_format is None:
-            raise InvalidInput(f"{self.choice.checkpoint_dir} has no chat template: serve answers chat messages "
-                               "through it.")
-        from lit_qlora.model.batch_decode import DecodeBatch
-
-        self.batch, self.replies = DecodeBatch(self.model), {}
-
-    def prompt_ids(self, request: ChatRequest) -> list[int]:
-        """The token ids the model is fed for `request`: its messages through the chat template (400 when the
-        template refuses them or they leave no room in the context for a reply)."""
-        from jinja2.exceptions import TemplateError
-
-        from lit_qlora.data.errors import DataError
-
-        try:
-            ids = self.tokenizer.encode_chat(chat_messages(request))
-        except (TemplateError, DataError) as e:  # (DataError: the trained prompt style refused them)
-            raise refusal(400, f"The model's chat template refused these messages: {e}", "messages",
-                          "invalid_messages") from None
-        context = self.model.config.max_seq_length
-        if len(ids) >= context:
-            raise refusal(400, f"The messages are {len(ids)} tokens through the chat template; the model's context is "
-                          f"{context} tokens, and a reply needs at least one more.", "messages",
-                          "context_length_exceeded")
-        return ids
-
-    def admit(self, uid: Any, request: ChatRequest) -> None:
-        """Join `request` to the running batch (its prompt prefilled now): its pieces come out of `step`. A refusal
-        (its messages, its context) raises before it joins."""
-        from lit_qlora.model.batch_decode import Row
-        from lit_qlora.model.sampling import Pieces
-
-        if self.shutting():
-            raise shutdown_refusal()
-        ids = self.prompt_ids(request)
-        asked = request.max_completion_tokens or request.max_tokens or self.max_new_tokens
-        limit = min(asked, self.max_new_tokens, self.model.config.max_seq_length - len(ids))
-        seed = secrets.randbits(63) if request.seed is None else choice_seed(request.seed, request._choice)
-        self.batch.add(Row(uid, ids, limit, temperature=0.7 if request.temperature is None else request.temperature,
-                           top_p=request.top_p if request.top_p is not None and request.top_p < 1 else None,
-                           stop_ids=frozenset(self.tokenizer.eos_ids), seed=seed))
-        self.replies[uid] = Reply(request._stream, len(ids), Pieces(self.tokenizer))
-
-    def step(self) -> list[tuple[Any, Optional[dict[str, Any]]]]:
-        """One token for every reply in the batch: (uid, `{"content": piece}`) for a reply's text as it grows, then
-        (uid, `{"finish_reason", "usage"}`) when it ends, and (uid, None) for one whose client went away (it stops
-        here). The pieces' protocol is ChatSpec's."""
-        out: list[tuple[Any, Optional[dict[str, Any]]]] = []
-        for uid, reply in list(self.replies.items()):
-            if self.notices is not None and self.notices.gone(reply.stream):
-                self.batch.drop(uid)
-                del self.replies[uid]
-                out.append((uid, None))
-        for t in self.batch.step() if self.replies else ():
-            reply = self.replies[t.key]
-            pieces = [reply.pieces.push(t.token)] if t.token is not None else []
-            reply.generated += t.token is not None
-            if t.finish:
-                pieces.append(reply.pieces.flush())
-            out += [(t.key, {"content": piece}) for piece in pieces if piece]
-            if t.finish:
-                del self.replies[t.key]
-                out.append((t.key, {"finish_reason": t.finish, "usage": {"prompt_tokens": reply.prompt_tokens,
-                                                                          "completion_tokens": reply.generated}}))
-        return out
-
-    def shutting(self) -> bool:
-        return self.notices is not None and self.notices.shutting()
-
-    def abandon(self) -> list[Any]:
-        """Every reply in flight, ended (the batch emptied): after a failure of the model mid-step."""
-        uids = list(self.replies)
-        self.replies.clear()
-        self.batch.release()
-        return uids
-
-
-class Reply:
-    """A reply in the running batch, as the worker keeps it: its stream's id (a disconnect is posted under it), its
-    prompt's length, its text so far and how many tokens it has."""
-
-    def __init__(self, stream: str, prompt_tokens: int, pieces: Any) -> None:
-        self.stream, self.prompt_tokens, self.pieces, self.generated = stream, prompt_tokens, pieces, 0
-
-
 # ---- the API server's side ---------------------------------------------------------------------------------------
 
 class Usage:
@@ -322,15 +231,50 @@ class ChatSpec(OpenAISpec):
     last chunk when `stream_options.include_usage` asks), `finish_reason` "length" for a reply cut short, one id per
     completion, and an error status for a request refused before its reply starts, streamed or not."""
 
-    def __init__(self, model_name: str, notices: Optional[Notices] = None) -> None:
+    def __init__(self, model_name: str, notices: Optional[Notices] = None, adapters: Sequence[str] = ()) -> None:
         super().__init__()
-        self.model_name, self.notices = model_name, notices
+        self.model_name, self.notices, self.adapters = model_name, notices, list(adapters)
+        self.created = dict.fromkeys([model_name, *adapters], int(time.time()))
+
+    def names(self) -> list[str]:
+        """The served model ids: the model as loaded, then each adapter (this API server's record of them)."""
+        return [self.model_name, *self.adapters]
 
     def pre_setup(self, lit_api: Any) -> None:
         # The endpoints alone: OpenAISpec would also require a generator `predict`, which ChatAPI does not have (its
         # worker answers through lit_qlora.deploy.batching's loop, `admit` and `step`).
         self.add_endpoint(self.api_path, self.chat_completion, ["POST"])
         self.add_endpoint(self.api_path, self.options_chat_completions, ["OPTIONS"])
+        self.add_endpoint("/v1/load_lora_adapter", self.load_lora_adapter, ["POST"])
+        self.add_endpoint("/v1/unload_lora_adapter", self.unload_lora_adapter, ["POST"])
+
+    def answering(self, request: ChatRequest) -> str:
+        """The `model` a reply names: the adapter asked for, else the model as loaded."""
+        return request.model if request.model in self.adapters else self.model_name
+
+    async def load_lora_adapter(self, body: LoadLoRARequest) -> PlainTextResponse:
+        """vLLM's runtime adapter loading: the worker puts `lora_path`'s adapter on the base as `lora_name`."""
+        await self._tell_worker(AdapterRequest(name=body.lora_name, path=body.lora_path))
+        self.adapters.append(body.lora_name)
+        self.created[body.lora_name] = int(time.time())
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    async def unload_lora_adapter(self, body: UnloadLoRARequest) -> PlainTextResponse:
+        await self._tell_worker(AdapterRequest(name=body.lora_name))
+        if body.lora_name in self.adapters:
+            self.adapters.remove(body.lora_name)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+
+    async def _tell_worker(self, command: "AdapterRequest") -> None:
+        """Send the worker an adapter command through the request queue (the one way into its process) and wait for
+        its answer: an error there is raised here, with its status."""
+        if self.notices is not None and self.notices.shutting():
+            raise shutdown_refusal()
+        uid, queue, event = uuid.uuid4(), deque(), asyncio.Event()
+        self.response_buffer[uid] = ResponseBufferItem(response_queue=queue, event=event)
+        self.request_queue.put((self.response_queue_id, uid, time.monotonic(), command))
+        async for _ in self._outputs(self.data_streamer(queue, event, send_status=True)):
+            pass
 
     open_replies = 0
     """Replies this API server process is sending now (one spec per process): a shutdown waits for them to end."""
@@ -384,13 +328,13 @@ class ChatSpec(OpenAISpec):
                     usage.add(item["usage"], first_choice=i == 0)
             message = ChatMessage(role="assistant", content="".join(pieces))
             choices.append(ChatCompletionResponseChoice(index=i, message=message, finish_reason=finish))
-        return ChatCompletionResponse(model=self.model_name, choices=choices, usage=usage.info())
+        return ChatCompletionResponse(model=self.answering(request), choices=choices, usage=usage.info())
 
     async def streaming_completion(self, request: ChatRequest, pipes: list[AsyncIterator]) -> AsyncIterator[str]:
         ident, created, usage = f"chatcmpl-{shortuuid()}", int(time.time()), Usage()
 
         def event(choices: list, usage_info: Optional[UsageInfo] = None) -> str:
-            chunk = ChatCompletionChunk(id=ident, created=created, model=self.model_name, choices=choices,
+            chunk = ChatCompletionChunk(id=ident, created=created, model=self.answering(request), choices=choices,
                                         usage=usage_info)
             return f"data: {chunk.model_dump_json(by_alias=True)}\n\n"
 
@@ -458,19 +402,22 @@ def wait_for_open_replies(timeout: float) -> None:
     time.sleep(0.2)
 
 
-def add_model_routes(app: Any, name: str) -> None:
-    """`GET /v1/models` lists the one served model; `GET /v1/models/{model}` is it, or a 404 error object."""
-    created = int(time.time())
-    card = {"id": name, "object": "model", "created": created, "owned_by": "lit-qlora"}
+def add_model_routes(app: Any, spec: "ChatSpec") -> None:
+    """`GET /v1/models` lists the served models (the model as loaded, then each adapter by name); `GET
+    /v1/models/{model}` is one of them, or a 404 error object."""
+
+    def card(name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": spec.created[name], "owned_by": "lit-qlora"}
 
     def models() -> dict[str, Any]:
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [card(name) for name in spec.names()]}
 
     def model(model_id: str) -> Any:
-        if model_id != name:
-            raise refusal(404, f"The model '{model_id}' does not exist: this server serves '{name}'.", "model",
+        if model_id not in spec.names():
+            served = ", ".join(f"'{n}'" for n in spec.names())
+            raise refusal(404, f"The model '{model_id}' does not exist: this server serves {served}.", "model",
                           "model_not_found")
-        return card
+        return card(model_id)
 
     app.add_api_route("/v1/models", models, methods=["GET"])
     app.add_api_route("/v1/models/{model_id:path}", model, methods=["GET"])

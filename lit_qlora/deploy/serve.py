@@ -53,22 +53,94 @@ class ServeSpec(ModelChoice):
     """The model id /v1/models lists (default: the adapter's or checkpoint's directory name)."""
     max_batch_size: int = 16
     """Replies decoded together (continuous batching: a request joins at the next token); more wait their turn."""
+    adapters: Optional[list[str]] = None
+    """Fine-tunes served by name on the one base, as vLLM's --lora-modules: '[support=out/a, legal=out/b]' (each
+    DIR a fine-tune's out_dir or its final/, trained on --checkpoint_dir with one quantize). A request's `model` picks
+    one (a name that is neither one nor the base's is a 404), rows of one batch may use different ones; /v1/models
+    lists them, /v1/load_lora_adapter and /v1/unload_lora_adapter add and drop them while serving."""
+
+    @property
+    def served_name(self) -> str:
+        """The id /v1/models lists for the model as loaded (the base, or the base + --adapter_dir)."""
+        return self.model_name or Path(self.adapter_dir or self.checkpoint_dir).name
+
+    def adapter_dirs(self) -> dict[str, Path]:
+        """--adapters as {name: DIR}."""
+        parsed: dict[str, Path] = {}
+        for item in self.adapters or ():
+            name, sep, folder = (part.strip() for part in str(item).partition("="))
+            if not sep or not name or not folder:
+                raise InvalidInput(f"--adapters {item!r}: give each adapter as NAME=DIR, e.g. "
+                                   "--adapters '[support=out/support, legal=out/legal]'.")
+            if name in parsed:
+                raise InvalidInput(f"--adapters names {name!r} twice: give each adapter a name of its own.")
+            parsed[name] = Path(folder)
+        return parsed
+
+    def check(self, tokenizer: bool = True) -> None:
+        """ModelChoice's checks, and every --adapters entry: its files, its name, and that it trained on the base
+        served (one quantize, and for NF4 the codes of one dtype)."""
+        from lit_qlora.checkpoint.adapter import read_adapter_config
+
+        super().check(tokenizer)
+        quantize, first = self.run_quantize, None
+        for name, folder in self.adapter_dirs().items():
+            if name == self.served_name:
+                raise InvalidInput(f"--adapters {name}={folder}: {name!r} is the served model's own id (the base's); "
+                                   "name the adapter otherwise, or give the base another --model_name.")
+            config = read_adapter_config(folder, "--adapters")
+            theirs = config.get("quantize", "none")
+            if theirs != quantize:
+                raise InvalidInput(f"--adapters {name}={folder} trained on a {theirs} base, but the base served is "
+                                   f"{quantize}: serve adapters trained with one --quantize together (or several "
+                                   "servers), or pass --quantize to choose the base.")
+            codes = config.get("base_dtype", "bfloat16")
+            first = first or (name, codes)
+            if quantize == "nf4" and codes != first[1]:
+                raise InvalidInput(f"--adapters {name}={folder} trained on NF4 codes quantized from {codes} weights, "
+                                   f"{first[0]} on codes from {first[1]}: one base cannot be both. Serve them from "
+                                   "two servers.")
+
+    @property
+    def run_quantize(self) -> str:
+        if self.quantize is None and self.adapter_dir is None and self.adapters:
+            from lit_qlora.checkpoint.adapter import read_adapter_config
+
+            return read_adapter_config(next(iter(self.adapter_dirs().values())), "--adapters").get("quantize", "none")
+        return super().run_quantize
+
+    def load(self) -> Any:
+        """The model; with --adapters (and no --adapter_dir), the base as they trained on it (their NF4 codes)."""
+        if self.adapter_dir is not None or not self.adapters:
+            return super().load()
+        from lit_qlora.checkpoint.loading import load_model
+
+        return load_model(self.checkpoint_dir, self.quantize, self.run_precision, device=self.run_device,
+                          base_of=next(iter(self.adapter_dirs().values())))
+
+    def describe(self) -> str:
+        names = ", ".join(self.adapter_dirs())
+        return super().describe() + (f" with adapters {names}" if names else "")
 
 
 def build_server(choice: ModelChoice, api_key: Optional[str] = None, max_new_tokens: int = 512,
-                 model_name: Optional[str] = None, max_batch_size: int = 16, notices: Any = None):
+                 model_name: Optional[str] = None, max_batch_size: int = 16, notices: Any = None,
+                 adapters: Optional[dict[str, Path]] = None):
     import litserve as ls
 
     from lit_qlora.deploy.batching import BatchingLoop
-    from lit_qlora.deploy.litserve_api import BearerToken, ChatAPI, ChatSpec, add_model_routes, install_error_handlers
+    from lit_qlora.deploy.litserve_api import BearerToken, ChatSpec, add_model_routes, install_error_handlers
+    from lit_qlora.deploy.worker import ChatAPI
 
     name = model_name or Path(choice.adapter_dir or choice.checkpoint_dir).name
     notices = notices or new_notices()
-    api = ChatAPI(choice, max_new_tokens, notices, spec=ChatSpec(name, notices), loop=BatchingLoop(max_batch_size))
+    adapters = adapters or {}
+    chat_spec = ChatSpec(name, notices, list(adapters))
+    api = ChatAPI(choice, max_new_tokens, notices, adapters, name, spec=chat_spec, loop=BatchingLoop(max_batch_size))
     middlewares = [(BearerToken, {"api_key": api_key})] if api_key else None
     server = ls.LitServer(api, accelerator=choice.run_device.type, devices=1, workers_per_device=1, timeout=600,
                           middlewares=middlewares)
-    add_model_routes(server.app, name)
+    add_model_routes(server.app, chat_spec)
     install_error_handlers(server.app)
     return server
 
@@ -100,7 +172,7 @@ def serve_command(spec: Optional[ServeSpec] = None, **settings: Any) -> None:
         raise InvalidInput(f"--max_batch_size {spec.max_batch_size}: at least 1 reply must decode at a time.")
     notices = new_notices()
     server = build_server(spec, spec.api_key or switches.text("LIT_QLORA_API_KEY"), spec.max_new_tokens,
-                          spec.model_name, spec.max_batch_size, notices)
+                          spec.model_name, spec.max_batch_size, notices, spec.adapter_dirs())
     print(f"Serving {spec.describe()} on http://{spec.host}:{spec.port}/v1", flush=True)
     # SIGINT and SIGTERM, sent to this process or its group, with or without a terminal, stop it as Ctrl-C does
     # (`_stop`). Installed explicitly because a process started in the background of a script inherits SIGINT
