@@ -384,3 +384,26 @@ def test_sink_attention_through_sdpa_equals_the_sink_softmax_outputs_and_gradien
         torch.testing.assert_close(a, r, atol=1e-5, rtol=1e-5, msg=f"d{name}")
     torch.testing.assert_close(ours[3], theirs[3], atol=1e-5, rtol=1e-5)
     assert theirs[3].abs().min() > 1e-3  # every sink takes a share, so its gradient checks something
+
+
+def test_decode_attention_equals_sdpa_for_one_query_a_row():
+    """A decode step's attention (one query per row, GQA, a per-row or shared mask) in float32 through two matmuls
+    equals SDPA's, and `attend` takes that path only for one query a row without gradients."""
+
+
+    torch.manual_seed(0)
+    B, heads, groups, S, d = 5, 9, 3, 37, 16
+    q, k, v = torch.randn(B, heads, 1, d), torch.randn(B, groups, S, d), torch.randn(B, groups, S, d)
+    rows = torch.arange(S) <= torch.tensor([3, 36, 20, 0, 11])[:, None]
+    for mask in (rows[:, None, None, :], rows[3:4]):  # per row (a continuous batch); (1, S) (one stream)
+        expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3, enable_gqa=True)
+        torch.testing.assert_close(attention.decode_attention(q, k, v, mask, 0.3), expected, rtol=1e-5,
+                                   atol=1e-6)
+        with torch.no_grad():
+            torch.testing.assert_close(attention.attend(q, k, v, mask, 0.3, None, True), expected, rtol=1e-5,
+                                       atol=1e-6)
+    got = attention.decode_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), rows[:, None, None, :], 0.3)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), F.scaled_dot_product_attention(
+        q, k, v, attn_mask=rows[:, None, None, :], scale=0.3, enable_gqa=True), rtol=0.02, atol=0.02)
+    assert not attention._decode_applies(q.requires_grad_(), k, rows)  # training: SDPA, with its backward

@@ -99,8 +99,12 @@ class DecodeBatch:
     def step(self) -> list[Token]:
         """Every row's next token from its pending logits; the rows that go on are then fed it (one forward)."""
         out, going = [], []
+        greedy = [row for row in self.rows if row.temperature <= 0]  # one argmax for them all
+        picks = dict(zip(map(id, greedy), torch.stack([r.logits for r in greedy]).float().argmax(-1).tolist()
+                         if greedy else ()))
         for row in self.rows:
-            token = sample(row.logits, row.temperature, row.top_k, row.generator, row.top_p)
+            token = picks[id(row)] if id(row) in picks else sample(row.logits, row.temperature, row.top_k,
+                                                                    row.generator, row.top_p)
             if token in row.stop_ids:
                 out.append(Token(row.key, None, "stop"))
                 continue
