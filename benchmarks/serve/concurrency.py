@@ -1,9 +1,17 @@
-"""How `litqlora serve` holds up under concurrent streamed clients: 16 OpenAI clients on 127.0.0.1, each streaming
+"""How `litqlora serve` holds up under concurrent streamed clients: N OpenAI clients on 127.0.0.1, each streaming
 one request after another for 60 s (the bundled SmolLM2-135M-Instruct, greedy, up to 32 tokens a reply), and what
-they see: requests/s, time to first token and to the whole reply (p50/p90/p99), and how many failed (a request that
-raised, a stream that ended without its finish reason or its usage chunk).
+they see: requests/s, tokens/s, time to first token and to the whole reply (p50/p90/p99), and how many failed (a
+request that raised, a stream that ended without its finish reason or its usage chunk).
 
-    python benchmarks/serve/concurrency.py [--clients 16] [--seconds 60]
+One run measures several servers one after the other (same machine, same minutes), each a `case`:
+  batch1-16      16 clients, --max_batch_size 1: one reply at a time (what serve did before continuous batching)
+  batch16-16     16 clients, continuous batching (the default --max_batch_size 16)
+  batch16-64     64 clients, the default: 16 decode, the rest queue
+  batch64-64     64 clients, --max_batch_size 64
+  adapters1-16   16 clients, an NF4 base with one QLoRA adapter (random, r16 on every linear) served by name
+  adapters4-16   16 clients, the same base with four such adapters, the clients' requests interleaved over them
+
+    python benchmarks/serve/concurrency.py [--cases batch1-16 batch16-16 ...] [--seconds 60]
     # writes benchmarks/serve/results/concurrency.{json,md}
 """
 
@@ -33,8 +41,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(port: int) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "lit_qlora.cli", "serve", "--port", str(port)],
+def start_server(port: int, extra: list[str]) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-m", "lit_qlora.cli", "serve", "--port", str(port), *extra],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -48,7 +56,37 @@ def start_server(port: int) -> subprocess.Popen:
     raise SystemExit("the server did not come up in 300 s")
 
 
-def client_loop(url: str, index: int, until: float, records: list, lock: threading.Lock) -> None:
+def make_adapters(folder: Path, count: int) -> list[str]:
+    """`count` QLoRA adapters (r16 on every linear, random) on the bundled SmolLM2, as `--adapters` entries."""
+    import torch
+
+    from lit_qlora.checkpoint.adapter import save_adapter
+    from lit_qlora.checkpoint.download import DEFAULT_CHECKPOINT
+    from lit_qlora.checkpoint.loading import load_model
+    from lit_qlora.lora.layer import apply_lora, lora_modules
+
+    entries = []
+    for i in range(count):
+        model = load_model(DEFAULT_CHECKPOINT, "nf4", "bf16-true")
+        apply_lora(model, r=16, alpha=32, dtype=torch.bfloat16, targets="all")
+        generator = torch.Generator().manual_seed(i)
+        with torch.no_grad():
+            for layer in lora_modules(model).values():
+                layer.lora_B.copy_(torch.randn(layer.lora_B.shape, generator=generator) * 0.002)
+        out = save_adapter(model, folder / f"a{i}", {"r": 16, "alpha": 32, "targets": ["all"], "quantize": "nf4",
+                                                    "base_dtype": "bfloat16", "lora_dtype": "bfloat16"})
+        entries.append(f"a{i}={out}")
+    return entries
+
+
+CASES = {  # name: (clients, --max_batch_size, adapters)
+    "batch1-16": (16, 1, 0), "batch16-16": (16, 16, 0), "batch16-64": (64, 16, 0), "batch64-64": (64, 64, 0),
+    "adapters1-16": (16, 16, 1), "adapters4-16": (16, 16, 4),
+}
+
+
+def client_loop(url: str, index: int, until: float, records: list, lock: threading.Lock,
+                models: list[str]) -> None:
     import openai
 
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=300)
@@ -59,7 +97,7 @@ def client_loop(url: str, index: int, until: float, records: list, lock: threadi
         start = time.monotonic()
         first, finish, usage, error = None, None, None, None
         try:
-            stream = client.chat.completions.create(model="smollm2", temperature=0, max_tokens=32, stream=True,
+            stream = client.chat.completions.create(model=models[(index + n) % len(models)], temperature=0, max_tokens=32, stream=True,
                                                     messages=[{"role": "user", "content": question}],
                                                     stream_options={"include_usage": True})
             for chunk in stream:
@@ -83,20 +121,24 @@ def percentiles(values: list[float]) -> dict[str, float]:
     return {"p50": round(cuts[49], 3), "p90": round(cuts[89], 3), "p99": round(cuts[98], 3)}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--clients", type=int, default=16)
-    parser.add_argument("--seconds", type=float, default=60)
-    args = parser.parse_args()
+def run_case(name: str, seconds: float, folder: Path) -> dict:
+    clients, rows, adapters = CASES[name]
+    extra = ["--max_batch_size", str(rows)]
+    models = ["smollm2"]
+    if adapters:
+        entries = make_adapters(folder, adapters)
+        extra += ["--adapters", f"[{', '.join(entries)}]"]
+        models = [e.split("=")[0] for e in entries]
     port = free_port()
-    proc = start_server(port)
+    proc = start_server(port, extra)
     url = f"http://127.0.0.1:{port}"
     records: list[dict] = []
     lock = threading.Lock()
     try:
         started = time.monotonic()
-        until = started + args.seconds
-        threads = [threading.Thread(target=client_loop, args=(url, i, until, records, lock)) for i in range(args.clients)]
+        until = started + seconds
+        threads = [threading.Thread(target=client_loop, args=(url, i, until, records, lock, models))
+                   for i in range(clients)]
         for t in threads:
             t.start()
         for t in threads:
@@ -106,32 +148,50 @@ def main() -> None:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=60)
     good = [r for r in records if r["ok"]]
-    result = {
-        "command": f"python benchmarks/serve/concurrency.py --clients {args.clients} --seconds {args.seconds:g}",
-        "cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "clients": args.clients,
-        "seconds": round(elapsed, 1), "requests": len(records), "failed": len(records) - len(good),
-        "errors": sorted({r["error"] for r in records if r["error"]})[:5],
-        "requests_per_sec": round(len(good) / elapsed, 3),
-        "tokens_per_sec": round(sum(r["tokens"] for r in good) / elapsed, 1),
-        "time_to_first_token_s": percentiles([r["ttft"] for r in good]),
-        "whole_reply_s": percentiles([r["whole"] for r in good]),
-    }
+    return {"case": name, "clients": clients, "max_batch_size": rows, "adapters": adapters,
+            "seconds": round(elapsed, 1), "requests": len(records), "failed": len(records) - len(good),
+            "errors": sorted({r["error"] for r in records if r["error"]})[:5],
+            "requests_per_sec": round(len(good) / elapsed, 3),
+            "tokens_per_sec": round(sum(r["tokens"] for r in good) / elapsed, 1),
+            "time_to_first_token_s": percentiles([r["ttft"] for r in good]),
+            "whole_reply_s": percentiles([r["whole"] for r in good])}
+
+
+def main() -> None:
+    import tempfile
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--seconds", type=float, default=60)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as folder:
+        results = []
+        for name in args.cases:
+            results.append(run_case(name, args.seconds, Path(folder) / name))
+            print(json.dumps(results[-1]), flush=True)
+    command = f"python benchmarks/serve/concurrency.py --cases {' '.join(args.cases)} --seconds {args.seconds:g}"
+    flags = open("/proc/cpuinfo").read().split("flags")[1].split("\n")[0] if Path("/proc/cpuinfo").exists() else ""
+    isa = " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f" {f}" in flags) or platform.machine()
+    summary = {"command": command, "cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+               "isa": isa, "results": results}
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "concurrency.json").write_text(json.dumps(result, indent=2) + "\n")
-    ttft, whole = result["time_to_first_token_s"], result["whole_reply_s"]
-    table = "\n".join([
-        f"# `litqlora serve` under {args.clients} concurrent streamed clients", "",
-        f"`{result['command']}` ({result['cpus']} CPUs, SmolLM2-135M-Instruct, greedy, up to 32 tokens a reply, "
-        f"one worker: requests queue and are answered one at a time).", "",
-        "| clients | seconds | requests | failed | requests/s | tokens/s | first token p50 / p90 / p99 (s) | "
-        "whole reply p50 / p90 / p99 (s) |", "|---|---|---|---|---|---|---|---|",
-        f"| {args.clients} | {result['seconds']} | {result['requests']} | {result['failed']} | "
-        f"{result['requests_per_sec']} | {result['tokens_per_sec']} | {ttft['p50']} / {ttft['p90']} / {ttft['p99']} | "
-        f"{whole['p50']} / {whole['p90']} / {whole['p99']} |"])
+    (RESULTS / "concurrency.json").write_text(json.dumps(summary, indent=2) + "\n")
+    lines = ["# `litqlora serve` under concurrent streamed clients", "",
+             f"`{command}` ({os.cpu_count()} CPUs, ISA: {isa}; SmolLM2-135M-Instruct, greedy, up to 32 tokens a "
+             "reply, precision auto).", "",
+             "| case | clients | max_batch_size | adapters | requests | failed | requests/s | tokens/s | first token "
+             "p50 / p90 / p99 (s) | whole reply p50 / p90 / p99 (s) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        ttft, whole = r["time_to_first_token_s"], r["whole_reply_s"]
+        lines.append(f"| {r['case']} | {r['clients']} | {r['max_batch_size']} | {r['adapters'] or 'none (bf16 base)'} "
+                     f"| {r['requests']} | {r['failed']} | {r['requests_per_sec']} | {r['tokens_per_sec']} | "
+                     f"{ttft['p50']} / {ttft['p90']} / {ttft['p99']} | {whole['p50']} / {whole['p90']} / {whole['p99']} |")
+    table = "\n".join(lines)
     (RESULTS / "concurrency.md").write_text(table + "\n")
     print(table)
-    if result["failed"]:
-        raise SystemExit(f"{result['failed']} requests failed: {result['errors']}")
+    failed = sum(r["failed"] for r in results)
+    if failed:
+        raise SystemExit(f"{failed} requests failed: {[r['errors'] for r in results if r['errors']]}")
 
 
 if __name__ == "__main__":
