@@ -140,3 +140,37 @@ def test_the_mask_of_rows_at_their_own_positions():
     windowed = attention_mask(q, 6, 2, True)
     assert windowed[:, 0, 0].tolist() == [[False, True, True, False, False, False],
                                          [False, False, False, True, True, False]]
+
+
+def test_a_prompt_that_starts_as_a_recent_one_prefills_only_the_rest():
+    """A shared prefix (a system prompt) is computed once: the next prompt copies its keys and values and prefills
+    the rest; its logits equal a whole prefill's and it answers as alone. Another adapter's prompts, a short match,
+    and an adapter forgotten do not reuse."""
+    model = tiny_model()
+    system = [7, 3, 11, 19, 23, 5, 60, 61, 62, 63, 2, 4]
+    first, second = Row("a", system + [30, 31, 32], 12), Row("b", system + [40, 41], 12)
+    batch = DecodeBatch(model, min_reuse=8)
+    batch.add(first)
+    batch.add(second)
+    assert (first.reused, second.reused) == (0, len(system))
+    whole = DecodeBatch(model, prefix_bytes=0)
+    twin = Row("b", second.prompt, 12)
+    whole.add(twin)
+    assert twin.reused == 0
+    torch.testing.assert_close(second.logits, twin.logits, rtol=1e-5, atol=1e-5)
+    got = {"a": [], "b": []}
+    while batch.rows:
+        for t in batch.step():
+            got[t.key] += [t.token] if t.token is not None else []
+    assert got["b"] == alone(model, Row("b", second.prompt, 12))
+    assert got["a"] == alone(model, Row("a", first.prompt, 12))
+    other = Row("c", system + [50], 12, adapter=1)
+    batch.add(other)
+    assert other.reused == 0  # the adapter's own keys and values differ
+    short = Row("d", system[:5] + [1, 2, 3], 12)
+    batch.add(short)
+    assert short.reused == 0  # five shared tokens: under min_reuse
+    batch.prefixes.forget(0)
+    again = Row("e", system + [30, 31, 32], 12)
+    batch.add(again)
+    assert again.reused == 0

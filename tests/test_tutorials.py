@@ -106,13 +106,15 @@ def test_one_example_per_format_tutorial_runs_as_written(smollm2_dir, tmp_path):
 
 @pytest.mark.slow
 def test_deploy_tutorial_runs_as_written(smollm2_dir, tmp_path):
-    """tutorials/deploy.md, every block in order: train and export to GGUF at q8_0 and read it back (the answer the
+    """tutorials/deploy.md, every block in order (the last: the fine-tune served by name beside its base): train and
+    export to GGUF at q8_0 and read it back (the answer the
     text promises), chat through a pipe, serve and call the server with the `openai` client."""
     (tmp_path / "checkpoints").mkdir()
     (tmp_path / "checkpoints" / "SmolLM2-135M-Instruct").symlink_to(smollm2_dir)
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    gguf, chat, serve = (subprocess.run(["bash", "-ec", block], capture_output=True, text=True, env=env, cwd=tmp_path,
-                                        timeout=1200) for block in code_blocks("deploy.md", "bash"))
+    gguf, chat, serve, adapters = (subprocess.run(["bash", "-ec", block], capture_output=True, text=True, env=env,
+                                                  cwd=tmp_path, timeout=1200)
+                                   for block in code_blocks("deploy.md", "bash"))
     assert gguf.returncode == 0, gguf.stderr
     assert 'FROM ./smollm2-q8_0.gguf\nPARAMETER stop "<|im_end|>"' in gguf.stdout
     assert "Paris" in gguf.stdout.splitlines()[-1]
@@ -123,6 +125,11 @@ def test_deploy_tutorial_runs_as_written(smollm2_dir, tmp_path):
     # the first reply (temperature 0: one line naming Paris), then the streamed one, sampled: it may span lines
     assert "Paris" in replies[0] and len(replies) >= 2, serve.stdout
     assert "Stopped serving (SIGTERM)." in serve.stdout  # `kill $!`: one line, the server's last
+    assert adapters.returncode == 0, adapters.stderr
+    assert "['SmolLM2-135M-Instruct', 'deploy']" in adapters.stdout, adapters.stdout
+    answered = [line for line in adapters.stdout.splitlines() if " -> " in line]
+    assert [line.split(" -> ")[0] for line in answered] == ["deploy", "SmolLM2-135M-Instruct"], adapters.stdout
+    assert "Paris" in answered[1], adapters.stdout  # the base, served under its own name beside the fine-tune
 
 
 @pytest.mark.slow

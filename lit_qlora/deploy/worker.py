@@ -94,7 +94,9 @@ class ChatAPI(ls.LitAPI):
         if command.path is None:
             if self.bank is None or command.name not in self.bank.names:
                 raise refusal(404, f"No adapter named '{command.name}' is loaded.", "lora_name", "model_not_found")
+            slot = self.bank.names[command.name]
             self.bank.remove(command.name, in_use=[row.adapter for row in self.batch.rows])
+            self.batch.prefixes.forget(slot)  # its prompts' keys and values were computed with it
             del self.tokenizers[command.name]
             return {"unloaded": command.name}
         if command.name == self.served_name or (self.bank is not None and command.name in self.bank.names):

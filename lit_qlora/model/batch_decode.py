@@ -41,6 +41,8 @@ class Row:
     logits: Optional[torch.Tensor] = field(default=None, repr=False)
     """The next token's logits (vocab,), from its prefill or the last step."""
     generator: Optional[torch.Generator] = field(default=None, repr=False)
+    reused: int = 0
+    """Prompt positions whose keys and values came from a recent prompt's prefill (`Prefixes`)."""
 
     @property
     def position(self) -> int:
@@ -63,12 +65,14 @@ class DecodeBatch:
     whose caller went away. `before_forward(rows)`, when given, runs before each forward with the rows it computes
     (one row for a prefill): how per-row adapters are chosen."""
 
-    def __init__(self, model: Transformer, before_forward: Optional[Callable[[list[Row]], None]] = None) -> None:
+    def __init__(self, model: Transformer, before_forward: Optional[Callable[[list[Row]], None]] = None,
+                 prefix_bytes: int = 256 << 20, min_reuse: int = 16) -> None:
         self.model = model
         self.rows: list[Row] = []
         self.before_forward = before_forward
         self.views: list[CacheView] = []
         self.capacity = (0, 0)  # (rows, positions) of the cache
+        self.prefixes = Prefixes(prefix_bytes, min_reuse)
 
     @property
     def device(self) -> torch.device:
@@ -90,9 +94,13 @@ class DecodeBatch:
         self._select(slice(index, index + 1), len(row.prompt))
         if self.before_forward is not None:
             self.before_forward([row])
-        ids = torch.tensor([list(row.prompt)], device=self.device)
-        hidden = self.model.forward_hidden(ids, torch.arange(len(row.prompt), device=self.device))
+        # A prompt that starts as a recent one did (a system prompt, an earlier turn) reuses those positions' keys
+        # and values: only the rest goes through the model. Not across adapters: an adapter changes them.
+        start = self.prefixes.restore(row, self.views, index)
+        ids = torch.tensor([list(row.prompt[start:])], device=self.device)
+        hidden = self.model.forward_hidden(ids, torch.arange(start, len(row.prompt), device=self.device))
         row.logits = self.model.logits(hidden[:, -1:])[0, -1]  # the head on the last position only
+        self.prefixes.keep(row, self.views, index)
         self.rows.append(row)
 
     @torch.inference_mode()
@@ -159,8 +167,10 @@ class DecodeBatch:
             row.logits = row_logits
 
     def _select(self, rows: slice, length: int) -> None:
-        for view in self.views:
+        # (set on the blocks each time: another user of the model, a `generate`, may have put its own cache there)
+        for block, view in zip(self.model.model.layers, self.views):
             view.select(rows, length)
+            block.self_attn.kv_cache = view
         self.model.max_cache_len = length  # the masks' key length: the views'
 
     def _reserve(self, rows: int, length: int) -> None:
@@ -187,3 +197,58 @@ class DecodeBatch:
             block.self_attn.kv_cache = view
             views.append(view)
         self.views, self.capacity = views, (new_rows, new_len)
+
+
+class Prefixes:
+    """The keys and values of recent prompts, to start a new prompt from the longest one it begins with (a shared
+    system prompt, a conversation's earlier turns): its prefill then computes only the positions after that.
+
+    Kept per adapter (an adapter changes every key and value), most recent first, within `budget` bytes; a match
+    shorter than `min_reuse` tokens is not worth the copy. The reused positions are the same computation done on
+    fewer rows before: equal to a whole prefill up to the order of floating-point sums."""
+
+    def __init__(self, budget: int, min_reuse: int) -> None:
+        self.budget, self.min_reuse = budget, min_reuse
+        self.entries: list[tuple[int, tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor]]]] = []
+
+    def restore(self, row: Row, views: list[CacheView], index: int) -> int:
+        """Copy the longest matching prefix into cache row `index`; returns where the prefill starts."""
+        best, found = 0, None
+        for adapter, ids, kv in self.entries:
+            if adapter != row.adapter:
+                continue
+            n = _common(ids, row.prompt, len(row.prompt) - 1)  # at least the last position is computed: its logits
+            if n > best:
+                best, found = n, kv
+        if found is None or best < self.min_reuse:
+            return 0
+        for view, (k, v) in zip(views, found):
+            view.whole_k[index, :, :best] = k[:, :best]
+            view.whole_v[index, :, :best] = v[:, :best]
+        row.reused = best
+        return best
+
+    def forget(self, adapter: int) -> None:
+        """Drop what was kept for `adapter` (its slot now holds another adapter, or none)."""
+        self.entries = [e for e in self.entries if e[0] != adapter]
+
+    def keep(self, row: Row, views: list[CacheView], index: int) -> None:
+        """Remember row `index`'s prompt positions (the oldest entries make room)."""
+        length, key = len(row.prompt), tuple(row.prompt)
+        self.entries = [e for e in self.entries if not (e[0] == row.adapter and e[1] == key)]
+        size = sum(2 * view.whole_k[index, :, :length].numel() * view.whole_k.element_size() for view in views)
+        if size > self.budget:
+            return
+        kv = [(view.whole_k[index, :, :length].clone(), view.whole_v[index, :, :length].clone()) for view in views]
+        self.entries.insert(0, (row.adapter, key, kv))
+        while sum(2 * sum(k.numel() * k.element_size() for k, _ in e[2]) for e in self.entries) > self.budget:
+            self.entries.pop()
+
+
+def _common(a: Sequence[int], b: Sequence[int], most: int) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y or n >= most:
+            break
+        n += 1
+    return n
