@@ -96,7 +96,7 @@ def test_a_dropped_row_frees_its_place_and_the_others_go_on():
     for row in rows:
         batch.add(row)
     got = {row.key: [] for row in rows}
-    for _ in range(3):
+    while len(got["r0"]) < 3:
         for t in batch.step():
             got[t.key].append(t.token)
     batch.drop("r0")  # the first row leaves: the last moves into its cache row
@@ -150,18 +150,26 @@ def test_a_prompt_that_starts_as_a_recent_one_prefills_only_the_rest():
     system = [7, 3, 11, 19, 23, 5, 60, 61, 62, 63, 2, 4]
     first, second = Row("a", system + [30, 31, 32], 12), Row("b", system + [40, 41], 12)
     batch = DecodeBatch(model, min_reuse=8)
+    got = {"a": [], "b": []}
+
+    def step():
+        for t in batch.step():
+            got[t.key] += [t.token] if t.token is not None else []
+
     batch.add(first)
+    step()  # its prompt fed: its keys and values kept
     batch.add(second)
+    step()
     assert (first.reused, second.reused) == (0, len(system))
     whole = DecodeBatch(model, prefix_bytes=0)
     twin = Row("b", second.prompt, 12)
     whole.add(twin)
+    whole.step()
     assert twin.reused == 0
     torch.testing.assert_close(second.logits, twin.logits, rtol=1e-5, atol=1e-5)
-    got = {"a": [], "b": []}
+    whole.release()
     while batch.rows:
-        for t in batch.step():
-            got[t.key] += [t.token] if t.token is not None else []
+        step()
     assert got["b"] == alone(model, Row("b", second.prompt, 12))
     assert got["a"] == alone(model, Row("a", first.prompt, 12))
     other = Row("c", system + [50], 12, adapter=1)
@@ -170,6 +178,9 @@ def test_a_prompt_that_starts_as_a_recent_one_prefills_only_the_rest():
     short = Row("d", system[:5] + [1, 2, 3], 12)
     batch.add(short)
     assert short.reused == 0  # five shared tokens: under min_reuse
+    same = Row("s", second.prompt, 12)
+    batch.add(same)
+    assert same.reused == len(second.prompt) - 1 and same.feed == second.prompt[-1:]  # no prefill: its last token
     batch.prefixes.forget(0)
     again = Row("e", system + [30, 31, 32], 12)
     batch.add(again)

@@ -1,5 +1,6 @@
 """How `litqlora serve` holds up under concurrent streamed clients: N OpenAI clients on 127.0.0.1, each streaming
-one request after another for 60 s (the bundled SmolLM2-135M-Instruct, greedy, up to 32 tokens a reply), and what
+one request after another for 60 s (the bundled SmolLM2-135M-Instruct, greedy, up to 32 tokens a reply, every
+question its own: `question`), and what
 they see: requests/s, tokens/s, time to first token and to the whole reply (p50/p90/p99), and how many failed (a
 request that raised, a stream that ended without its finish reason or its usage chunk).
 
@@ -32,7 +33,16 @@ import urllib.request
 from pathlib import Path
 
 RESULTS = Path(__file__).with_name("results")
-QUESTIONS = ["What is the capital of France?", "Name a primary color.", "What is 2 + 2?", "Is 167 even or odd?"]
+COUNTRIES = ["France", "Japan", "Kenya", "Peru", "Canada", "Italy", "Egypt", "Norway", "Chile", "India", "Spain"]
+
+
+def question(n: int) -> str:
+    """The n-th request's question: every one its own (after the chat template's shared system prompt), so the
+    server's prefix reuse saves what it would for real users' distinct questions, not a repeated prompt."""
+    kind, m = n % 4, n // 4
+    return [f"What is {m} + {m + 7}?", f"Is {m * 13 + 1} even or odd?",
+            f"What is the capital of {COUNTRIES[m % len(COUNTRIES)]}? Answer in {m % 5 + 1} words.",
+            f"Name a color whose name starts with the letter {chr(65 + m % 26)}."][kind]
 
 
 def free_port() -> int:
@@ -92,13 +102,13 @@ def client_loop(url: str, index: int, until: float, records: list, lock: threadi
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=300)
     n = 0
     while time.monotonic() < until:
-        question = QUESTIONS[(index + n) % len(QUESTIONS)]
+        asked = question(index * 100_000 + n)
         n += 1
         start = time.monotonic()
         first, finish, usage, error = None, None, None, None
         try:
             stream = client.chat.completions.create(model=models[(index + n) % len(models)], temperature=0, max_tokens=32, stream=True,
-                                                    messages=[{"role": "user", "content": question}],
+                                                    messages=[{"role": "user", "content": asked}],
                                                     stream_options={"include_usage": True})
             for chunk in stream:
                 if chunk.choices and chunk.choices[0].delta.content and first is None:

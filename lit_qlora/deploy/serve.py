@@ -5,7 +5,10 @@ and its OpenAI spec.
   `temperature`, `top_p`, `max_tokens`/`max_completion_tokens`, `n` and `seed` are honoured; `usage` counts the
   prompt's token ids as fed to the model and the tokens generated (streamed: in a last chunk when
   `stream_options: {"include_usage": true}` asks, as OpenAI does); `finish_reason` is "length" for a cut reply;
-* `GET /v1/models` lists the one model, `GET /v1/models/{model}` is it (404 for another name);
+* `GET /v1/models` lists the model as loaded and each `--adapters` fine-tune by name, `GET /v1/models/{model}` is one
+  (404 for another name); a request's `model` picks the adapter it decodes with (lit_qlora.lora.bank: one base in
+  memory, rows of one batch with different adapters); `POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter`
+  (vLLM's) change them while serving;
 * 127.0.0.1 unless `--host` says otherwise; `--api_key` (or LIT_QLORA_API_KEY) makes every /v1 route require
   `Authorization: Bearer KEY`, what the OpenAI clients send (401 otherwise);
 * every error is an OpenAI error object, `{"error": {"message", "type", "param", "code"}}`: 400 for a value no reply
@@ -14,7 +17,9 @@ and its OpenAI spec.
 * one worker decodes up to `--max_batch_size` replies together (continuous batching, lit_qlora.deploy.batching): a
   request joins the running batch at the next token, each reply answers as it would alone, a finished one leaves at
   once, and a streamed request whose client goes away stops generating at its next token; a request's `n` choices are
-  rows of one batch.
+  rows of one batch; a prompt that starts as a recent one did prefills only the rest;
+* SIGINT or SIGTERM: no new request is taken, each reply in flight ends with a `server_shutdown` error event, and the
+  server is gone within 3 s, with one line.
 """
 
 from __future__ import annotations

@@ -1,12 +1,18 @@
 """Continuous batching: many generations decoded together, one token per row per forward, each row at its own
 position, a row joining between two steps and leaving the step it finishes (what `litqlora serve` runs).
 
-Each row answers exactly as `lit_qlora.model.sampling.generate` would alone with the same settings and seed: it is
-prefilled alone (its prompt through the model as one row), samples from its own generator, and stops at a stop id (not
-yielded) or after its `limit` tokens. The rows share one KV cache, `rows x length` per block, grown by doubling as
-rows join or lengthen; a row's keys and values live in its cache row, and the live rows are always the first ones (one
-that leaves is replaced by the last), so a step runs the first `len(rows)` cache rows over the longest row's length,
-each row's mask hiding the positions beyond its own.
+A row computes what `lit_qlora.model.sampling.generate` computes alone with the same settings and seed: it samples
+from its own generator and stops at a stop id (not yielded) or after its `limit` tokens; only the order of
+floating-point sums differs (rows batched together, a prompt fed in parts), so in float32 its tokens are generate's
+(tests), and in bf16 a near tie may break the other way. The prompts that join between two steps are prefilled
+together at the next one (all but their last token, one padded forward, after any prefix a recent prompt already
+computed: `Prefixes`); each prompt's last token then goes through the decode forward with the other rows, so a
+joining request costs no forward of its own.
+
+The rows share one KV cache, `rows x length` per block, grown by doubling as rows join or lengthen; a row's keys and
+values live in its cache row, and the live rows are always the first ones (one that leaves is replaced by the last),
+so a step runs the first `len(rows)` cache rows over the longest row's length, each row's mask hiding the positions
+beyond its own.
 """
 
 from __future__ import annotations
@@ -39,15 +45,14 @@ class Row:
     """Which of the model's adapters it decodes with (`lit_qlora.lora.bank`); 0: the model as loaded."""
     generated: int = 0
     logits: Optional[torch.Tensor] = field(default=None, repr=False)
-    """The next token's logits (vocab,), from its prefill or the last step."""
+    """The next token's logits (vocab,), from the last step (None until its prompt has been fed)."""
+    fed: int = 0
+    """Positions whose keys and values are in its cache row."""
+    feed: list = field(default_factory=list, repr=False)
+    """Tokens to feed at the next step: its prompt's rest when it joins, then each token it draws."""
     generator: Optional[torch.Generator] = field(default=None, repr=False)
     reused: int = 0
     """Prompt positions whose keys and values came from a recent prompt's prefill (`Prefixes`)."""
-
-    @property
-    def position(self) -> int:
-        """Where its next token's key and value go: after the prompt and the tokens fed back so far."""
-        return len(self.prompt) + self.generated
 
 
 @dataclass
@@ -80,7 +85,7 @@ class DecodeBatch:
 
     @torch.inference_mode()
     def add(self, row: Row) -> None:
-        """Prefill `row` (its prompt as one row through the model) and keep its next token's logits for `step`."""
+        """Join `row`: its prompt is fed at the next `step` (its first token comes out of the step after)."""
         context = self.model.config.max_seq_length
         if not row.prompt or len(row.prompt) + row.limit > context:
             raise InvalidInput(f"A prompt of {len(row.prompt)} tokens and {row.limit} new ones do not fit the "
@@ -90,27 +95,23 @@ class DecodeBatch:
         if row.generator is None:
             row.generator = torch.Generator(device=self.device).manual_seed(row.seed)
         self._reserve(len(self.rows) + 1, len(row.prompt))
-        index = len(self.rows)
-        self._select(slice(index, index + 1), len(row.prompt))
-        if self.before_forward is not None:
-            self.before_forward([row])
         # A prompt that starts as a recent one did (a system prompt, an earlier turn) reuses those positions' keys
         # and values: only the rest goes through the model. Not across adapters: an adapter changes them.
-        start = self.prefixes.restore(row, self.views, index)
-        ids = torch.tensor([list(row.prompt[start:])], device=self.device)
-        hidden = self.model.forward_hidden(ids, torch.arange(start, len(row.prompt), device=self.device))
-        row.logits = self.model.logits(hidden[:, -1:])[0, -1]  # the head on the last position only
-        self.prefixes.keep(row, self.views, index)
+        row.fed = self.prefixes.restore(row, self.views, len(self.rows))
+        row.feed, row.logits = list(row.prompt[row.fed:]), None
         self.rows.append(row)
 
     @torch.inference_mode()
     def step(self) -> list[Token]:
-        """Every row's next token from its pending logits; the rows that go on are then fed it (one forward)."""
-        out, going = [], []
-        greedy = [row for row in self.rows if row.temperature <= 0]  # one argmax for them all
+        """Every row with logits draws its next token (a finished row leaves); then the prompts that joined are
+        prefilled together (all but their last token), and one forward feeds every row its next token: a sampled
+        one, or a new prompt's last."""
+        out = []
+        drawn = [row for row in self.rows if row.logits is not None]
+        greedy = [row for row in drawn if row.temperature <= 0]  # one argmax for them all
         picks = dict(zip(map(id, greedy), torch.stack([r.logits for r in greedy]).float().argmax(-1).tolist()
                          if greedy else ()))
-        for row in self.rows:
+        for row in drawn:
             token = picks[id(row)] if id(row) in picks else sample(row.logits, row.temperature, row.top_k,
                                                                     row.generator, row.top_p)
             if token in row.stop_ids:
@@ -119,13 +120,13 @@ class DecodeBatch:
             row.generated += 1
             finished = row.generated >= row.limit
             out.append(Token(row.key, token, "length" if finished else None))
-            if not finished:
-                going.append((row, token))
-        ended = {t.key for t in out if t.finish}
-        for key in ended:
-            self.drop(key)
-        if going:
-            self._forward(going)
+            row.feed = [token]
+        for t in out:
+            if t.finish:
+                self.drop(t.key)
+        self._prefill([row for row in self.rows if len(row.feed) > 1])
+        if self.rows:
+            self._forward()
         return out
 
     def drop(self, key: Any) -> None:
@@ -135,7 +136,7 @@ class DecodeBatch:
             return
         last = len(self.rows) - 1
         if index != last:
-            length = self.rows[last].position
+            length = self.rows[last].fed
             with torch.inference_mode():
                 for view in self.views:
                     view.whole_k[index, :, :length] = view.whole_k[last, :, :length]
@@ -150,21 +151,61 @@ class DecodeBatch:
         self.rows, self.views, self.capacity = [], [], (0, 0)
         self.model.clear_kv_cache()
 
-    def _forward(self, going: list[tuple[Row, int]]) -> None:
-        # the drops reordered self.rows (a last row moves into a dropped one's place): its rows are `going`'s
-        token_of = {id(row): token for row, token in going}
+    def _prefill(self, rows: list[Row]) -> None:
+        """All but the last token of each row's prompt (what prefix reuse left), the rows as one padded forward.
+
+        It runs over a cache of its own, `rows` x the longest, each row's reused prefix copied in; the keys and values
+        computed go back to the rows' places in the batch's cache. Right padding continues each row's positions: a
+        pad writes only past the row's real tokens (nothing copied back), and a real token never sees it. No head:
+        each prompt's last token joins the next forward with the other rows."""
+        if not rows:
+            return
+        index = {id(row): i for i, row in enumerate(self.rows)}
+        width = max(len(row.feed) - 1 for row in rows)
+        length = max(row.fed for row in rows) + width
+        c = self.model.config
+        temp = []
+        for view in self.views:
+            k = view.whole_k.new_zeros(len(rows), c.n_query_groups, length, c.head_dim)
+            v = torch.zeros_like(k)
+            for j, row in enumerate(rows):
+                k[j, :, : row.fed] = view.whole_k[index[id(row)], :, : row.fed]
+                v[j, :, : row.fed] = view.whole_v[index[id(row)], :, : row.fed]
+            temp.append(CacheView(k, v))
+        ids = torch.tensor([row.feed[:-1] + [row.feed[-2]] * (width - len(row.feed) + 1) for row in rows],
+                           device=self.device)
+        pos = torch.stack([torch.arange(row.fed, row.fed + width, device=self.device) for row in rows])
+        for block, cache in zip(self.model.model.layers, temp):
+            cache.select(slice(0, len(rows)), length)
+            block.self_attn.kv_cache = cache
+        self.model.max_cache_len = length
+        if self.before_forward is not None:
+            self.before_forward(rows)
+        self.model.forward_hidden(ids, pos)
+        for view, cache in zip(self.views, temp):
+            for j, row in enumerate(rows):
+                span = slice(row.fed, row.fed + len(row.feed) - 1)
+                view.whole_k[index[id(row)], :, span] = cache.whole_k[j, :, span]
+                view.whole_v[index[id(row)], :, span] = cache.whole_v[j, :, span]
+        for row in rows:
+            row.fed += len(row.feed) - 1
+            row.feed = row.feed[-1:]
+            self.prefixes.keep(row, self.views, index[id(row)])
+
+    def _forward(self) -> None:
+        """Each row's one token to feed, at its own position: every row's next logits."""
         rows = self.rows
-        tokens = torch.tensor([[token_of[id(row)]] for row in rows], device=self.device)
-        # The token just sampled goes at position - 1: `generated` already counts it.
-        pos = torch.tensor([[row.position - 1] for row in rows], device=self.device)
-        length = max(row.position for row in rows)
+        tokens = torch.tensor([row.feed for row in rows], device=self.device)
+        pos = torch.tensor([[row.fed] for row in rows], device=self.device)
+        length = max(row.fed for row in rows) + 1
         self._reserve(len(rows), length)
         self._select(slice(0, len(rows)), length)
         if self.before_forward is not None:
             self.before_forward(rows)
         logits = self.model.logits(self.model.forward_hidden(tokens, pos))[:, -1]
         for row, row_logits in zip(rows, logits):
-            row.logits = row_logits
+            row.logits, row.feed = row_logits, []
+            row.fed += 1
 
     def _select(self, rows: slice, length: int) -> None:
         # (set on the blocks each time: another user of the model, a `generate`, may have put its own cache there)
@@ -233,8 +274,9 @@ class Prefixes:
         self.entries = [e for e in self.entries if e[0] != adapter]
 
     def keep(self, row: Row, views: list[CacheView], index: int) -> None:
-        """Remember row `index`'s prompt positions (the oldest entries make room)."""
-        length, key = len(row.prompt), tuple(row.prompt)
+        """Remember the prompt positions row `index` has fed (the oldest entries make room)."""
+        length = row.fed
+        key = tuple(row.prompt[:length])
         self.entries = [e for e in self.entries if not (e[0] == row.adapter and e[1] == key)]
         size = sum(2 * view.whole_k[index, :, :length].numel() * view.whole_k.element_size() for view in views)
         if size > self.budget:
