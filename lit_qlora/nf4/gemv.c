@@ -130,57 +130,41 @@ static void row_portable(const weight_t* w, const float* tab, const float* xp, i
 }
 
 #if GROUP == 32
-/* ---- AVX-512: a row of whole blocks of a multiple of 32 elements. */
+/* ---- AVX-512: a row of whole blocks of a multiple of 32 elements. One step: 32 codes at column c looked up in the
+   block's table t, times each x row, into that row's pair of accumulators. */
+static inline __attribute__((always_inline)) void step512(const __m512 t, const uint8_t* qr, int64_t c, const float* xp,
+                                                          int64_t i0, const int mt, int64_t k, __m512* ae, __m512* ao) {
+    __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(qr + c / 2)));
+    __m512 we = _mm512_permutexvar_ps(_mm512_srli_epi32(d, 4), t);
+    __m512 wo = _mm512_permutexvar_ps(_mm512_and_si512(d, _mm512_set1_epi32(15)), t);
+    for (int i = 0; i < mt; ++i) {
+        const float* xc = xp + (i0 + i) * k + c;
+        ae[i] = _mm512_fmadd_ps(we, _mm512_loadu_ps(xc), ae[i]);
+        ao[i] = _mm512_fmadd_ps(wo, _mm512_loadu_ps(xc + 16), ao[i]);
+    }
+}
+
+/* Steps two at a time into two pairs of accumulators: a row's FMAs form four chains instead of two, so a one-row
+   tile (a decode step's usual) waits less on the FMA latency (2048x8192, one bf16 row: 938 -> 814 us). */
 static inline __attribute__((always_inline)) void row_fast(const weight_t* w, const float* tab, const float* xp,
                                                            int64_t i0, const int mt, int64_t r, float* sums) {
-    const __m512i low4 = _mm512_set1_epi32(15);
     const int64_t bpr = w->k / w->bs, steps = w->bs / GROUP;
-    __m512 ae[TILE], ao[TILE];
-    for (int i = 0; i < mt; ++i) { ae[i] = _mm512_setzero_ps(); ao[i] = _mm512_setzero_ps(); }
-    const uint8_t* qr = w->q + r * (w->k / 2);
-    if (steps % 2 == 0) {
-        /* Two steps at a time into a second pair of accumulators: a row's FMAs form four chains instead of two, so
-           one row (a decode step's usual tile) no longer waits on the FMA latency (1.5x on a 2048x8192 weight). */
-        __m512 be[TILE], bo[TILE];
-        for (int i = 0; i < mt; ++i) { be[i] = _mm512_setzero_ps(); bo[i] = _mm512_setzero_ps(); }
-        for (int64_t j = 0; j < bpr; ++j) {
-            const __m512 t = _mm512_loadu_ps(tab + j * 16);
-            for (int64_t s = 0; s < steps; s += 2) {
-                const int64_t c = (j * steps + s) * GROUP;
-                __m512i d0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(qr + c / 2)));
-                __m512i d1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(qr + c / 2 + GROUP / 2)));
-                __m512 we0 = _mm512_permutexvar_ps(_mm512_srli_epi32(d0, 4), t);
-                __m512 wo0 = _mm512_permutexvar_ps(_mm512_and_si512(d0, low4), t);
-                __m512 we1 = _mm512_permutexvar_ps(_mm512_srli_epi32(d1, 4), t);
-                __m512 wo1 = _mm512_permutexvar_ps(_mm512_and_si512(d1, low4), t);
-                for (int i = 0; i < mt; ++i) {
-                    const float* xc = xp + (i0 + i) * w->k + c;
-                    ae[i] = _mm512_fmadd_ps(we0, _mm512_loadu_ps(xc), ae[i]);
-                    ao[i] = _mm512_fmadd_ps(wo0, _mm512_loadu_ps(xc + 16), ao[i]);
-                    be[i] = _mm512_fmadd_ps(we1, _mm512_loadu_ps(xc + GROUP), be[i]);
-                    bo[i] = _mm512_fmadd_ps(wo1, _mm512_loadu_ps(xc + GROUP + 16), bo[i]);
-                }
-            }
-        }
-        for (int i = 0; i < mt; ++i)
-            sums[i] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(ae[i], ao[i]), _mm512_add_ps(be[i], bo[i])));
-        return;
+    __m512 ae[TILE], ao[TILE], be[TILE], bo[TILE];
+    for (int i = 0; i < mt; ++i) {
+        ae[i] = _mm512_setzero_ps(); ao[i] = _mm512_setzero_ps(); be[i] = _mm512_setzero_ps(); bo[i] = ae[i];
     }
+    const uint8_t* qr = w->q + r * (w->k / 2);
     for (int64_t j = 0; j < bpr; ++j) {
         const __m512 t = _mm512_loadu_ps(tab + j * 16);
-        for (int64_t s = 0; s < steps; ++s) {
-            const int64_t c = (j * steps + s) * GROUP;  /* the column this step starts at */
-            __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(qr + c / 2)));
-            __m512 we = _mm512_permutexvar_ps(_mm512_srli_epi32(d, 4), t);
-            __m512 wo = _mm512_permutexvar_ps(_mm512_and_si512(d, low4), t);
-            for (int i = 0; i < mt; ++i) {
-                const float* xc = xp + (i0 + i) * w->k + c;
-                ae[i] = _mm512_fmadd_ps(we, _mm512_loadu_ps(xc), ae[i]);
-                ao[i] = _mm512_fmadd_ps(wo, _mm512_loadu_ps(xc + 16), ao[i]);
-            }
+        int64_t s = 0;
+        for (; s + 1 < steps; s += 2) {
+            step512(t, qr, (j * steps + s) * GROUP, xp, i0, mt, w->k, ae, ao);
+            step512(t, qr, (j * steps + s + 1) * GROUP, xp, i0, mt, w->k, be, bo);
         }
+        if (s < steps) step512(t, qr, (j * steps + s) * GROUP, xp, i0, mt, w->k, ae, ao);
     }
-    for (int i = 0; i < mt; ++i) sums[i] = _mm512_reduce_add_ps(_mm512_add_ps(ae[i], ao[i]));
+    for (int i = 0; i < mt; ++i)
+        sums[i] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(ae[i], ao[i]), _mm512_add_ps(be[i], bo[i])));
 }
 #elif GROUP == 16
 /* ---- AVX2: the same with 8 lanes; a code's bit 3 picks the table's half (blendv reads the sign bit). */
