@@ -153,10 +153,11 @@ def test_adapters_load_and_unload_while_serving(server, alone, adapters, tmp_pat
 
 
 def test_bad_adapter_flags_are_one_paragraph_errors_before_serving(tiny_llama_dir, adapters, tmp_path):
-    cases = [("[support]", "NAME=DIR"), (f"[a={adapters['support']}, a={adapters['legal']}]", "twice"),
-             (f"[a={tmp_path / 'none'}]", str(tmp_path / "none"))]
-    for listed, expected in cases:
+    cases = [("[support]", "NAME=DIR", []), (f"[a={adapters['support']}, a={adapters['legal']}]", "twice", []),
+             (f"[a={tmp_path / 'none'}]", str(tmp_path / "none"), []),
+             (f"[a={adapters['support']}]", "--adapter_dir", ["--adapter_dir", str(adapters["legal"])])]
+    for listed, expected, extra in cases:
         done = subprocess.run([sys.executable, "-m", "lit_qlora.cli", "serve", "--checkpoint_dir", str(tiny_llama_dir),
-                               "--adapters", listed], capture_output=True, text=True, timeout=120)
+                               "--adapters", listed, *extra], capture_output=True, text=True, timeout=120)
         assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
         assert expected in done.stderr and "--adapters" in done.stderr, done.stderr

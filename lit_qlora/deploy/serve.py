@@ -88,6 +88,10 @@ class ServeSpec(ModelChoice):
         from lit_qlora.checkpoint.adapter import read_adapter_config
 
         super().check(tokenizer)
+        if self.adapters and self.adapter_dir is not None:
+            raise InvalidInput(f"--adapter_dir {self.adapter_dir} with --adapters: the adapters by name go on the "
+                               "base alone (each trained on it, not on another adapter). Serve that fine-tune by name "
+                               f"too: --adapters '[{Path(self.adapter_dir).name}={self.adapter_dir}, ...]'.")
         quantize, first = self.run_quantize, None
         for name, folder in self.adapter_dirs().items():
             if name == self.served_name:
@@ -108,15 +112,15 @@ class ServeSpec(ModelChoice):
 
     @property
     def run_quantize(self) -> str:
-        if self.quantize is None and self.adapter_dir is None and self.adapters:
+        if self.quantize is None and self.adapters:
             from lit_qlora.checkpoint.adapter import read_adapter_config
 
             return read_adapter_config(next(iter(self.adapter_dirs().values())), "--adapters").get("quantize", "none")
         return super().run_quantize
 
     def load(self) -> Any:
-        """The model; with --adapters (and no --adapter_dir), the base as they trained on it (their NF4 codes)."""
-        if self.adapter_dir is not None or not self.adapters:
+        """The model; with --adapters, the base as they trained on it (their NF4 codes)."""
+        if not self.adapters:
             return super().load()
         from lit_qlora.checkpoint.loading import load_model
 

@@ -177,28 +177,37 @@ static inline float hsum8(__m256 v) {
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
+static inline __attribute__((always_inline)) void step256(const __m256 tlo, const __m256 thi, const uint8_t* qr,
+                                                          int64_t c, const float* xp, int64_t i0, const int mt,
+                                                          int64_t k, __m256* ae, __m256* ao) {
+    __m256i d = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(qr + c / 2)));
+    __m256 we = lookup16(tlo, thi, _mm256_srli_epi32(d, 4));
+    __m256 wo = lookup16(tlo, thi, _mm256_and_si256(d, _mm256_set1_epi32(15)));
+    for (int i = 0; i < mt; ++i) {
+        const float* xc = xp + (i0 + i) * k + c;
+        ae[i] = _mm256_fmadd_ps(we, _mm256_loadu_ps(xc), ae[i]);
+        ao[i] = _mm256_fmadd_ps(wo, _mm256_loadu_ps(xc + 8), ao[i]);
+    }
+}
+
 static inline __attribute__((always_inline)) void row_fast(const weight_t* w, const float* tab, const float* xp,
                                                            int64_t i0, const int mt, int64_t r, float* sums) {
-    const __m256i low4 = _mm256_set1_epi32(15);
     const int64_t bpr = w->k / w->bs, steps = w->bs / GROUP;
-    __m256 ae[TILE], ao[TILE];
-    for (int i = 0; i < mt; ++i) { ae[i] = _mm256_setzero_ps(); ao[i] = _mm256_setzero_ps(); }
+    __m256 ae[TILE], ao[TILE], be[TILE], bo[TILE];
+    for (int i = 0; i < mt; ++i) {
+        ae[i] = _mm256_setzero_ps(); ao[i] = _mm256_setzero_ps(); be[i] = _mm256_setzero_ps(); bo[i] = ae[i];
+    }
     const uint8_t* qr = w->q + r * (w->k / 2);
     for (int64_t j = 0; j < bpr; ++j) {
         const __m256 tlo = _mm256_loadu_ps(tab + j * 16), thi = _mm256_loadu_ps(tab + j * 16 + 8);
-        for (int64_t s = 0; s < steps; ++s) {
-            const int64_t c = (j * steps + s) * GROUP;
-            __m256i d = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(qr + c / 2)));
-            __m256 we = lookup16(tlo, thi, _mm256_srli_epi32(d, 4));
-            __m256 wo = lookup16(tlo, thi, _mm256_and_si256(d, low4));
-            for (int i = 0; i < mt; ++i) {
-                const float* xc = xp + (i0 + i) * w->k + c;
-                ae[i] = _mm256_fmadd_ps(we, _mm256_loadu_ps(xc), ae[i]);
-                ao[i] = _mm256_fmadd_ps(wo, _mm256_loadu_ps(xc + 8), ao[i]);
-            }
+        int64_t s = 0;
+        for (; s + 1 < steps; s += 2) {  /* two pairs of accumulators, as the AVX-512 path */
+            step256(tlo, thi, qr, (j * steps + s) * GROUP, xp, i0, mt, w->k, ae, ao);
+            step256(tlo, thi, qr, (j * steps + s + 1) * GROUP, xp, i0, mt, w->k, be, bo);
         }
+        if (s < steps) step256(tlo, thi, qr, (j * steps + s) * GROUP, xp, i0, mt, w->k, ae, ao);
     }
-    for (int i = 0; i < mt; ++i) sums[i] = hsum8(_mm256_add_ps(ae[i], ao[i]));
+    for (int i = 0; i < mt; ++i) sums[i] = hsum8(_mm256_add_ps(_mm256_add_ps(ae[i], ao[i]), _mm256_add_ps(be[i], bo[i])));
 }
 #endif
 
