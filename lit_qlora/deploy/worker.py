@@ -81,7 +81,7 @@ class ChatAPI(ls.LitAPI):
             self.bank = AdapterBank(self.model)
         try:
             self.bank.add(name, factors, scale)
-        except ValueError as e:
+        except InvalidInput as e:
             raise InvalidInput(f"{flag} {name}={folder}: {e}; was it trained on {self.choice.checkpoint_dir}?") from None
         self.tokenizers[name] = tokenizer
 

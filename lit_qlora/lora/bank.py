@@ -16,6 +16,8 @@ from typing import Optional, Sequence
 import torch
 import torch.nn as nn
 
+from lit_qlora.base.errors import InvalidInput
+
 
 class BankedLinear(nn.Module):
     """A linear (plain, NF4, or itself a LoRALinear) plus the bank's adapters on it, each row its own."""
@@ -100,17 +102,17 @@ class AdapterBank:
         """Load an adapter: `factors` maps each module it adapts (its name in the model) to its (A, B); returns its
         slot. The modules must be linears of the model."""
         if name in self.names:
-            raise ValueError(f"an adapter named {name!r} is loaded already")
+            raise InvalidInput(f"an adapter named {name!r} is loaded already")
         modules = dict(self.model.named_modules())
         missing = [m for m in factors if m not in modules and m not in self.layers]
         if missing:
-            raise ValueError(f"the adapter adapts modules this model does not have: {missing[:3]}")
+            raise InvalidInput(f"the adapter adapts modules this model does not have: {missing[:3]}")
         for module_name, (a, b) in factors.items():
             module = self.layers.get(module_name) or modules[module_name]
             if not hasattr(module, "in_features") or a.dim() != 2:
-                raise ValueError(f"{module_name} is not a linear layer: its adapter cannot join the bank")
+                raise InvalidInput(f"{module_name} is not a linear layer: its adapter cannot join the bank")
             if a.shape[1] != module.in_features or b.shape != (module.out_features, a.shape[0]):
-                raise ValueError(f"{module_name}: the adapter's A {tuple(a.shape)} and B {tuple(b.shape)} do not fit "
+                raise InvalidInput(f"{module_name}: the adapter's A {tuple(a.shape)} and B {tuple(b.shape)} do not fit "
                                  f"its {module.in_features} -> {module.out_features} linear")
         taken = set(self.names.values()) | self.retiring
         slot = next(s for s in range(1, len(taken) + 2) if s not in taken)
