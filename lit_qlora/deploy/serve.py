@@ -189,6 +189,10 @@ def serve_command(spec: Optional[ServeSpec] = None, **settings: Any) -> None:
     main_pid, received = os.getpid(), []
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda signum, frame: _stop(main_pid, signum, received, notices))
+    # While the API server lets its last replies end, LitServe's worker monitor in this process may ask the manager
+    # process, gone with the same signal, whether to stop, and log its broken pipe as a crash: not one once stopping.
+    logging.getLogger("litserve.server").addFilter(
+        lambda record: not (received and record.getMessage().startswith("Monitoring worker crashed")))
     try:
         # uvicorn's own lines (startup, each request, shutdown) at warning: the lines above and below say it
         server.run(host=spec.host, port=spec.port, generate_client_file=False, num_api_servers=1, log_level="warning")
