@@ -250,12 +250,13 @@ class Prefixes:
 
     def __init__(self, budget: int, min_reuse: int) -> None:
         self.budget, self.min_reuse = budget, min_reuse
-        self.entries: list[tuple[int, tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor]]]] = []
+        # (adapter, prompt ids, each block's (k, v), their bytes), most recent first
+        self.entries: list[tuple[int, tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor]], int]] = []
 
     def restore(self, row: Row, views: list[CacheView], index: int) -> int:
         """Copy the longest matching prefix into cache row `index`; returns where the prefill starts."""
         best, found = 0, None
-        for adapter, ids, kv in self.entries:
+        for adapter, ids, kv, _ in self.entries:
             if adapter != row.adapter:
                 continue
             n = _common(ids, row.prompt, len(row.prompt) - 1)  # at least the last position is computed: its logits
@@ -282,8 +283,8 @@ class Prefixes:
         if size > self.budget:
             return
         kv = [(view.whole_k[index, :, :length].clone(), view.whole_v[index, :, :length].clone()) for view in views]
-        self.entries.insert(0, (row.adapter, key, kv))
-        while sum(2 * sum(k.numel() * k.element_size() for k, _ in e[2]) for e in self.entries) > self.budget:
+        self.entries.insert(0, (row.adapter, key, kv, size))
+        while sum(e[3] for e in self.entries) > self.budget:
             self.entries.pop()
 
 
