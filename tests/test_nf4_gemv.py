@@ -23,10 +23,12 @@ ROWS = (1, 2, 5, 16)
 
 
 def build_or_skip(isa):
-    if isa in ("avx2", "avx512") and not is_x86():
+    if isa in ("avx2", "avx512", "avx512_bf16") and not is_x86():
         pytest.skip(f"the {isa} build is for x86")
     if isa == "avx512" and not gemv.cpu_has_avx512():
         pytest.skip("this CPU has no AVX-512")
+    if isa == "avx512_bf16" and not gemv.cpu_has_avx512_bf16():
+        pytest.skip("this CPU has no AVX512-BF16")
     if isa == "avx2" and not torch.cpu.get_capabilities().get("avx2"):
         pytest.skip("this CPU has no AVX2")
     lib = gemv.gemv_lib(isa)
@@ -39,7 +41,7 @@ def storages(lib):
     return [torch.bfloat16, torch.float32] + ([torch.float16] if lib.has_f16 else [])
 
 
-@pytest.mark.parametrize("isa", ["avx512", "avx2", "scalar"])
+@pytest.mark.parametrize("isa", ["avx512_bf16", "avx512", "avx2", "scalar"])
 @pytest.mark.parametrize("shape,block_size", SHAPES)
 def test_float32_matches_dequantize_and_matmul(isa, shape, block_size):
     lib = build_or_skip(isa)
@@ -58,7 +60,7 @@ def test_float32_matches_dequantize_and_matmul(isa, shape, block_size):
             torch.testing.assert_close(got, F.linear(x, dense, bias), rtol=1e-5, atol=atol)
 
 
-@pytest.mark.parametrize("isa", ["avx512", "avx2", "scalar"])
+@pytest.mark.parametrize("isa", ["avx512_bf16", "avx512", "avx2", "scalar"])
 @pytest.mark.parametrize("shape,block_size", SHAPES)
 def test_bf16_matches_within_its_rounding(isa, shape, block_size):
     lib = build_or_skip(isa)

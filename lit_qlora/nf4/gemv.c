@@ -23,13 +23,28 @@ int nf4_gemv_has_f16(void) { return HAS_F16; }
 
 #if defined(__AVX512F__)
 #define GROUP 32  /* elements per step of the fast path: 16 code bytes */
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define BF16_DOT 1  /* bf16 x: the weights looked up as bf16 and multiplied by vdpbf16ps, 64 codes a step */
+int nf4_gemv_isa(void) { return 3; }
+#else
 int nf4_gemv_isa(void) { return 2; }
+#endif
 #elif defined(__AVX2__) && defined(__FMA__)
 #define GROUP 16  /* 8 code bytes */
 int nf4_gemv_isa(void) { return 1; }
 #else
 #define GROUP 0   /* portable C only */
 int nf4_gemv_isa(void) { return 0; }
+#endif
+
+#ifndef BF16_DOT
+#define BF16_DOT 0
+#endif
+/* Whether the fast paths round to float16 in registers (AVX2 without F16C cannot: portable C does it then). */
+#if defined(__AVX512F__) || defined(__F16C__)
+#define F16_ROUNDS 1
+#else
+#define F16_ROUNDS 0
 #endif
 
 #define TILE 4  /* rows of x per pass over a weight row: their accumulators stay in registers */
@@ -96,22 +111,47 @@ static inline void block_table(const float* lv, float s, int wfmt, int tfmt, flo
 #endif
 }
 
-static void block_tables(const weight_t* w, const float* lv, int64_t b0, int64_t nb, float* tab) {
+#if BF16_DOT
+/* The dot path's table of a block with scale s: 16 bf16 words in the low half of a zmm (vpermw reads indices 0-15
+   there), computed in registers beside the product, whose loads of the codes it hides behind (computed apart, as
+   the float path's tables are, they cost as much as the product). vcvtneps2bf16 rounds to nearest even as round512
+   does, in one instruction. */
+static inline __m512i table_bf16(__m512 lv, float s, int wfmt) {
+    __m512 t = _mm512_mul_ps(lv, _mm512_set1_ps(s));
+    if (wfmt == 1) t = round512(t, 1);  /* float16 storage: that rounding first, as dequantize's */
+    return _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(t));
+}
+#endif
+
+static void block_tables(const weight_t* w, const float* lv, int64_t b0, int64_t nb, float* tab, int fast) {
     int64_t g = b0 / w->sbs, in_group = b0 % w->sbs;  /* the scaler group of block b0, and b0's place in it */
     for (int64_t j0 = 0; j0 < nb; j0 += 16) {
         const int cnt = nb - j0 < 16 ? (int)(nb - j0) : 16;
-        float qf[16] = {0}, ff[16], sf[16];
-        for (int j = 0; j < 16; ++j) ff[j] = 1.0f;
-        for (int j = 0; j < cnt; ++j) {
-            qf[j] = (float)w->qs[b0 + j0 + j];
-            ff[j] = load1(w->factor, g, w->wfmt);
-            if (++in_group == w->sbs) { in_group = 0; ++g; }
+        v16f qv, fv;
+#if defined(__AVX512F__)
+        if (cnt == 16 && in_group + 16 <= w->sbs) {  /* the usual 16 blocks of one scaler group: no scalar loop */
+            __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(w->qs + b0 + j0))));
+            memcpy(&qv, &q, 64);
+            fv = (v16f){0} + load1(w->factor, g, w->wfmt);
+            if ((in_group += 16) == w->sbs) { in_group = 0; ++g; }
+        } else
+#endif
+        {
+            float qf[16] = {0}, ff[16];
+            for (int j = 0; j < 16; ++j) ff[j] = 1.0f;
+            for (int j = 0; j < cnt; ++j) {
+                qf[j] = (float)w->qs[b0 + j0 + j];
+                ff[j] = load1(w->factor, g, w->wfmt);
+                if (++in_group == w->sbs) { in_group = 0; ++g; }
+            }
+            memcpy(&qv, qf, 64); memcpy(&fv, ff, 64);
         }
-        v16f qv, fv, mean = {0};
-        memcpy(&qv, qf, 64); memcpy(&fv, ff, 64);
-        v16f s = round_to(round_to(qv / fv, w->wfmt) + (mean + w->mean), w->wfmt);
-        memcpy(sf, &s, 64);
-        for (int j = 0; j < cnt; ++j) block_table(lv, sf[j], w->wfmt, w->tfmt, tab + (j0 + j) * 16);
+        v16f s = round_to(round_to(qv / fv, w->wfmt) + w->mean, w->wfmt);
+        if (fast && GROUP == 32) {  /* AVX-512's paths: the scales alone (each row makes its tables in registers) */
+            memcpy(tab + j0, &s, cnt * sizeof(float));
+            continue;
+        }
+        for (int j = 0; j < cnt; ++j) block_table(lv, s[j], w->wfmt, w->tfmt, tab + (j0 + j) * 16);
     }
 }
 
@@ -146,16 +186,19 @@ static inline __attribute__((always_inline)) void step512(const __m512 t, const 
 
 /* Steps two at a time into two pairs of accumulators: a row's FMAs form four chains instead of two, so a one-row
    tile (a decode step's usual) waits less on the FMA latency (2048x8192, one bf16 row: 938 -> 814 us). */
-static inline __attribute__((always_inline)) void row_fast(const weight_t* w, const float* tab, const float* xp,
-                                                           int64_t i0, const int mt, int64_t r, float* sums) {
+static inline __attribute__((always_inline)) void row_fast(const weight_t* w, const float* lv, const float* scales,
+                                                           const float* xp, int64_t i0, const int mt, int64_t r,
+                                                           float* sums) {
     const int64_t bpr = w->k / w->bs, steps = w->bs / GROUP;
+    const __m512 l = _mm512_loadu_ps(lv);
     __m512 ae[TILE], ao[TILE], be[TILE], bo[TILE];
     for (int i = 0; i < mt; ++i) {
         ae[i] = _mm512_setzero_ps(); ao[i] = _mm512_setzero_ps(); be[i] = _mm512_setzero_ps(); bo[i] = ae[i];
     }
     const uint8_t* qr = w->q + r * (w->k / 2);
     for (int64_t j = 0; j < bpr; ++j) {
-        const __m512 t = _mm512_loadu_ps(tab + j * 16);
+        __m512 t = round512(_mm512_mul_ps(l, _mm512_set1_ps(scales[j])), w->wfmt);  /* as block_table's */
+        if (w->tfmt != w->wfmt) t = round512(t, w->tfmt);
         int64_t s = 0;
         for (; s + 1 < steps; s += 2) {
             step512(t, qr, (j * steps + s) * GROUP, xp, i0, mt, w->k, ae, ao);
@@ -166,6 +209,47 @@ static inline __attribute__((always_inline)) void row_fast(const weight_t* w, co
     for (int i = 0; i < mt; ++i)
         sums[i] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(ae[i], ao[i]), _mm512_add_ps(be[i], bo[i])));
 }
+#if BF16_DOT
+/* ---- AVX-512 BF16, bf16 x: one step looks up 64 codes (32 bytes) as bf16 weights (vpermw) and multiplies them by x
+   with vdpbf16ps, 32 products an instruction, where the float path takes two lookups and two FMAs for 32 codes (a
+   1B model's decode step: 2x as fast). For bf16 x the tables hold bf16 values already and x is bf16, so each
+   product is exact in float32, as the float path's are; the sums differ in order only (vdpbf16ps adds a pair's two
+   products into the accumulator; it reads denormal inputs as zero). xb: x's bf16 bits, per group of 64 elements its
+   even elements, then its odd ones (a code byte's high nibble, then its low one). */
+static inline __attribute__((always_inline)) void step_dot(const __m512i t, const uint8_t* qr, int64_t c,
+                                                           const uint16_t* xb, int64_t i0, const int mt, int64_t k,
+                                                           __m512* ae, __m512* ao) {
+    __m512i d = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(qr + c / 2)));
+    __m512i we = _mm512_permutexvar_epi16(_mm512_srli_epi16(d, 4), t);
+    __m512i wo = _mm512_permutexvar_epi16(_mm512_and_si512(d, _mm512_set1_epi16(15)), t);
+    for (int i = 0; i < mt; ++i) {
+        const uint16_t* xc = xb + (i0 + i) * k + c;
+        ae[i] = _mm512_dpbf16_ps(ae[i], (__m512bh)we, (__m512bh)_mm512_loadu_si512(xc));
+        ao[i] = _mm512_dpbf16_ps(ao[i], (__m512bh)wo, (__m512bh)_mm512_loadu_si512(xc + 32));
+    }
+}
+
+/* Steps alternate between two pairs of accumulators (four chains a row), across blocks where a block is one step. */
+static inline __attribute__((always_inline)) void row_dot(const weight_t* w, const float* lv, const float* scales,
+                                                          const uint16_t* xb, int64_t i0, const int mt, int64_t r,
+                                                          float* sums) {
+    const int64_t steps = w->bs / 64, total = w->k / 64;
+    const __m512 l = _mm512_loadu_ps(lv);
+    __m512 ae[TILE], ao[TILE], be[TILE], bo[TILE];
+    for (int i = 0; i < mt; ++i) {
+        ae[i] = _mm512_setzero_ps(); ao[i] = _mm512_setzero_ps(); be[i] = _mm512_setzero_ps(); bo[i] = ae[i];
+    }
+    const uint8_t* qr = w->q + r * (w->k / 2);
+    int64_t u = 0;
+    for (; u + 1 < total; u += 2) {
+        step_dot(table_bf16(l, scales[u / steps], w->wfmt), qr, u * 64, xb, i0, mt, w->k, ae, ao);
+        step_dot(table_bf16(l, scales[(u + 1) / steps], w->wfmt), qr, (u + 1) * 64, xb, i0, mt, w->k, be, bo);
+    }
+    if (u < total) step_dot(table_bf16(l, scales[u / steps], w->wfmt), qr, u * 64, xb, i0, mt, w->k, ae, ao);
+    for (int i = 0; i < mt; ++i)
+        sums[i] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(ae[i], ao[i]), _mm512_add_ps(be[i], bo[i])));
+}
+#endif
 #elif GROUP == 16
 /* ---- AVX2: the same with 8 lanes; a code's bit 3 picks the table's half (blendv reads the sign bit). */
 static inline __m256 lookup16(__m256 lo, __m256 hi, __m256i idx) {
@@ -190,9 +274,13 @@ static inline __attribute__((always_inline)) void step256(const __m256 tlo, cons
     }
 }
 
-static inline __attribute__((always_inline)) void row_fast(const weight_t* w, const float* tab, const float* xp,
-                                                           int64_t i0, const int mt, int64_t r, float* sums) {
+/* The tables come from block_tables here: made in the loop (as AVX-512 does) they cost AVX2 6% (its product is
+   compute-bound: eight lanes and two lookups a half). */
+static inline __attribute__((always_inline)) void row_fast(const weight_t* w, const float* lv, const float* tab,
+                                                           const float* xp, int64_t i0, const int mt, int64_t r,
+                                                           float* sums) {
     const int64_t bpr = w->k / w->bs, steps = w->bs / GROUP;
+    (void)lv;
     __m256 ae[TILE], ao[TILE], be[TILE], bo[TILE];
     for (int i = 0; i < mt; ++i) {
         ae[i] = _mm256_setzero_ps(); ao[i] = _mm256_setzero_ps(); be[i] = _mm256_setzero_ps(); bo[i] = ae[i];
@@ -213,26 +301,37 @@ static inline __attribute__((always_inline)) void row_fast(const weight_t* w, co
 
 /* Row r's sums for one tile of x rows: the fast path where the layout allows, each tile height its own compiled loop
    (the accumulators then live in registers). */
-static void row_tile(const weight_t* w, const float* tab, const float* xp, int64_t i0, int mt, int fast, int64_t r,
-                     float* sums) {
-#if GROUP
-    if (fast) {
+static void row_tile(const weight_t* w, const float* lv, const float* tab, const float* xp, int64_t i0, int mt,
+                     int fast, int64_t r, float* sums) {
+#if BF16_DOT
+    if (fast == 2) {  /* tab: the blocks' scales */
+        const uint16_t* xb = (const uint16_t*)xp;
         switch (mt) {
-            case 1: row_fast(w, tab, xp, i0, 1, r, sums); return;
-            case 2: row_fast(w, tab, xp, i0, 2, r, sums); return;
-            case 3: row_fast(w, tab, xp, i0, 3, r, sums); return;
-            default: row_fast(w, tab, xp, i0, 4, r, sums); return;
+            case 1: row_dot(w, lv, tab, xb, i0, 1, r, sums); return;
+            case 2: row_dot(w, lv, tab, xb, i0, 2, r, sums); return;
+            case 3: row_dot(w, lv, tab, xb, i0, 3, r, sums); return;
+            default: row_dot(w, lv, tab, xb, i0, 4, r, sums); return;
         }
     }
 #endif
-    (void)fast;
+#if GROUP
+    if (fast) {
+        switch (mt) {
+            case 1: row_fast(w, lv, tab, xp, i0, 1, r, sums); return;
+            case 2: row_fast(w, lv, tab, xp, i0, 2, r, sums); return;
+            case 3: row_fast(w, lv, tab, xp, i0, 3, r, sums); return;
+            default: row_fast(w, lv, tab, xp, i0, 4, r, sums); return;
+        }
+    }
+#endif
+    (void)fast; (void)lv;
     row_portable(w, tab, xp, i0, mt, r, sums);
 }
 
 /* Element c of a row of x is stored at this position of its row in xp: the fast paths' even/odd order. */
 static inline int64_t reordered(int64_t c, int fast) {
     if (!GROUP || !fast) return c;
-    const int64_t g = GROUP ? GROUP : 1, p = c % g;
+    const int64_t g = fast == 2 ? 64 : (GROUP ? GROUP : 1), p = c % g;
     return c - p + (p & 1) * (g / 2) + p / 2;
 }
 
@@ -245,14 +344,19 @@ void nf4_gemv_mt(int32_t threads, const uint8_t* q, const int8_t* qs, const void
                  const float* levels, int64_t n, int64_t k, int64_t bs, int64_t sbs, int32_t wfmt, const void* x,
                  int64_t m, int32_t xfmt, const void* bias, void* y, float* scratch, int64_t cap) {
     const weight_t w = {q, qs, factor, load1(mean, 0, wfmt), n, k, bs, sbs, wfmt, xfmt == 0 ? 0 : 2};
-    const int fast = GROUP && k % bs == 0 && bs % (GROUP ? GROUP : 1) == 0;
+    /* fast: 1 the float path, 2 the bf16 dot path (bf16 x, rows of whole blocks of 64s), 0 portable C */
+    int fast = GROUP && k % bs == 0 && bs % (GROUP ? GROUP : 1) == 0 && (wfmt != 1 || F16_ROUNDS);
+    if (BF16_DOT && fast && xfmt == 0 && bs % 64 == 0) fast = 2;
     const int64_t rows_per_chunk = (cap - 2) * bs / k > 1 ? (cap - 2) * bs / k : 1;  /* spanning <= cap blocks */
     float* xp = scratch;
     #pragma omp parallel num_threads(threads)
     {
         int64_t a, b;
         my_share(0, m * k, 1, &a, &b);
-        for (int64_t e = a; e < b; ++e) xp[e - e % k + reordered(e % k, fast)] = load1(x, e, xfmt);
+        if (fast == 2)  /* x's bf16 bits, reordered (half of xp's floats) */
+            for (int64_t e = a; e < b; ++e) ((uint16_t*)xp)[e - e % k + reordered(e % k, 2)] = ((const uint16_t*)x)[e];
+        else
+            for (int64_t e = a; e < b; ++e) xp[e - e % k + reordered(e % k, fast)] = load1(x, e, xfmt);
         #pragma omp barrier
 #ifdef _OPENMP
         float* tab = scratch + m * k + (int64_t)omp_get_thread_num() * cap * 16;
@@ -262,13 +366,14 @@ void nf4_gemv_mt(int32_t threads, const uint8_t* q, const int8_t* qs, const void
         my_share(0, n, 16, &a, &b);
         for (int64_t c0 = a; c0 < b; c0 += rows_per_chunk) {
             const int64_t c1 = c0 + rows_per_chunk < b ? c0 + rows_per_chunk : b, cb0 = c0 * k / bs;
-            block_tables(&w, levels, cb0, (c1 * k - 1) / bs - cb0 + 1, tab);
+            block_tables(&w, levels, cb0, (c1 * k - 1) / bs - cb0 + 1, tab, fast);
             for (int64_t r = c0; r < c1; ++r) {
-                const float* row_tab = tab + (r * k / bs - cb0) * 16;  /* from the block of the row's first element */
+                /* from the block of the row's first element (AVX-512's paths keep a scale a block) */
+                const float* row_tab = tab + (r * k / bs - cb0) * (fast && GROUP == 32 ? 1 : 16);
                 for (int64_t i0 = 0; i0 < m; i0 += TILE) {
                     const int mt = m - i0 < TILE ? (int)(m - i0) : TILE;
                     float sums[TILE];
-                    row_tile(&w, row_tab, xp, i0, mt, fast, r, sums);
+                    row_tile(&w, levels, row_tab, xp, i0, mt, fast, r, sums);
                     for (int i = 0; i < mt; ++i) {
                         float v = sums[i] + (bias ? load1(bias, r, xfmt) : 0.0f);
                         if (xfmt == 0) ((uint16_t*)y)[(i0 + i) * n + r] = bf16_bits1(v);

@@ -8,7 +8,8 @@ dequantize + matmul only the order of the additions differs. x and y are float32
 weight is stored in any NF4 dtype.
 
 Which build runs: ``isa=None`` the one kernels.c gets (``native.default_march``: this CPU, or AVX2 under the AVX2 cap),
-or a named one, ``"avx512"``, ``"avx2"`` or ``"scalar"`` (portable C), for tests and benchmarks. Each is compiled on
+or a named one, ``"avx512_bf16"`` (bf16 x multiplied by vdpbf16ps: a CPU with AVX512-BF16 decodes bf16 this way),
+``"avx512"``, ``"avx2"`` or ``"scalar"`` (portable C), for tests and benchmarks. Each is compiled on
 first use by ``native.build_library``, checked against dequantize + matmul before it is trusted, and threaded over the
 weight's rows on torch's OpenMP team. Unavailable (no compiler, a failed check, ``LIT_QLORA_NF4_BACKEND=eager``), the
 NF4 linear keeps its dense path; :mod:`lit_qlora.nf4.linear` decides when the kernel applies.
@@ -35,8 +36,9 @@ MAX_ROWS = 16
 """The most rows of x (tokens of a step) the NF4 linear sends here: the kernel's tiles of 4 rows each read the codes
 again, and from about this many rows on a matmul of the dense weight wins back its dequantize."""
 
-ISAS = ("scalar", "avx2", "avx512")  # by the number gemv.c's nf4_gemv_isa() returns
-_MARCH = {"avx512": "x86-64-v4", "avx2": "x86-64-v3", "scalar": "x86-64"}
+ISAS = ("scalar", "avx2", "avx512", "avx512_bf16")  # by the number gemv.c's nf4_gemv_isa() returns
+_MARCH = {"avx512_bf16": "x86-64-v4 -mavx512bf16", "avx512": "x86-64-v4", "avx2": "x86-64-v3",
+          "scalar": "x86-64"}
 _I32, _I64, _PTR = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
 _SIGNATURES = {  # after the thread count: q, qs, factor, mean, levels, n, k, bs, sbs, wfmt, x, m, xfmt, bias, y, scratch, cap
     "nf4_gemv": [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I32, _PTR, _I64, _I32, _PTR, _PTR, _PTR, _I64],
@@ -56,6 +58,12 @@ def cpu_has_avx512() -> bool:
     """Whether this CPU runs the AVX-512 build (x86-64-v4: F, BW, DQ, VL)."""
     caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
     return all(caps.get(f"avx512_{s}") for s in ("f", "bw", "dq", "vl"))
+
+
+def cpu_has_avx512_bf16() -> bool:
+    """Whether this CPU runs the AVX512-BF16 build (AVX-512 and its bf16 dot product, vdpbf16ps)."""
+    caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
+    return cpu_has_avx512() and bool(caps.get("avx512_bf16"))
 
 
 def gemv_lib(isa: Optional[str] = None) -> Optional[ctypes.CDLL]:
@@ -88,6 +96,8 @@ def gemv_error(isa: Optional[str] = None) -> Optional[str]:
 def _build(isa: Optional[str]) -> ctypes.CDLL:
     if isa == "avx512" and not cpu_has_avx512():
         raise RuntimeError("this CPU has no AVX-512 (F, BW, DQ, VL)")
+    if isa == "avx512_bf16" and not cpu_has_avx512_bf16():
+        raise RuntimeError("this CPU has no AVX512-BF16")
     march = None
     if isa is not None and is_x86():
         march = _MARCH[isa]

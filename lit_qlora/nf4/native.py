@@ -109,12 +109,13 @@ def build_library(name: str, sources: dict[str, str], signatures: dict[str, list
     library, cached under the kernel cache by texts, compiler, flags and CPU; with OpenMP where the compiler has it,
     else on one thread (one warning). Each of `signatures` names a kernel whose threaded entry point `NAME_mt` takes
     a thread count, then those ctypes arguments; `lib.has_f16` is what `{name}_has_f16()` says: float16 compiled.
-    `march`: gcc's -march (default: `default_march()`), for a build of one instruction set whatever the CPU."""
+    `march`: gcc's -march (default: `default_march()`), optionally followed by -m flags (``"x86-64-v4
+    -mavx512bf16"``), for a build of one instruction set whatever the CPU."""
     compiler = switches.text("LIT_QLORA_CC") or shutil.which("gcc") or shutil.which("cc")
     if not compiler:
         raise RuntimeError("no C compiler (gcc/cc) found")
     march = march or default_march()
-    flags = ["-O3", f"-march={march}", "-std=gnu11", "-shared", "-fPIC"]
+    flags = ["-O3", *f"-march={march}".split(), "-std=gnu11", "-shared", "-fPIC"]
     flags += shlex.split(switches.text("LIT_QLORA_CFLAGS") or "")  # extra flags, e.g. for debugging
     try:
         return _build(name, sources, signatures, compiler, [*flags, "-fopenmp"])
