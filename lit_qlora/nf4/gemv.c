@@ -301,28 +301,20 @@ static inline __attribute__((always_inline)) void row_fast(const weight_t* w, co
 
 /* Row r's sums for one tile of x rows: the fast path where the layout allows, each tile height its own compiled loop
    (the accumulators then live in registers). */
+#define EACH_HEIGHT(row, xs)                                                 \
+    switch (mt) {                                                            \
+        case 1: row(w, lv, tab, xs, i0, 1, r, sums); return;                 \
+        case 2: row(w, lv, tab, xs, i0, 2, r, sums); return;                 \
+        case 3: row(w, lv, tab, xs, i0, 3, r, sums); return;                 \
+        default: row(w, lv, tab, xs, i0, 4, r, sums); return;                \
+    }
 static void row_tile(const weight_t* w, const float* lv, const float* tab, const float* xp, int64_t i0, int mt,
                      int fast, int64_t r, float* sums) {
 #if BF16_DOT
-    if (fast == 2) {  /* tab: the blocks' scales */
-        const uint16_t* xb = (const uint16_t*)xp;
-        switch (mt) {
-            case 1: row_dot(w, lv, tab, xb, i0, 1, r, sums); return;
-            case 2: row_dot(w, lv, tab, xb, i0, 2, r, sums); return;
-            case 3: row_dot(w, lv, tab, xb, i0, 3, r, sums); return;
-            default: row_dot(w, lv, tab, xb, i0, 4, r, sums); return;
-        }
-    }
+    if (fast == 2) EACH_HEIGHT(row_dot, (const uint16_t*)xp)  /* tab: the blocks' scales; xp: x's bf16 bits */
 #endif
 #if GROUP
-    if (fast) {
-        switch (mt) {
-            case 1: row_fast(w, lv, tab, xp, i0, 1, r, sums); return;
-            case 2: row_fast(w, lv, tab, xp, i0, 2, r, sums); return;
-            case 3: row_fast(w, lv, tab, xp, i0, 3, r, sums); return;
-            default: row_fast(w, lv, tab, xp, i0, 4, r, sums); return;
-        }
-    }
+    if (fast) EACH_HEIGHT(row_fast, xp)
 #endif
     (void)fast; (void)lv;
     row_portable(w, tab, xp, i0, mt, r, sums);
