@@ -172,12 +172,17 @@ def test_lora_over_an_nf4_base_decodes_with_the_kernel():
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_generate_gives_the_same_greedy_tokens_with_and_without_the_kernel(monkeypatch):
+def tiny_nf4_model(tie_embeddings: bool = False) -> Transformer:
     config = Config(vocab_size=320, n_layer=2, n_embd=128, n_head=4, n_query_groups=2, intermediate_size=352,
-                    max_seq_length=64, tie_embeddings=False)
+                    max_seq_length=64, tie_embeddings=tie_embeddings)
     torch.manual_seed(0)
     model = Transformer(config)
     model.init_weights(std=0.1)
+    return model
+
+
+def test_generate_gives_the_same_greedy_tokens_with_and_without_the_kernel(monkeypatch):
+    model = tiny_nf4_model()
     assert quantize_linears(model) == 2 * 7 + 1  # the head too: it decodes through the kernel
     model.eval()
     prompt = [5, 17, 33, 2, 99, 41]
@@ -198,11 +203,7 @@ def test_an_adapted_nf4_model_decodes_every_projection_with_the_kernel(monkeypat
     dequantized stack (fused_projections steps aside), and greedy tokens are those of the kernel switched off."""
     from lit_qlora.lora.layer import apply_lora, lora_modules
 
-    config = Config(vocab_size=320, n_layer=2, n_embd=128, n_head=4, n_query_groups=2, intermediate_size=352,
-                    max_seq_length=64, tie_embeddings=False)
-    torch.manual_seed(0)
-    model = Transformer(config)
-    model.init_weights(std=0.1)
+    model = tiny_nf4_model()
     quantize_linears(model)
     apply_lora(model, r=4, alpha=8, dtype=torch.float32)
     with torch.no_grad():
@@ -218,3 +219,57 @@ def test_an_adapted_nf4_model_decodes_every_projection_with_the_kernel(monkeypat
     assert len(every) == 2 * 7 + 1 and all(weights.count(w) == 6 for w in every)
     monkeypatch.setenv("LIT_QLORA_NF4_GEMV", "0")
     assert list(generate(model, [5, 17, 33], 6)) == with_kernel
+
+
+# ---- the dense bf16 decode product (a tied head under NF4): AVX512-BF16 builds
+
+@pytest.mark.parametrize("n,k", [(49152 // 64, 576), (40, 96), (33, 200), (8, 16)])
+def test_dense_bf16_rows_match_the_matmul_within_its_rounding(n, k):
+    lib = build_or_skip("avx512_bf16")
+    assert lib.has_dense
+    gen = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    for m in ROWS:
+        x = torch.randn(m, k, generator=gen).bfloat16()
+        got = gemv.dense_matmul_rows(x, w, isa="avx512_bf16")
+        assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+        ref = x.double() @ w.double().T  # exact products; the float32 sum, then one bf16 rounding
+        bound = 1e-5 * (x.double().abs() @ w.double().abs().T) + 2**-8 * ref.abs()
+        assert bool(((got.double() - ref).abs() <= bound).all()), m
+        torch.testing.assert_close(got.float(), (x @ w.T).float(), rtol=2**-7, atol=2**-7 * ref.abs().max().item())
+
+
+def test_builds_without_bf16_dot_have_no_dense_kernel():
+    lib = build_or_skip("avx512")
+    assert not lib.has_dense
+    with pytest.raises(RuntimeError, match="AVX512-BF16"):
+        gemv.dense_matmul_rows(torch.randn(1, 64).bfloat16(), torch.randn(8, 64).bfloat16(), isa="avx512")
+
+
+def test_a_bf16_decode_steps_tied_head_takes_the_dense_kernel(monkeypatch):
+    lib = gemv.gemv_lib()
+    if lib is None or not lib.has_dense:
+        pytest.skip("this CPU's build has no dense bf16 kernel (AVX512-BF16)")
+    w, x = torch.randn(96, 64).bfloat16(), torch.randn(1, 1, 64).bfloat16()
+    with torch.no_grad():
+        assert gemv.dense_applies(x, w)
+        assert not gemv.dense_applies(x.float(), w.float())  # float32: PyTorch's matmul
+        assert not gemv.dense_applies(torch.randn(1, gemv.MAX_ROWS + 1, 64).bfloat16(), w)  # a prefill
+        assert not gemv.dense_applies(x, w.T.contiguous().T)  # strided weight
+    assert not gemv.dense_applies(x, w.clone().requires_grad_())  # training the head
+    model = tiny_nf4_model(tie_embeddings=True)
+    quantize_linears(model)
+    model.to(torch.bfloat16).eval()
+    calls = []
+    kernel = gemv.dense_matmul_rows
+    monkeypatch.setattr(gemv, "dense_matmul_rows", lambda *a, **k: calls.append(a[0].shape) or kernel(*a, **k))
+    prompt = [5, 17, 33, 2, 99, 41]
+    with_kernel = list(generate(model, prompt, 12))
+    assert len(calls) == 12  # the prefill's last position and each decode step
+    with torch.no_grad():
+        hidden = model.forward_hidden(torch.tensor([prompt]))[:, -1:]
+        torch.testing.assert_close(model.logits(hidden).float(), F.linear(hidden, model.lm_head.weight).float(),
+                                   rtol=2**-7, atol=2**-7 * 8)
+    monkeypatch.setenv("LIT_QLORA_NF4_GEMV", "0")
+    calls.clear()
+    assert list(generate(model, prompt, 12)) == with_kernel and not calls

@@ -24,6 +24,7 @@ from lit_qlora.model.flex import FlexShape, flex_runs
 from lit_qlora.model.config import Config
 from lit_qlora.model.fused_projections import fused_projections, share_storage
 from lit_qlora.model.moe import SparseMoE
+from lit_qlora.nf4 import gemv
 from lit_qlora.nf4.grouped import ExpertLinear
 from lit_qlora.model.offload import block_input_saved
 from lit_qlora.model.rope import rope_attention_factor, rope_inv_freq
@@ -357,8 +358,13 @@ class Transformer(nn.Module):
         return mask if flex_runs(mask, shape) else as_dense(mask)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The head over final hidden states (soft-capped for Gemma 2): what forward returns and the loss reads."""
-        return softcap(self.lm_head(hidden), self.config.final_softcap)
+        """The head over final hidden states (soft-capped for Gemma 2): what forward returns and the loss reads. A
+        bf16 decode step's plain head (a tied embedding stays bf16 under NF4) takes the dense decode kernel."""
+        head = self.lm_head
+        if type(head) is nn.Linear and head.bias is None and not head._forward_pre_hooks and not head._forward_hooks \
+                and gemv.dense_applies(hidden, head.weight):
+            return softcap(gemv.dense_matmul_rows(hidden, head.weight), self.config.final_softcap)
+        return softcap(head(hidden), self.config.final_softcap)
 
     def forward(self, idx: torch.Tensor, input_pos: Optional[torch.Tensor] = None,
                 positions: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -376,3 +376,63 @@ void nf4_gemv_mt(int32_t threads, const uint8_t* q, const int8_t* qs, const void
         }
     }
 }
+
+/* ---- The dense decode product beside it: y[m, n] = x[m, k] @ W[n, k]^T with W and x in bf16 (a decode step's head:
+   a tied embedding stays bf16 under NF4, and SmolLM2's 49152x576 head was 15% of a token, read at 17 GB/s by
+   PyTorch's one-row matmul where the memory gives 45). Products exact in float32, float32 sums, y rounded to bf16
+   once: the matmul's arithmetic in another order. Rows of W split over the threads, tiles of TILE rows of x. */
+#if BF16_DOT
+static inline __attribute__((always_inline)) void dense_row(const uint16_t* wr, const uint16_t* x, int64_t i0,
+                                                            const int mt, int64_t k, float* sums) {
+    __m512 a[TILE], b[TILE];
+    for (int i = 0; i < mt; ++i) { a[i] = _mm512_setzero_ps(); b[i] = _mm512_setzero_ps(); }
+    int64_t c = 0;
+    for (; c + 64 <= k; c += 64) {  /* two chains a row */
+        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wr + c), w1 = (__m512bh)_mm512_loadu_si512(wr + c + 32);
+        for (int i = 0; i < mt; ++i) {
+            const uint16_t* xc = x + (i0 + i) * k + c;
+            a[i] = _mm512_dpbf16_ps(a[i], w0, (__m512bh)_mm512_loadu_si512(xc));
+            b[i] = _mm512_dpbf16_ps(b[i], w1, (__m512bh)_mm512_loadu_si512(xc + 32));
+        }
+    }
+    for (; c + 32 <= k; c += 32) {
+        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wr + c);
+        for (int i = 0; i < mt; ++i)
+            a[i] = _mm512_dpbf16_ps(a[i], w0, (__m512bh)_mm512_loadu_si512(x + (i0 + i) * k + c));
+    }
+    for (int i = 0; i < mt; ++i) {
+        float s = _mm512_reduce_add_ps(_mm512_add_ps(a[i], b[i]));
+        for (int64_t e = c; e < k; ++e) s += load1(wr, e, 0) * load1(x, (i0 + i) * k + e, 0);
+        sums[i] = s;
+    }
+}
+#endif
+
+/* 1 where this build has the dense bf16 kernel (AVX512-BF16): elsewhere PyTorch's matmul stays. */
+int dense_gemv_available(void) { return BF16_DOT; }
+
+void dense_gemv_mt(int32_t threads, const uint16_t* w, int64_t n, int64_t k, const uint16_t* x, int64_t m,
+                   uint16_t* y) {
+#if BF16_DOT
+    #pragma omp parallel num_threads(threads)
+    {
+        int64_t a, b;
+        my_share(0, n, 16, &a, &b);
+        for (int64_t r = a; r < b; ++r) {
+            for (int64_t i0 = 0; i0 < m; i0 += TILE) {
+                const int mt = m - i0 < TILE ? (int)(m - i0) : TILE;
+                float sums[TILE];
+                switch (mt) {
+                    case 1: dense_row(w + r * k, x, i0, 1, k, sums); break;
+                    case 2: dense_row(w + r * k, x, i0, 2, k, sums); break;
+                    case 3: dense_row(w + r * k, x, i0, 3, k, sums); break;
+                    default: dense_row(w + r * k, x, i0, 4, k, sums); break;
+                }
+                for (int i = 0; i < mt; ++i) y[(i0 + i) * n + r] = bf16_bits1(sums[i]);
+            }
+        }
+    }
+#else
+    (void)threads; (void)w; (void)n; (void)k; (void)x; (void)m; (void)y;
+#endif
+}

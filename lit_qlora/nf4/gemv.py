@@ -25,6 +25,7 @@ from typing import Optional
 import torch
 from torchao.quantization import NF4Tensor
 
+from lit_qlora.base import switches
 from lit_qlora.nf4.codec import dequantize_nf4, quantize_nf4
 from lit_qlora.nf4.native import (STORAGE_FORMATS, build_library, is_x86, package_text, simd_header,
                                   use_native)
@@ -42,6 +43,7 @@ _MARCH = {"avx512_bf16": "x86-64-v4 -mavx512bf16", "avx512": "x86-64-v4", "avx2"
 _I32, _I64, _PTR = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
 _SIGNATURES = {  # after the thread count: q, qs, factor, mean, levels, n, k, bs, sbs, wfmt, x, m, xfmt, bias, y, scratch, cap
     "nf4_gemv": [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I32, _PTR, _I64, _I32, _PTR, _PTR, _PTR, _I64],
+    "dense_gemv": [_PTR, _I64, _I64, _PTR, _I64, _PTR],  # w, n, k, x, m, y: all bf16
 }
 X_FORMATS = {torch.bfloat16: 0, torch.float32: 2}
 """x's dtypes, numbered as simd.h numbers the storage formats."""
@@ -105,8 +107,9 @@ def _build(isa: Optional[str]) -> ctypes.CDLL:
         raise RuntimeError(f"the {isa} build is for x86 CPUs")
     lib = build_library("nf4_gemv", {"gemv.c": package_text(__package__, "gemv.c"), "simd.h": simd_header()},
                         _SIGNATURES, march)
-    lib.nf4_gemv_isa.restype = ctypes.c_int
+    lib.nf4_gemv_isa.restype = lib.dense_gemv_available.restype = ctypes.c_int
     lib.isa = ISAS[lib.nf4_gemv_isa()]
+    lib.has_dense = bool(lib.dense_gemv_available())
     if isa is not None and lib.isa != isa:
         raise RuntimeError(f"asked for the {isa} build, compiled {lib.isa}")
     return lib
@@ -161,6 +164,36 @@ def nf4_matmul_rows(x: torch.Tensor, weight: NF4Tensor, bias: Optional[torch.Ten
     return y
 
 
+def dense_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``x @ weight.T`` is a bf16 decode product the dense kernel takes: both bf16 on CPU, a 2-D contiguous
+    weight of x's width, a few rows of x, nothing to differentiate, and a build with it (AVX512-BF16)."""
+    if not (x.dtype == weight.dtype == torch.bfloat16 and x.device.type == "cpu" and weight.device.type == "cpu"):
+        return False
+    if weight.dim() != 2 or weight.size(1) != x.size(-1) or not weight.is_contiguous():
+        return False
+    if not 0 < x.numel() <= MAX_ROWS * x.size(-1) or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+        return False
+    if torch.compiler.is_compiling() or not switches.enabled("LIT_QLORA_NF4_GEMV"):
+        return False
+    lib = gemv_lib() if use_native(torch.bfloat16) else None
+    return lib is not None and lib.has_dense
+
+
+def dense_matmul_rows(x: torch.Tensor, weight: torch.Tensor, *, isa: Optional[str] = None,
+                      lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
+    """``x @ weight.T`` for bf16 ``x`` (a few rows, any leading dims) and a bf16 (n, k) weight, read once at the
+    memory's pace (where :func:`dense_applies`; raises ``RuntimeError`` on a build without the kernel)."""
+    lib = lib or gemv_lib(isa)
+    if lib is None or not lib.has_dense:
+        raise RuntimeError(f"the dense bf16 decode kernel needs an AVX512-BF16 build ({gemv_error(isa) or 'this one has none'})")
+    n, k = weight.shape
+    x = x.contiguous()
+    m = x.numel() // k
+    y = torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16)
+    lib.dense_gemv_mt(_threads(n, k, m), weight.data_ptr(), n, k, x.data_ptr(), m, y.data_ptr())
+    return y
+
+
 def _scratch_floats(numel: int) -> torch.Tensor:
     """This thread's scratch of at least `numel` floats, kept between calls (grown when too small): a decode step
     calls the kernel for every linear, and a fresh allocation each time cost as much as a small product's work."""
@@ -204,3 +237,9 @@ def _self_test(lib: ctypes.CDLL) -> None:
                     if not close_enough(got, x, w, bias.to(dtype)):
                         raise RuntimeError(f"NF4 decode kernel self-test mismatch: {storage} weight {n}x{k} "
                                            f"(block {block_size}), {dtype} x of {m} rows")
+    if lib.has_dense:
+        for (n, k), m in (((40, 96), 1), ((33, 200), 5)):  # tails past 64 and 32 columns; a ragged tile
+            w, x = torch.randn(n, k, generator=gen).bfloat16(), torch.randn(m, k, generator=gen).bfloat16()
+            got, ref = dense_matmul_rows(x, w, lib=lib).double(), x.double() @ w.double().T
+            if not bool(((got - ref).abs() <= 1e-5 * (x.double().abs() @ w.double().abs().T) + 2**-8 * ref.abs()).all()):
+                raise RuntimeError(f"dense bf16 decode kernel self-test mismatch: weight {n}x{k}, {m} rows")
