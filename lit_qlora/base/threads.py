@@ -272,4 +272,5 @@ def govern_threads(model: Any) -> list:
         if isinstance(output, torch.Tensor) and output.device.type == "cpu":
             process_governor()()
 
+    after_forward.governs_threads = True  # lit_qlora.model.decode_step runs the blocks itself, then the governor
     return [block.register_forward_hook(after_forward) for block in model.blocks]

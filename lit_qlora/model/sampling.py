@@ -7,6 +7,8 @@ from typing import Iterable, Iterator, Optional, Sequence
 import torch
 
 from lit_qlora.base.errors import InvalidInput
+from lit_qlora.model import decode_step
+from lit_qlora.model.decode_step import DecodeStep
 from lit_qlora.model.transformer import Transformer
 
 
@@ -64,10 +66,15 @@ def generate(
     generator = torch.Generator(device=device).manual_seed(seed)
     model.set_kv_cache(batch_size=1, max_len=max_len, device=device)
     try:
+        dtype = model.model.embed_tokens.weight.dtype
+        step = DecodeStep(model, dtype) if device.type == "cpu" and decode_step.applies(model, dtype) else None
         idx = torch.tensor([list(prompt)], device=device)
         input_pos = torch.arange(len(prompt), device=device)
         for _ in range(max_len - len(prompt)):
-            logits = last_logits(model, idx, input_pos)
+            if step is not None and idx.size(1) == 1:  # after the prefill: every block in one C call
+                logits = step(int(idx[0, 0]), int(input_pos[0]))
+            else:
+                logits = last_logits(model, idx, input_pos)
             token = sample(logits, temperature, top_k, generator, top_p)
             if token in stop_ids:
                 return
