@@ -267,6 +267,10 @@ def test_a_run_logs_trls_metric_names_and_validates_with_the_rewards(grpo_run):
                                               + 0.5 * row["rewards/format/mean"], abs=1e-6)
     # num_iterations 2: steps 1-2 train on one batch of rollouts, 3-4 on the next: same rewards within a batch
     assert train[0]["reward"] == train[1]["reward"] and train[2]["reward"] == train[3]["reward"]
+    # generation's seconds: within the step's on the steps that sample, none on those that train on them again
+    for row in train[::2]:
+        assert 0 < row["rollout_seconds"] < row["tokens"] / row["tokens_per_sec"]
+    assert train[1]["rollout_seconds"] == train[3]["rollout_seconds"] == 0.0
     assert abs(train[0]["kl"]) < 1e-6 < train[1]["kl"]  # the first step starts at the reference
     vals = [r for r in rows if "val_loss" in r]
     assert [r["step"] for r in vals] == [0, 2, 4]

@@ -159,6 +159,8 @@ def run_ours(args, mode: str) -> dict:
             "peak_allocated_bytes": summary.get("peak_allocated_bytes") if args.device == "cuda" else None,
             "tokens_per_sec": sum(r["tokens"] for r in rows[1:]) / sum(seconds[1:]),
             "tokens_per_step": [r["tokens"] for r in rows], "step_seconds": [round(s, 3) for s in seconds],
+            # generation's share of the steps after the first (metrics.jsonl's rollout_seconds)
+            "rollout_share": sum(r.get("rollout_seconds", 0.0) for r in rows[1:]) / sum(seconds[1:]),
             "command": "litqlora " + shlex.join(argv).replace(run_dir, "OUT_DIR")}
 
 
@@ -210,7 +212,8 @@ def main() -> None:
                 row = {"round": round_, **side(args, mode)}
                 runs.append(row)
                 print(json.dumps({k: row.get(k) for k in ("round", "side", "mode", "tokens_per_sec",
-                                                          "peak_rss_bytes", "unavailable")}), flush=True)
+                                                          "peak_rss_bytes", "rollout_share", "unavailable")}),
+                      flush=True)
     ratios = {}
     for mode in args.modes:
         ours = [r for r in runs if r["side"] == "ours" and r["mode"] == mode]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -136,8 +137,10 @@ class GRPOModule(FinetuneModule):
 
     def make_rollouts(self, prompts: list[Any], step: int) -> Rollouts:
         g, ranks = self.grpo, self.trainer.world_size
+        started = time.perf_counter()
         owners, completions, stopped = self.sample(prompts, step, g.temperature, g.num_generations,
                                                    self.trainer.global_rank, ranks)
+        self.rollout_seconds = time.perf_counter() - started  # this rank's sampling, for the step's metrics
         per_function = self.rewards_of(owners, completions).to(self.device)
         rewards = total(per_function, self.reward_fns)
         batch_std = None
@@ -244,6 +247,7 @@ class GRPOModule(FinetuneModule):
     def accumulate_gradients(self, micro_batches: list[dict[str, Any]]) -> torch.Tensor:
         g, step = self.grpo, self.step
         window = step - step % g.num_iterations  # the step whose rollouts this one trains on
+        self.rollout_seconds = 0.0  # a step that trains on earlier rollouts (num_iterations > 1) samples none
         if self.rollouts is None or self.rollouts.step != window:
             self.rollouts = self.make_rollouts(micro_batches[0]["prompts"], window)
         r = self.rollouts
@@ -277,6 +281,7 @@ class GRPOModule(FinetuneModule):
             "completions/max_length": (-extremes[1]).item(), "completions/clipped_ratio": (sums[1] / n).item(),
             "clip_ratio/low_mean": (sums[3] / tokens).item(), "clip_ratio/high_mean": (sums[4] / tokens).item(),
             "clip_ratio/region_mean": ((sums[3] + sums[4]) / tokens).item(),
+            "rollout_seconds": self.rollout_seconds,  # of the step's seconds: generation's share
         })
         if g.uses_reference:
             metrics["kl"] = (sums[2] / tokens).item()
