@@ -187,3 +187,53 @@ def test_lora_in_bf16_and_disabled_adapters():
         out = steps_both_ways(model, torch.bfloat16, [5, 9, 77, 3, 40], [60, 8])
     torch.testing.assert_close(out["c"][0].float(), out["model"][0].float(), rtol=0.02,
                                atol=0.02 * out["model"][0].float().abs().max().item())
+
+
+def test_rows_at_their_own_positions_equal_each_row_alone():
+    """Several cache rows in one step (a GRPO group's completions, rows at different positions): each row's logits
+    and cache equal that sequence decoded through the model alone, adapters included."""
+    need_library()
+    model = adapted_model(torch.float32, ("q", "v", "down"))
+    prompts = [[5, 9, 77], [3, 40, 11, 2, 8, 60], [100, 7]]
+    nexts = [[33, 4, 91], [19, 6, 1], [50, 71, 12]]
+    with torch.inference_mode():
+        alone = []
+        for prompt, tokens in zip(prompts, nexts):
+            model.set_kv_cache(1, 16)
+            model(torch.tensor([prompt]), input_pos=torch.arange(len(prompt)))
+            alone.append(torch.stack([model(torch.tensor([[t]]), input_pos=torch.tensor([len(prompt) + i]))[0, -1]
+                                      for i, t in enumerate(tokens)]))
+        model.set_kv_cache(3, 16)
+        caches = [b.self_attn.kv_cache for b in model.model.layers]
+        for r, prompt in enumerate(prompts):  # each row's prompt into its cache row
+            model.set_kv_cache(1, 16)
+            model(torch.tensor([prompt]), input_pos=torch.arange(len(prompt)))
+            for block, cache in zip(model.model.layers, caches):
+                cache.k[r], cache.v[r] = block.self_attn.kv_cache.k[0], block.self_attn.kv_cache.v[0]
+        for block, cache in zip(model.model.layers, caches):
+            block.self_attn.kv_cache = cache
+        step = DecodeStep(model, torch.float32)
+        together = torch.stack([step(torch.tensor([row[i] for row in nexts]),
+                                     torch.tensor([len(p) + i for p in prompts])) for i in range(3)], 1)
+        model.clear_kv_cache()
+    assert together.shape == (3, 3, 128)
+    for r in range(3):
+        torch.testing.assert_close(together[r], alone[r], rtol=1e-5, atol=1e-5 * alone[r].abs().max().item())
+    with pytest.raises(ValueError, match="2 tokens for a KV cache of 3 rows"):
+        step(torch.tensor([1, 2]), 5)
+
+
+def test_a_grpo_group_samples_through_it_as_through_the_model(monkeypatch):
+    from lit_qlora.methods.grpo.rollout import sample_group
+
+    need_library()
+    model = adapted_model(torch.float32)
+    calls = []
+    call = DecodeStep.__call__
+    monkeypatch.setattr(DecodeStep, "__call__", lambda self, *a: calls.append(self.rows) or call(self, *a))
+    prompt = [5, 17, 33, 2, 99, 41]
+    fast = sample_group(model, prompt, 4, 10, 1.0, 50, 0.9, [], torch.Generator().manual_seed(3))
+    assert calls == [4] * 9  # every step after the first token, the group's four rows at once
+    monkeypatch.setattr(decode_step, "applies", lambda *a: False)
+    slow = sample_group(model, prompt, 4, 10, 1.0, 50, 0.9, [], torch.Generator().manual_seed(3))
+    assert fast.completions == slow.completions and len(set(map(tuple, fast.completions))) > 1

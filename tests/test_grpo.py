@@ -28,7 +28,7 @@ from lit_qlora.model.sampling import generate
 from lit_qlora.train.args import LoRAArgs, TrainArgs
 from helpers import hf_peft_policy, our_policy
 
-TIMING = {"tokens_per_sec", "peak_memory_bytes", "seconds"}
+TIMING = {"tokens_per_sec", "peak_memory_bytes", "seconds", "rollout_seconds"}
 
 
 # ---------------------------------------------------------------------------------------------- 1. advantages

@@ -32,13 +32,13 @@ typedef struct {
     const void* norm2;   /* post_attention_layernorm's */
     void* kc;            /* this block's cache (n_kv, max_len, head_dim), x's format */
     void* vc;
-    const void* cos;     /* (head_dim) at this position, for this block's kind, x's format */
+    const void* cos;     /* RoPE's (max_len, head_dim) tables for this block's kind, x's format */
     const void* sin;
-    int64_t start;       /* the first cached position this block attends (a sliding window's), else 0 */
+    int64_t sliding;     /* attends within the shape's window */
 } block_t;
 
 typedef struct {
-    int64_t d, heads, kv_heads, head_dim, inter, max_len, max_r;
+    int64_t d, heads, kv_heads, head_dim, inter, max_len, max_r, window;  /* window: sliding blocks' (0: none) */
     float eps, scale;
     int32_t xfmt;        /* 0 bf16, 2 float32 */
     int32_t threads;
@@ -89,14 +89,17 @@ int decode_step_has_f16(void) { return HAS_F16; }
 
 /* Threads as gemv.py's _threads gives them: one per 2^17 multiply-adds (waking one costs ~30 us of work), one per
    16 rows at most. */
-static void project(const shape_t* s, const proj_t* p, const void* x, void* y, float* scratch, int64_t cap) {
-    int64_t threads = p->n * p->k >> 17;
+static void project(const shape_t* s, const proj_t* p, const void* x, int64_t rows, void* y, float* scratch,
+                    int64_t cap) {
+    int64_t threads = p->n * p->k * rows >> 17;
     if (threads > p->n / 16) threads = p->n / 16;
     if (threads > s->threads) threads = s->threads;
     if (threads < 1) threads = 1;
-    nf4_gemv_mt((int32_t)threads, p->q, p->qs, p->factor, p->mean, p->levels, p->n, p->k, p->bs, p->sbs, p->wfmt, x, 1,
-                s->xfmt, p->bias, y, scratch, cap);
-    if (p->r) lora_add(s, p, x, y, scratch);  /* the kernel is done with its scratch */
+    nf4_gemv_mt((int32_t)threads, p->q, p->qs, p->factor, p->mean, p->levels, p->n, p->k, p->bs, p->sbs, p->wfmt, x,
+                rows, s->xfmt, p->bias, y, scratch, cap);
+    const int64_t e = s->xfmt == 0 ? 2 : 4;
+    for (int64_t b = 0; p->r && b < rows; ++b)  /* the kernel is done with its scratch */
+        lora_add(s, p, (const char*)x + e * b * p->k, (char*)y + e * b * p->n, scratch);
 }
 
 /* apply_rope on one head in place: x * cos + rotate_half(x) * sin, each product and the sum rounded. */
@@ -111,70 +114,87 @@ static void rope(void* x, int64_t off, const void* cos, const void* sin, int64_t
 
 /* decode_attention for one query head over cached positions [start, pos]: float32 scores times the scale, softmax,
    the values' weighted sum, rounded to the dtype. */
-static void attend_head(const shape_t* s, const block_t* b, const void* q, int64_t h, int64_t pos, void* out,
-                        float* scores) {
+static void attend_head(const shape_t* s, const void* q, int64_t h, int64_t pos, int64_t start,
+                        const char* kc, const char* vc, void* out, float* scores) {
     const int64_t hd = s->head_dim, g = h / (s->heads / s->kv_heads);
     const int fmt = s->xfmt;
     float top = -INFINITY;
-    for (int64_t t = b->start; t <= pos; ++t) {
+    for (int64_t t = start; t <= pos; ++t) {
         const int64_t row = (g * s->max_len + t) * hd;
         float dot = 0.0f;
-        for (int64_t i = 0; i < hd; ++i) dot += ld(q, h * hd + i, fmt) * ld(b->kc, row + i, fmt);
+        for (int64_t i = 0; i < hd; ++i) dot += ld(q, h * hd + i, fmt) * ld(kc, row + i, fmt);
         scores[t] = dot * s->scale;
         if (scores[t] > top) top = scores[t];
     }
     float sum = 0.0f;
-    for (int64_t t = b->start; t <= pos; ++t) { scores[t] = expf(scores[t] - top); sum += scores[t]; }
+    for (int64_t t = start; t <= pos; ++t) { scores[t] = expf(scores[t] - top); sum += scores[t]; }
     float acc[512];  /* head_dim <= 512 (checked by the caller) */
     for (int64_t i = 0; i < hd; ++i) acc[i] = 0.0f;
-    for (int64_t t = b->start; t <= pos; ++t) {
+    for (int64_t t = start; t <= pos; ++t) {
         const float p = scores[t] / sum;
         const int64_t row = (g * s->max_len + t) * hd;
-        for (int64_t i = 0; i < hd; ++i) acc[i] += p * ld(b->vc, row + i, fmt);
+        for (int64_t i = 0; i < hd; ++i) acc[i] += p * ld(vc, row + i, fmt);
     }
     for (int64_t i = 0; i < hd; ++i) st(out, h * hd + i, acc[i], fmt);
 }
 
-/* Every block for the token whose embedding is x (d values, x's format; the final hidden state on return) at
-   position pos. work: the step's buffers, decode_step_work_bytes(s) bytes; scratch/cap: nf4_gemv_mt's. */
-int64_t decode_step_work_bytes(const shape_t* s) {
+/* Every block for `rows` tokens, row b's embedding at x + b * d (x's format; the final hidden states on return), at
+   position pos[b] of its own KV cache row. work: the step's buffers, decode_step_work_bytes(s, rows) bytes;
+   scratch/cap: nf4_gemv_mt's. */
+int64_t decode_step_work_bytes(const shape_t* s, int64_t rows) {
     const int64_t e = s->xfmt == 0 ? 2 : 4;
-    return e * (2 * s->d + 2 * s->heads * s->head_dim + 2 * s->kv_heads * s->head_dim + 3 * s->inter) +
-           4 * (s->max_len * s->heads + s->head_dim) + 64;
+    return rows * (e * (2 * s->d + 2 * s->heads * s->head_dim + 2 * s->kv_heads * s->head_dim + 3 * s->inter) +
+                   4 * s->max_len * s->heads) + 4 * s->head_dim + 64;
 }
 
-void decode_step(const shape_t* s, const block_t* blocks, int64_t n_blocks, int64_t pos, void* x, char* work,
-                 float* scratch, int64_t cap) {
+static inline void add_rows(void* x, const void* o, int64_t count, int fmt) {  /* a residual add, rounded */
+    for (int64_t i = 0; i < count; ++i) st(x, i, ld(x, i, fmt) + ld(o, i, fmt), fmt);
+}
+
+void decode_step(const shape_t* s, const block_t* blocks, int64_t n_blocks, int64_t rows, const int64_t* pos, char* x,
+                 char* work, float* scratch, int64_t cap) {
     const int fmt = s->xfmt;
-    const int64_t e = fmt == 0 ? 2 : 4, hd = s->head_dim, qn = s->heads * hd, kvn = s->kv_heads * hd;
+    const int64_t e = fmt == 0 ? 2 : 4, hd = s->head_dim, qn = s->heads * hd, kvn = s->kv_heads * hd, d = s->d;
     char* at = work;
-    void *h = at, *o = (at += e * s->d), *q = (at += e * s->d), *att = (at += e * qn), *k = (at += e * qn),
-         *v = (at += e * kvn), *gate = (at += e * kvn), *up = (at += e * s->inter), *act = (at += e * s->inter);
-    float *scores = (float*)(at += e * s->inter), *tmp = scores + s->max_len * s->heads;
+    char *h = at, *o = (at += e * rows * d), *q = (at += e * rows * d), *att = (at += e * rows * qn),
+         *k = (at += e * rows * qn), *v = (at += e * rows * kvn), *gate = (at += e * rows * kvn),
+         *up = (at += e * rows * s->inter), *act = (at += e * rows * s->inter);
+    float *scores = (float*)(at += e * rows * s->inter), *tmp = scores + rows * s->max_len * s->heads;
+    int64_t longest = 0;
+    for (int64_t r = 0; r < rows; ++r) longest = pos[r] > longest ? pos[r] : longest;
     for (int64_t l = 0; l < n_blocks; ++l) {
         const block_t* b = blocks + l;
-        rms_norm(x, b->norm1, s->d, s->eps, fmt, h);
-        project(s, &b->p[0], h, q, scratch, cap);
-        project(s, &b->p[1], h, k, scratch, cap);
-        project(s, &b->p[2], h, v, scratch, cap);
-        for (int64_t i = 0; i < s->heads; ++i) rope(q, i * hd, b->cos, b->sin, hd, fmt, tmp);
-        for (int64_t g = 0; g < s->kv_heads; ++g) {
-            rope(k, g * hd, b->cos, b->sin, hd, fmt, tmp);
-            memcpy((char*)b->kc + e * ((g * s->max_len + pos) * hd), (char*)k + e * g * hd, e * hd);
-            memcpy((char*)b->vc + e * ((g * s->max_len + pos) * hd), (char*)v + e * g * hd, e * hd);
+        for (int64_t r = 0; r < rows; ++r) rms_norm(x + e * r * d, b->norm1, d, s->eps, fmt, h + e * r * d);
+        project(s, &b->p[0], h, rows, q, scratch, cap);
+        project(s, &b->p[1], h, rows, k, scratch, cap);
+        project(s, &b->p[2], h, rows, v, scratch, cap);
+        for (int64_t r = 0; r < rows; ++r) {
+            const char *cos = (const char*)b->cos + e * pos[r] * hd, *sin = (const char*)b->sin + e * pos[r] * hd;
+            for (int64_t i = 0; i < s->heads; ++i) rope(q + e * r * qn, i * hd, cos, sin, hd, fmt, tmp);
+            for (int64_t g = 0; g < s->kv_heads; ++g) {
+                rope(k + e * r * kvn, g * hd, cos, sin, hd, fmt, tmp);
+                const int64_t at_pos = e * (((r * s->kv_heads + g) * s->max_len + pos[r]) * hd);
+                memcpy((char*)b->kc + at_pos, k + e * (r * kvn + g * hd), e * hd);
+                memcpy((char*)b->vc + at_pos, v + e * (r * kvn + g * hd), e * hd);
+            }
         }
-        #pragma omp parallel for num_threads(s->threads) schedule(static) if (pos - b->start > 256)
-        for (int64_t i = 0; i < s->heads; ++i) attend_head(s, b, q, i, pos, att, scores + i * s->max_len);
-        project(s, &b->p[3], att, o, scratch, cap);
-        for (int64_t i = 0; i < s->d; ++i) st(x, i, ld(x, i, fmt) + ld(o, i, fmt), fmt);
-        rms_norm(x, b->norm2, s->d, s->eps, fmt, h);
-        project(s, &b->p[4], h, gate, scratch, cap);
-        project(s, &b->p[5], h, up, scratch, cap);
-        for (int64_t i = 0; i < s->inter; ++i) {
+        #pragma omp parallel for num_threads(s->threads) schedule(static) if (rows * longest > 512)
+        for (int64_t rh = 0; rh < rows * s->heads; ++rh) {
+            const int64_t r = rh / s->heads, first = b->sliding && s->window ? pos[r] - s->window + 1 : 0;
+            const int64_t cache = e * r * s->kv_heads * s->max_len * hd;
+            attend_head(s, q + e * r * qn, rh % s->heads, pos[r], first > 0 ? first : 0, (const char*)b->kc + cache,
+                        (const char*)b->vc + cache, att + e * r * qn, scores + rh * s->max_len);
+        }
+        project(s, &b->p[3], att, rows, o, scratch, cap);
+        add_rows(x, o, rows * d, fmt);
+        for (int64_t r = 0; r < rows; ++r) rms_norm(x + e * r * d, b->norm2, d, s->eps, fmt, h + e * r * d);
+        project(s, &b->p[4], h, rows, gate, scratch, cap);
+        project(s, &b->p[5], h, rows, up, scratch, cap);
+        for (int64_t i = 0; i < rows * s->inter; ++i) {
             const float g = ld(gate, i, fmt);
             st(act, i, rd(g / (1.0f + expf(-g)), fmt) * ld(up, i, fmt), fmt);
         }
-        project(s, &b->p[6], act, o, scratch, cap);
-        for (int64_t i = 0; i < s->d; ++i) st(x, i, ld(x, i, fmt) + ld(o, i, fmt), fmt);
+        project(s, &b->p[6], act, rows, o, scratch, cap);
+        add_rows(x, o, rows * d, fmt);
     }
 }

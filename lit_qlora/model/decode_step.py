@@ -44,12 +44,13 @@ class _Proj(ctypes.Structure):
 
 class _Block(ctypes.Structure):
     _fields_ = [("p", _Proj * 7), ("norm1", _P), ("norm2", _P), ("kc", _P), ("vc", _P), ("cos", _P), ("sin", _P),
-                ("start", _I64)]
+                ("sliding", _I64)]
 
 
 class _Shape(ctypes.Structure):
     _fields_ = [("d", _I64), ("heads", _I64), ("kv_heads", _I64), ("head_dim", _I64), ("inter", _I64),
-                ("max_len", _I64), ("max_r", _I64), ("eps", _F), ("scale", _F), ("xfmt", _I32), ("threads", _I32)]
+                ("max_len", _I64), ("max_r", _I64), ("window", _I64), ("eps", _F), ("scale", _F), ("xfmt", _I32),
+                ("threads", _I32)]
 
 
 _lock = threading.Lock()
@@ -68,9 +69,9 @@ def _library() -> Optional[ctypes.CDLL]:
                            "gemv.c": package_text("lit_qlora.nf4", "gemv.c"), "simd.h": simd_header()}
                 lib = build_library("decode_step", sources, {})
                 lib.decode_step.argtypes = [ctypes.POINTER(_Shape), ctypes.POINTER(_Block), _I64, _I64, _P, _P, _P,
-                                            _I64]
+                                            _P, _I64]
                 lib.decode_step.restype = None
-                lib.decode_step_work_bytes.argtypes = [ctypes.POINTER(_Shape)]
+                lib.decode_step_work_bytes.argtypes = [ctypes.POINTER(_Shape), _I64]
                 lib.decode_step_work_bytes.restype = _I64
                 _state["lib"] = lib  # the self-test below decodes through it
                 _self_test()
@@ -115,7 +116,7 @@ def applies(model: nn.Module, dtype: torch.dtype) -> bool:
         if not all(getattr(hook, "governs_threads", False) for hook in block._forward_hooks.values()):
             return False  # a hook of the caller's would be skipped; the thread governor's runs after each step
         cache = block.self_attn.kv_cache
-        if type(cache) is not KVCache or cache.k.size(0) != 1 or cache.k.dtype != dtype:
+        if type(cache) is not KVCache or cache.k.dtype != dtype or not cache.k.is_contiguous():
             return False
         for p in _projections(block):
             if type(p) not in (FrozenNF4Linear, LoRALinear) or p._forward_hooks or p._forward_pre_hooks:
@@ -136,12 +137,14 @@ def applies(model: nn.Module, dtype: torch.dtype) -> bool:
 
 class DecodeStep:
     """The blocks of `model` as decode_step.c reads them, for one generation: built after `set_kv_cache` (the caches'
-    addresses), used while they stay. `__call__(token, pos)` -> the (vocab,) logits of that token at `pos`."""
+    addresses, one row per sequence), used while they stay (a LoRA adapter's factors are copied: build it again after
+    they change). `__call__(tokens, positions)` -> the logits of each cache row's token at its position."""
 
     def __init__(self, model: nn.Module, dtype: torch.dtype) -> None:
         c = model.config
         self.model, self.dtype, self.lib = model, dtype, _library()
         self.max_len = model.max_cache_len
+        self.rows = model.model.layers[0].self_attn.kv_cache.k.size(0)
         self.keep: list = []  # tensors whose addresses the structs hold
         positions = torch.arange(self.max_len)
         kinds = {block.sliding for block in model.model.layers}
@@ -151,7 +154,7 @@ class DecodeStep:
         self.esize = 2 if dtype == torch.bfloat16 else 4
         ranks = [p.r for block in model.model.layers for p in _projections(block) if type(p) is LoRALinear]
         self.shape = _Shape(c.n_embd, c.n_head, c.n_query_groups, c.head_dim, c.intermediate_size, self.max_len,
-                            max(ranks, default=0), c.norm_eps, c.head_dim**-0.5, xfmt, 1)
+                            max(ranks, default=0), c.sliding_window or 0, c.norm_eps, c.head_dim**-0.5, xfmt, 1)
         self.blocks = (_Block * len(model.model.layers))()
         for i, block in enumerate(model.model.layers):
             b = self.blocks[i]
@@ -161,17 +164,18 @@ class DecodeStep:
             b.norm2 = block.post_attention_layernorm.weight.data_ptr()
             cache = block.self_attn.kv_cache
             b.kc, b.vc = cache.k.data_ptr(), cache.v.data_ptr()
-        self.slidings = [block.sliding for block in model.model.layers]
+            cos, sin = self.ropes[block.sliding]
+            b.cos, b.sin, b.sliding = cos.data_ptr(), sin.data_ptr(), int(block.sliding)
         self.governed = any(block._forward_hooks for block in model.model.layers)
-        self.window = c.sliding_window
         k_max = max(c.n_embd, c.intermediate_size, c.n_head * c.head_dim)
         self.cap = max(128, k_max // 32 + 3)
         threads = max(torch.get_num_threads(), os.cpu_count() or 1)
         # the kernel's (x reordered, each thread's tables), then a LoRA term's (x, x @ A^T, its product with B^T)
-        self.scratch = torch.empty(max(k_max + threads * self.cap * 16, 2 * k_max + self.shape.max_r),
+        self.scratch = torch.empty(max(self.rows * k_max + threads * self.cap * 16, 2 * k_max + self.shape.max_r),
                                    dtype=torch.float32)
-        self.work = torch.empty(self.lib.decode_step_work_bytes(ctypes.byref(self.shape)), dtype=torch.uint8)
-        self.x = torch.empty(c.n_embd, dtype=dtype)
+        self.work = torch.empty(self.lib.decode_step_work_bytes(ctypes.byref(self.shape), self.rows),
+                                dtype=torch.uint8)
+        self.x = torch.empty(self.rows, c.n_embd, dtype=dtype)
 
     def _proj(self, p: nn.Module) -> _Proj:
         w = p.weight
@@ -190,29 +194,30 @@ class DecodeStep:
             proj.lora_a, proj.lora_bt, proj.r, proj.lora_scale = a.data_ptr(), bt.data_ptr(), p.r, p.scale
         return proj
 
-    def hidden(self, token: int, pos: int) -> torch.Tensor:
-        """The final-norm hidden state (1, 1, n_embd) of `token` at `pos`, its keys and values cached."""
-        if not 0 <= pos < self.max_len:
-            raise ValueError(f"position {pos} is outside the KV cache of {self.max_len}")
+    def hidden(self, tokens, positions) -> torch.Tensor:
+        """The final-norm hidden states (rows, 1, n_embd) of each cache row's token (`tokens`: one per row, a tensor
+        or a list) at its position (`positions`: one per row, or one for all), their keys and values cached."""
+        tokens = torch.as_tensor(tokens).reshape(-1)
+        pos = torch.as_tensor(positions, dtype=torch.int64).reshape(-1).expand(self.rows).contiguous()
+        if tokens.numel() != self.rows:
+            raise ValueError(f"{tokens.numel()} tokens for a KV cache of {self.rows} rows")
+        if not bool(((pos >= 0) & (pos < self.max_len)).all()):
+            raise ValueError(f"positions {pos.tolist()} outside the KV cache of {self.max_len}")
         m = self.model
-        self.x.copy_(m.model.embed_tokens.weight[token])
+        torch.index_select(m.model.embed_tokens.weight, 0, tokens, out=self.x)
         if m.config.embed_scale:
             self.x.mul_(torch.tensor(m.config.n_embd**0.5, dtype=self.dtype))
-        hd = m.config.head_dim
-        for b, sliding in zip(self.blocks, self.slidings):
-            cos, sin = self.ropes[sliding]
-            b.cos = cos.data_ptr() + pos * hd * self.esize
-            b.sin = sin.data_ptr() + pos * hd * self.esize
-            b.start = max(0, pos - self.window + 1) if sliding and self.window else 0
         self.shape.threads = torch.get_num_threads()
-        self.lib.decode_step(ctypes.byref(self.shape), self.blocks, len(self.blocks), pos, self.x.data_ptr(),
-                             self.work.data_ptr(), self.scratch.data_ptr(), self.cap)
+        self.lib.decode_step(ctypes.byref(self.shape), self.blocks, len(self.blocks), self.rows, pos.data_ptr(),
+                             self.x.data_ptr(), self.work.data_ptr(), self.scratch.data_ptr(), self.cap)
         if self.governed:
             process_governor()()  # what each block's forward hook (base.threads.govern_threads) would have run
-        return m.model.norm(self.x.view(1, 1, -1))
+        return m.model.norm(self.x.view(self.rows, 1, -1))
 
-    def __call__(self, token: int, pos: int) -> torch.Tensor:
-        return self.model.logits(self.hidden(token, pos))[0, -1]
+    def __call__(self, tokens, positions) -> torch.Tensor:
+        """The (rows, vocab) logits (`hidden`'s arguments); (vocab,) for one row given as an int."""
+        logits = self.model.logits(self.hidden(tokens, positions))[:, -1]
+        return logits[0] if isinstance(tokens, int) else logits
 
 
 def _self_test() -> None:

@@ -24,6 +24,8 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 
 from lit_qlora.base import switches
+from lit_qlora.model import decode_step
+from lit_qlora.model.decode_step import DecodeStep
 from lit_qlora.model.sampling import sample_rows
 from lit_qlora.base.threads import process_governor
 from lit_qlora.model.transformer import Transformer
@@ -143,6 +145,11 @@ def sample_group(model: Transformer, prompt: Sequence[int], n: int, max_new_toke
             cache.k[1:, :, : len(prompt)] = cache.k[:1, :, : len(prompt)]
             cache.v[1:, :, : len(prompt)] = cache.v[:1, :, : len(prompt)]
         logits = logits.expand(n, -1)
+        dtype = model.model.embed_tokens.weight.dtype
+        # an NF4 Llama-style policy decodes the group's rows through model/decode_step.c (its adapter's current
+        # factors copied in: rebuilt every group)
+        fast = (DecodeStep(model, dtype) if not decoder.compiled and device.type == "cpu"
+                and decode_step.applies(model, dtype) else None)
         stops = torch.tensor(list(stop_ids) or [-1], device=device)
         tokens, done = [], torch.zeros(n, dtype=torch.bool, device=device)
         for step in range(max_new_tokens):
@@ -152,7 +159,7 @@ def sample_group(model: Transformer, prompt: Sequence[int], n: int, max_new_toke
             if bool(done.all()) or step == max_new_tokens - 1:
                 break
             pos = torch.tensor([len(prompt) + step], device=device)
-            logits = decoder.step(model, token[:, None], pos)
+            logits = fast(token, pos) if fast is not None else decoder.step(model, token[:, None], pos)
     finally:
         model.clear_kv_cache()
     drawn = torch.stack(tokens, 1).tolist()
