@@ -113,7 +113,8 @@ def applies(model: nn.Module, dtype: torch.dtype) -> bool:
     for block in model.model.layers:
         if type(block) is not Block or type(block.mlp) is not MLP or block._forward_pre_hooks:
             return False
-        if not all(getattr(hook, "governs_threads", False) for hook in block._forward_hooks.values()):
+        if not all(getattr(hook, "governs_threads", False) or getattr(hook, "training_only", False)
+                   for hook in block._forward_hooks.values()):
             return False  # a hook of the caller's would be skipped; the thread governor's runs after each step
         cache = block.self_attn.kv_cache
         if type(cache) is not KVCache or cache.k.dtype != dtype or not cache.k.is_contiguous():
@@ -166,7 +167,8 @@ class DecodeStep:
             b.kc, b.vc = cache.k.data_ptr(), cache.v.data_ptr()
             cos, sin = self.ropes[block.sliding]
             b.cos, b.sin, b.sliding = cos.data_ptr(), sin.data_ptr(), int(block.sliding)
-        self.governed = any(block._forward_hooks for block in model.model.layers)
+        self.governed = any(getattr(hook, "governs_threads", False) for block in model.model.layers
+                            for hook in block._forward_hooks.values())
         k_max = max(c.n_embd, c.intermediate_size, c.n_head * c.head_dim)
         self.cap = max(128, k_max // 32 + 3)
         threads = max(torch.get_num_threads(), os.cpu_count() or 1)

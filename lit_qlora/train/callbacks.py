@@ -219,4 +219,5 @@ def release_heap_around_blocks(model: torch.nn.Module, trimmer: Callable[[], Any
     def before_backward(grad: torch.Tensor) -> None:
         trimmer()
 
+    after_forward.training_only = True  # a no-op without gradients: lit_qlora.model.decode_step may skip it
     return [block.register_forward_hook(after_forward) for block in model.blocks]
