@@ -136,6 +136,10 @@ def test_what_it_leaves_to_the_model(monkeypatch):
     handle.remove()
     govern_threads(model)  # the thread governor's hooks: run once per step instead
     assert applies(model)
+    from lit_qlora.train.callbacks import release_heap_around_blocks
+
+    release_heap_around_blocks(model, lambda: None)  # training's heap release: nothing to do without gradients
+    assert applies(model)
     monkeypatch.setenv("LIT_QLORA_NF4_GEMV", "0")
     assert not applies(model)
     monkeypatch.delenv("LIT_QLORA_NF4_GEMV")
