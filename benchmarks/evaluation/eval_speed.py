@@ -4,7 +4,8 @@ on the same checkpoint, tasks, data, dtype and batch size.
     python benchmarks/evaluation/eval_speed.py                      # SmolLM2-135M-Instruct, truthfulqa_mc2 + mc1, fp32 + bf16
     python benchmarks/evaluation/eval_speed.py --dtypes float32 --tasks truthfulqa_mc2 --repeats 5
 
-Both models are loaded once per dtype in this process; every timed run is a whole `lm_eval.simple_evaluate` call
+Both models are loaded once per dtype in this process (ours as `litqlora evaluate` loads it: ModelChoice, whose
+loader stacks q/k/v and gate/up for one matmul each, and the thread governor); every timed run is a whole `lm_eval.simple_evaluate` call
 (task building, dataset, requests, scoring) on the TruthfulQA-format file. Per task and dtype there is one
 untimed warm-up run each (`--limit 2`), then `--repeats` rounds in which the two alternate, the order flipping
 every round, so both see the same machine load; the table gives medians. "requests s" is the time inside the
@@ -87,7 +88,8 @@ def main() -> None:
     import torch
     from lm_eval.models.huggingface import HFLM
 
-    from lit_qlora.checkpoint.hf import load_checkpoint
+    from lit_qlora.base.threads import govern_threads
+    from lit_qlora.deploy.choice import ModelChoice
     from lit_qlora.eval import SAMPLE_DATA_FILE
     from lit_qlora.eval.lm import LitQLoRALM
     from lit_qlora.eval.truthfulqa import check_truthfulqa_file, prepare_local_tasks
@@ -110,8 +112,11 @@ def main() -> None:
     for dtype in dtypes:
         t0 = time.perf_counter()
         ours_seconds, hf_seconds = [0.0], [0.0]
-        ours = timed_requests(LitQLoRALM(load_checkpoint(checkpoint_dir, dtype=getattr(torch, dtype)).eval(),
-                                         Tokenizer(checkpoint_dir), batch_size=args.batch_size), ours_seconds)
+        # the model as `litqlora evaluate` loads it (eval/evaluate.py: ModelChoice.load, the thread governor)
+        model = ModelChoice(checkpoint_dir=checkpoint_dir, precision={"float32": "32-true", "bfloat16": "bf16-true"}[
+            dtype], device="cpu").load()
+        govern_threads(model)
+        ours = timed_requests(LitQLoRALM(model, Tokenizer(checkpoint_dir), batch_size=args.batch_size), ours_seconds)
         ours_load = time.perf_counter() - t0
         t0 = time.perf_counter()
         hf = timed_requests(HFLM(pretrained=str(checkpoint_dir), dtype=dtype, device="cpu",
