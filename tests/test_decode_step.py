@@ -241,3 +241,27 @@ def test_a_grpo_group_samples_through_it_as_through_the_model(monkeypatch):
     monkeypatch.setattr(decode_step, "applies", lambda *a: False)
     slow = sample_group(model, prompt, 4, 10, 1.0, 50, 0.9, [], torch.Generator().manual_seed(3))
     assert fast.completions == slow.completions and len(set(map(tuple, fast.completions))) > 1
+
+
+def test_chat_turns_decode_through_it_and_answer_as_the_model(monkeypatch, tiny_llama_dir):
+    from lit_qlora.checkpoint.loading import load_model
+    from lit_qlora.checkpoint.tokenizer import Tokenizer
+    from lit_qlora.deploy.chat import ChatSession
+
+    need_library()
+    model, tok = load_model(tiny_llama_dir, "nf4", "32-true"), Tokenizer(tiny_llama_dir)
+    calls = []
+    call = DecodeStep.__call__
+    monkeypatch.setattr(DecodeStep, "__call__", lambda self, *a: calls.append(a[1]) or call(self, *a))
+
+    def conversation():
+        session = ChatSession(model, tok, system="You are terse.")
+        replies = ["".join(session.reply(text, max_new_tokens=12)) for text in ("Hello there", "And again")]
+        session.reset()
+        return replies + ["".join(session.reply("Once more", max_new_tokens=12))]
+
+    fast = conversation()
+    assert len(calls) >= 10  # the replies' tokens after each turn's prompt, one position at a time
+    monkeypatch.setattr(decode_step, "applies", lambda *a: False)
+    calls.clear()
+    assert conversation() == fast and not calls

@@ -50,6 +50,8 @@ class ChatSession:
         self.messages = [{"role": "system", "content": self.system}] if self.system else []
         self.fed = []
         self.model.set_kv_cache(batch_size=1, max_len=self.max_len, device=self.device)
+        self.step = None  # the C decode step over this cache (model/decode_step.py), made at the first token
+        self.step_tried = False
 
     def close(self) -> None:
         self.model.clear_kv_cache()
@@ -61,7 +63,16 @@ class ChatSession:
         start = len(self.fed)
         pos = torch.arange(start, start + len(ids), device=self.device)
         with torch.inference_mode():  # here, not around the generator: a mode entered there leaks at every yield
-            logits = self.model(torch.tensor([ids], device=self.device), input_pos=pos)[0, -1]
+            if len(ids) == 1 and not self.step_tried:
+                from lit_qlora.model import decode_step
+
+                self.step_tried, dtype = True, self.model.model.embed_tokens.weight.dtype
+                if self.device.type == "cpu" and decode_step.applies(self.model, dtype):
+                    self.step = decode_step.DecodeStep(self.model, dtype)
+            if len(ids) == 1 and self.step is not None:
+                logits = self.step(ids[0], start)
+            else:
+                logits = self.model(torch.tensor([ids], device=self.device), input_pos=pos)[0, -1]
         self.fed += ids
         return logits
 

@@ -128,12 +128,12 @@ def applies(model: nn.Module, dtype: torch.dtype) -> bool:
                 return False
             if p.bias is not None and p.bias.dtype != dtype:
                 return False
-            if p.weight.nf4.dtype == torch.float16 and not gemv.gemv_lib().has_f16:
+            if not gemv.gemv_available(p.weight.nf4.dtype):  # the kernel takes this storage dtype (fp16: gcc >= 12)
                 return False
         for norm in (block.input_layernorm, block.post_attention_layernorm):
             if norm.weight.dtype != dtype:
                 return False
-    return gemv.gemv_available(torch.bfloat16) and _library() is not None
+    return _library() is not None
 
 
 class DecodeStep:
