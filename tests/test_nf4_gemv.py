@@ -210,6 +210,9 @@ def test_an_adapted_nf4_model_decodes_every_projection_with_the_kernel(monkeypat
         for layer in lora_modules(model).values():
             layer.lora_B.normal_(0, 0.05)
     model.eval()
+    from lit_qlora.model import decode_step
+
+    monkeypatch.setattr(decode_step, "applies", lambda *a: False)  # through the model's modules (not the C step)
     weights = []
     kernel = gemv.nf4_matmul_rows
     monkeypatch.setattr(gemv, "nf4_matmul_rows", lambda x, w, *a, **k: weights.append(w.quantized_data.data_ptr()) or kernel(x, w, *a, **k))

@@ -20,12 +20,11 @@ from typing import Optional
 
 import torch
 import torch.nn as nn
-from torchao.quantization import NF4Tensor
 
 from lit_qlora.base import switches
 from lit_qlora.base.threads import process_governor
 from lit_qlora.lora.layer import LoRALinear
-from lit_qlora.nf4 import gemv
+from lit_qlora.nf4 import gemv  # (lit_qlora.nf4 quiets torchao's import warnings before torchao loads)
 from lit_qlora.nf4.linear import FrozenNF4Linear
 from lit_qlora.nf4.native import STORAGE_FORMATS, build_library, package_text, simd_header
 from lit_qlora.nf4.reference import cached, level_table
@@ -124,7 +123,7 @@ def applies(model: nn.Module, dtype: torch.dtype) -> bool:
                 return False
             if type(p) is LoRALinear and p.training and isinstance(p.lora_dropout, nn.Dropout):
                 return False  # dropout draws: training's forward
-            if type(p.weight) is not NF4Tensor or not p.weight.quantized_data.is_cpu:
+            if type(p.weight).__name__ != "NF4Tensor" or not p.weight.quantized_data.is_cpu:  # (not a DTensor shard)
                 return False
             if p.bias is not None and p.bias.dtype != dtype:
                 return False
