@@ -223,8 +223,8 @@ def test_rows_at_their_own_positions_equal_each_row_alone():
     assert together.shape == (3, 3, 128)
     for r in range(3):
         torch.testing.assert_close(together[r], alone[r], rtol=1e-5, atol=1e-5 * alone[r].abs().max().item())
-    with pytest.raises(ValueError, match="2 tokens for a KV cache of 3 rows"):
-        step(torch.tensor([1, 2]), 5)
+    with pytest.raises(ValueError, match="4 tokens for a KV cache of 3 rows"):
+        step(torch.tensor([1, 2, 3, 4]), 5)
 
 
 def test_a_grpo_group_samples_through_it_as_through_the_model(monkeypatch):
@@ -265,3 +265,36 @@ def test_chat_turns_decode_through_it_and_answer_as_the_model(monkeypatch, tiny_
     monkeypatch.setattr(decode_step, "applies", lambda *a: False)
     calls.clear()
     assert conversation() == fast and not calls
+
+
+@pytest.mark.parametrize("overrides", [{}, {"sliding_window": 6}])
+def test_a_continuous_batch_decodes_through_it_as_through_the_model(monkeypatch, overrides):
+    """`serve`'s batches: rows joining at different steps, at their own positions, in a cache that grows; every row's
+    tokens equal those of the batch decoding through the model."""
+    import sys
+    from pathlib import Path
+
+    from lit_qlora.model.batch_decode import DecodeBatch
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_batch_decode import rows_of, run
+
+    need_library()
+    model = adapted_model(torch.float32)
+    if overrides:
+        model.config.sliding_window = overrides["sliding_window"]
+    made = []
+    init = DecodeStep.__init__
+    monkeypatch.setattr(DecodeStep, "__init__", lambda self, *a, **k: made.append(1) or init(self, *a, **k))
+    prompts = [[3, 9, 27, 81, 5, 6, 7, 8], [7, 1], [40, 41, 42], list(range(50, 90))]
+    settings = dict(limit=[15, 9, 20, 12], temperature=[0.0, 1.0, 0.0, 0.8], seed=[1, 2, 3, 4])
+    def joins():
+        rows = rows_of(prompts, **settings)
+        return {0: rows[:1], 2: rows[1:]}
+
+    fast, _, widest = run(DecodeBatch(model), joins())
+    assert widest == 4 and len(fast) == 4 and all(fast.values())
+    assert len(made) >= 2  # made again when the cache grew
+    monkeypatch.setattr(decode_step, "applies", lambda *a: False)
+    slow, _, _ = run(DecodeBatch(model), joins())
+    assert fast == slow

@@ -23,6 +23,8 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from lit_qlora.base.errors import InvalidInput
+from lit_qlora.model import decode_step
+from lit_qlora.model.decode_step import DecodeStep
 from lit_qlora.model.sampling import sample
 from lit_qlora.model.transformer import CacheView, Transformer
 
@@ -78,6 +80,8 @@ class DecodeBatch:
         self.views: list[CacheView] = []
         self.capacity = (0, 0)  # (rows, positions) of the cache
         self.prefixes = Prefixes(prefix_bytes, min_reuse)
+        self._step: Optional[DecodeStep] = None  # the C decode step over this cache, where it applies
+        self._step_key: Any = None
 
     @property
     def device(self) -> torch.device:
@@ -202,10 +206,29 @@ class DecodeBatch:
         self._select(slice(0, len(rows)), length)
         if self.before_forward is not None:
             self.before_forward(rows)
-        logits = self.model.logits(self.model.forward_hidden(tokens, pos))[:, -1]
+        step = self._decode_step()
+        if step is not None:  # every block in one C call (model/decode_step.c), the first len(rows) cache rows
+            logits = step(tokens[:, 0], pos[:, 0])
+        else:
+            logits = self.model.logits(self.model.forward_hidden(tokens, pos))[:, -1]
         for row, row_logits in zip(rows, logits):
             row.logits, row.feed = row_logits, []
             row.fed += 1
+
+    def _decode_step(self) -> Optional[DecodeStep]:
+        """The C decode step over this cache where it applies (an NF4 Llama-style model, its adapter a LoRALinear's
+        or none), made again when the cache grows or a projection changes (an adapter bank loaded at runtime)."""
+        model = self.model
+        if self.device.type != "cpu":
+            return None
+        key = (id(self.views[0].whole_k), self.capacity,
+               tuple(id(p) for block in model.model.layers for p in decode_step.projections(block)))
+        if key != self._step_key:
+            dtype = model.model.embed_tokens.weight.dtype
+            caches = [(view.whole_k, view.whole_v) for view in self.views]
+            self._step = DecodeStep(model, dtype, caches) if decode_step.applies(model, dtype, caches) else None
+            self._step_key = key
+        return self._step
 
     def _select(self, rows: slice, length: int) -> None:
         # (set on the blocks each time: another user of the model, a `generate`, may have put its own cache there)

@@ -87,15 +87,18 @@ def library_error() -> Optional[str]:
     return _state.get("error")
 
 
-def _projections(block: nn.Module) -> list[nn.Module]:
+def projections(block: nn.Module) -> list[nn.Module]:
+    """A block's seven projections in decode_step.c's order: q, k, v, o, gate, up, down (None where its MLP has
+    none of that name: a mixture of experts)."""
     a, m = block.self_attn, block.mlp
     return [a.q_proj, a.k_proj, a.v_proj, a.o_proj, getattr(m, "gate_proj", None), getattr(m, "up_proj", None),
             getattr(m, "down_proj", None)]
 
 
-def applies(model: nn.Module, dtype: torch.dtype) -> bool:
+def applies(model: nn.Module, dtype: torch.dtype, caches: Optional[list] = None) -> bool:
     """Whether `DecodeStep` decodes `model` (module doc): the family, every projection an NF4 linear without hooks,
-    a float32 or bf16 model on CPU, the decode kernels on and the library built."""
+    a float32 or bf16 model on CPU, the decode kernels on and the library built; its caches (`caches`, else the
+    blocks' KVCaches) contiguous in `dtype`."""
     from lit_qlora.model.transformer import KVCache, MLP, Block  # transformer.py imports this module
 
     c = model.config
@@ -115,10 +118,7 @@ def applies(model: nn.Module, dtype: torch.dtype) -> bool:
         if not all(getattr(hook, "governs_threads", False) or getattr(hook, "training_only", False)
                    for hook in block._forward_hooks.values()):
             return False  # a hook of the caller's would be skipped; the thread governor's runs after each step
-        cache = block.self_attn.kv_cache
-        if type(cache) is not KVCache or cache.k.dtype != dtype or not cache.k.is_contiguous():
-            return False
-        for p in _projections(block):
+        for p in projections(block):
             if type(p) not in (FrozenNF4Linear, LoRALinear) or p._forward_hooks or p._forward_pre_hooks:
                 return False
             if type(p) is LoRALinear and p.training and isinstance(p.lora_dropout, nn.Dropout):
@@ -132,19 +132,32 @@ def applies(model: nn.Module, dtype: torch.dtype) -> bool:
         for norm in (block.input_layernorm, block.post_attention_layernorm):
             if norm.weight.dtype != dtype:
                 return False
+    if caches is None:
+        if not all(type(b.self_attn.kv_cache) is KVCache for b in model.model.layers):
+            return False
+        caches = _kv_caches(model)
+    if not all(t.dtype == dtype and t.is_contiguous() and t.is_cpu for kv in caches for t in kv):
+        return False
     return _library() is not None
+
+
+def _kv_caches(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(b.self_attn.kv_cache.k, b.self_attn.kv_cache.v) for b in model.model.layers]
 
 
 class DecodeStep:
     """The blocks of `model` as decode_step.c reads them, for one generation: built after `set_kv_cache` (the caches'
     addresses, one row per sequence), used while they stay (a LoRA adapter's factors are copied: build it again after
-    they change). `__call__(tokens, positions)` -> the logits of each cache row's token at its position."""
+    they change). `__call__(tokens, positions)` -> the logits of each cache row's token at its position.
 
-    def __init__(self, model: nn.Module, dtype: torch.dtype) -> None:
+    `caches`: each block's (k, v), (rows, n_kv, length, head_dim), where they are not the blocks' KVCaches (a
+    continuous batch's whole cache, `lit_qlora.model.batch_decode`); a step may then run its first rows only."""
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype, caches: Optional[list] = None) -> None:
         c = model.config
         self.model, self.dtype, self.lib = model, dtype, _library()
-        self.max_len = model.max_cache_len
-        self.rows = model.model.layers[0].self_attn.kv_cache.k.size(0)
+        caches = caches if caches is not None else _kv_caches(model)
+        self.rows, _, self.max_len, _ = caches[0][0].shape
         self.keep: list = []  # tensors whose addresses the structs hold
         positions = torch.arange(self.max_len)
         kinds = {block.sliding for block in model.model.layers}
@@ -152,18 +165,17 @@ class DecodeStep:
         self.keep.append(self.ropes)
         xfmt = gemv.X_FORMATS[dtype]
         self.esize = 2 if dtype == torch.bfloat16 else 4
-        ranks = [p.r for block in model.model.layers for p in _projections(block) if type(p) is LoRALinear]
+        ranks = [p.r for block in model.model.layers for p in projections(block) if type(p) is LoRALinear]
         self.shape = _Shape(c.n_embd, c.n_head, c.n_query_groups, c.head_dim, c.intermediate_size, self.max_len,
                             max(ranks, default=0), c.sliding_window or 0, c.norm_eps, c.head_dim**-0.5, xfmt, 1)
         self.blocks = (_Block * len(model.model.layers))()
         for i, block in enumerate(model.model.layers):
             b = self.blocks[i]
-            for j, p in enumerate(_projections(block)):
+            for j, p in enumerate(projections(block)):
                 b.p[j] = self._proj(p)
             b.norm1 = block.input_layernorm.weight.data_ptr()
             b.norm2 = block.post_attention_layernorm.weight.data_ptr()
-            cache = block.self_attn.kv_cache
-            b.kc, b.vc = cache.k.data_ptr(), cache.v.data_ptr()
+            b.kc, b.vc = caches[i][0].data_ptr(), caches[i][1].data_ptr()
             cos, sin = self.ropes[block.sliding]
             b.cos, b.sin, b.sliding = cos.data_ptr(), sin.data_ptr(), int(block.sliding)
         self.governed = any(getattr(hook, "governs_threads", False) for block in model.model.layers
@@ -196,24 +208,27 @@ class DecodeStep:
         return proj
 
     def hidden(self, tokens, positions) -> torch.Tensor:
-        """The final-norm hidden states (rows, 1, n_embd) of each cache row's token (`tokens`: one per row, a tensor
-        or a list) at its position (`positions`: one per row, or one for all), their keys and values cached."""
+        """The final-norm hidden states (rows, 1, n_embd) of the first cache rows' tokens (`tokens`: one per row, a
+        tensor or a list) at their positions (`positions`: one per row, or one for all), their keys and values
+        cached."""
         tokens = torch.as_tensor(tokens).reshape(-1)
-        pos = torch.as_tensor(positions, dtype=torch.int64).reshape(-1).expand(self.rows).contiguous()
-        if tokens.numel() != self.rows:
-            raise ValueError(f"{tokens.numel()} tokens for a KV cache of {self.rows} rows")
+        rows = tokens.numel()
+        pos = torch.as_tensor(positions, dtype=torch.int64).reshape(-1).expand(rows).contiguous()
+        if not 0 < rows <= self.rows:
+            raise ValueError(f"{rows} tokens for a KV cache of {self.rows} rows")
         if not bool(((pos >= 0) & (pos < self.max_len)).all()):
             raise ValueError(f"positions {pos.tolist()} outside the KV cache of {self.max_len}")
         m = self.model
-        torch.index_select(m.model.embed_tokens.weight, 0, tokens, out=self.x)
+        x = self.x[:rows]
+        torch.index_select(m.model.embed_tokens.weight, 0, tokens, out=x)
         if m.config.embed_scale:
-            self.x.mul_(torch.tensor(m.config.n_embd**0.5, dtype=self.dtype))
+            x.mul_(torch.tensor(m.config.n_embd**0.5, dtype=self.dtype))
         self.shape.threads = torch.get_num_threads()
-        self.lib.decode_step(ctypes.byref(self.shape), self.blocks, len(self.blocks), self.rows, pos.data_ptr(),
-                             self.x.data_ptr(), self.work.data_ptr(), self.scratch.data_ptr(), self.cap)
+        self.lib.decode_step(ctypes.byref(self.shape), self.blocks, len(self.blocks), rows, pos.data_ptr(),
+                             x.data_ptr(), self.work.data_ptr(), self.scratch.data_ptr(), self.cap)
         if self.governed:
             process_governor()()  # what each block's forward hook (base.threads.govern_threads) would have run
-        return m.model.norm(self.x.view(self.rows, 1, -1))
+        return m.model.norm(x.view(rows, 1, -1))
 
     def __call__(self, tokens, positions) -> torch.Tensor:
         """The (rows, vocab) logits (`hidden`'s arguments); (vocab,) for one row given as an int."""
