@@ -119,6 +119,12 @@ def test_a_real_runs_measured_peaks_are_the_predictions(tiny_llama_dir, tmp_path
 
     monkeypatch.setattr(GRPOModule, "make_rollouts", make_rollouts)
     monkeypatch.setattr(GRPOModule, "training_step", training_step)
+    # This thread's reused scratch buffers as a fresh process has them: another test's bf16 model (same worker)
+    # leaves buffers that this fp32 run would otherwise replace inside a measured step.
+    from lit_qlora.nf4 import gemv, linear
+
+    monkeypatch.setattr(linear._scratch, "buffers", {}, raising=False)
+    monkeypatch.delattr(gemv._scratch, "buf", raising=False)
     common = ["--checkpoint_dir", str(tiny_llama_dir), "--quantize", "nf4", "--precision", "32-true",
               "--lora.r", "4", "--lora.alpha", "8", "--lora.dropout", "0.05", "--data.path", str(data),
               "--data.val_split", "0.1", "--train.micro_batch_size", "4", "--train.global_batch_size", "8",

@@ -11,6 +11,7 @@ One run measures several servers one after the other (same machine, same minutes
   batch64-64     64 clients, --max_batch_size 64
   adapters1-16   16 clients, an NF4 base with one QLoRA adapter (random, r16 on every linear) served by name
   adapters4-16   16 clients, the same base with four such adapters, the clients' requests interleaved over them
+  nf4batch16-16  16 clients, continuous batching on the NF4 base (--quantize nf4), no adapter
 
     python benchmarks/serve/concurrency.py [--cases batch1-16 batch16-16 ...] [--seconds 60]
     # writes benchmarks/serve/results/concurrency.{json,md}
@@ -91,8 +92,11 @@ def make_adapters(folder: Path, count: int) -> list[str]:
 
 CASES = {  # name: (clients, --max_batch_size, adapters)
     "batch1-16": (16, 1, 0), "batch16-16": (16, 16, 0), "batch16-64": (64, 16, 0), "batch64-64": (64, 64, 0),
-    "adapters1-16": (16, 16, 1), "adapters4-16": (16, 16, 4),
+    "adapters1-16": (16, 16, 1), "adapters4-16": (16, 16, 4), "nf4batch16-16": (16, 16, 0),
 }
+NF4_BASE = ("nf4batch16-16",)
+"""Cases served on the NF4 base (--quantize nf4, no adapter): a Llama-style NF4 model's batches decode through
+lit_qlora/model/decode_step.c."""
 
 
 def client_loop(url: str, index: int, until: float, records: list, lock: threading.Lock,
@@ -133,7 +137,7 @@ def percentiles(values: list[float]) -> dict[str, float]:
 
 def run_case(name: str, seconds: float, folder: Path) -> dict:
     clients, rows, adapters = CASES[name]
-    extra = ["--max_batch_size", str(rows)]
+    extra = ["--max_batch_size", str(rows)] + (["--quantize", "nf4"] if name in NF4_BASE else [])
     models = ["smollm2"]
     if adapters:
         entries = make_adapters(folder, adapters)
@@ -193,7 +197,7 @@ def main() -> None:
              "p50 / p90 / p99 (s) | whole reply p50 / p90 / p99 (s) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         ttft, whole = r["time_to_first_token_s"], r["whole_reply_s"]
-        lines.append(f"| {r['case']} | {r['clients']} | {r['max_batch_size']} | {r['adapters'] or 'none (bf16 base)'} "
+        lines.append(f"| {r['case']} | {r['clients']} | {r['max_batch_size']} | {r['adapters'] or ('none (NF4 base)' if r['case'] in NF4_BASE else 'none (bf16 base)')} "
                      f"| {r['requests']} | {r['failed']} | {r['requests_per_sec']} | {r['tokens_per_sec']} | "
                      f"{ttft['p50']} / {ttft['p90']} / {ttft['p99']} | {whole['p50']} / {whole['p90']} / {whole['p99']} |")
     table = "\n".join(lines)
