@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 from lit_qlora.checkpoint.loading import random_base
 from lit_qlora.lora.layer import apply_lora
+from lit_qlora.model.batch_decode import Row
 from lit_qlora.model.config import Config
 from lit_qlora.nf4 import linear
 from lit_qlora.train.args import LoRAArgs, TrainArgs
@@ -878,3 +879,29 @@ def family_export(family: str, quantize: str, tmp_path, smollm2_dir, dtype: str 
     merged = load_model(tmp_path / "base", quantize, "32-true", adapter_dir=adapter)
     path = export_gguf(tmp_path / "base", tmp_path / "model.gguf", adapter_dir=adapter, dtype=dtype)
     return tmp_path / "base", adapter, merged, path
+
+
+# ---- continuous batching (tests of lit_qlora.model.batch_decode and of the C decode step over it)
+
+def rows_of(prompts, **settings) -> list[Row]:
+    """One Row per prompt, keys r0, r1, ...; a list-valued setting gives each row its own value."""
+    return [Row(key=f"r{i}", prompt=p, **{k: v[i] if isinstance(v, list) else v for k, v in settings.items()})
+            for i, p in enumerate(prompts)]
+
+
+def run_batch(batch, joins: dict[int, list[Row]]) -> tuple[dict, dict, int]:
+    """Step until every row is done, adding joins[i] before step i; the tokens and finish reason of each row."""
+    tokens, finish, widest = {}, {}, 0
+    step = 0
+    while batch.rows or any(i >= step for i in joins):
+        for row in joins.get(step, []):
+            batch.add(row)
+            tokens[row.key] = []
+        widest = max(widest, len(batch.rows))
+        for t in batch.step():
+            if t.token is not None:
+                tokens[t.key].append(t.token)
+            if t.finish:
+                finish[t.key] = t.finish
+        step += 1
+    return tokens, finish, widest

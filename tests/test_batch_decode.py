@@ -12,6 +12,8 @@ from lit_qlora.model.sampling import generate
 from lit_qlora.model.transformer import Transformer
 from lit_qlora.nf4 import quantize_linears
 
+from helpers import rows_of, run_batch as run
+
 
 def tiny_model(**changes):
     torch.manual_seed(0)
@@ -25,29 +27,6 @@ def tiny_model(**changes):
 def alone(model, row: Row) -> list[int]:
     return list(generate(model, row.prompt, row.limit, row.temperature, row.top_k, tuple(row.stop_ids), row.seed,
                          row.top_p))
-
-
-def run(batch: DecodeBatch, joins: dict[int, list[Row]]) -> tuple[dict, dict, int]:
-    """Step until every row is done, adding joins[i] before step i; the tokens and finish reason of each row."""
-    tokens, finish, widest = {}, {}, 0
-    step = 0
-    while batch.rows or any(i >= step for i in joins):
-        for row in joins.get(step, []):
-            batch.add(row)
-            tokens[row.key] = []
-        widest = max(widest, len(batch.rows))
-        for t in batch.step():
-            if t.token is not None:
-                tokens[t.key].append(t.token)
-            if t.finish:
-                finish[t.key] = t.finish
-        step += 1
-    return tokens, finish, widest
-
-
-def rows_of(prompts, **settings):
-    return [Row(key=f"r{i}", prompt=p, **{k: v[i] if isinstance(v, list) else v for k, v in settings.items()})
-            for i, p in enumerate(prompts)]
 
 
 def test_rows_joining_at_different_steps_answer_as_each_does_alone():

@@ -271,24 +271,9 @@ def test_chat_turns_decode_through_it_and_answer_as_the_model(monkeypatch, tiny_
 def test_a_continuous_batch_decodes_through_it_as_through_the_model(monkeypatch, overrides):
     """`serve`'s batches: rows joining at different steps, at their own positions, in a cache that grows; every row's
     tokens equal those of the batch decoding through the model."""
-    from lit_qlora.model.batch_decode import DecodeBatch, Row
+    from lit_qlora.model.batch_decode import DecodeBatch
 
-    def rows_of(prompts, limit, temperature, seed):
-        return [Row(key=f"r{i}", prompt=p, limit=limit[i], temperature=temperature[i], seed=seed[i])
-                for i, p in enumerate(prompts)]
-
-    def run(batch, joins):
-        tokens, step, widest = {}, 0, 0
-        while batch.rows or any(i >= step for i in joins):
-            for row in joins.get(step, []):
-                batch.add(row)
-                tokens[row.key] = []
-            widest = max(widest, len(batch.rows))
-            for t in batch.step():
-                if t.token is not None:
-                    tokens[t.key].append(t.token)
-            step += 1
-        return tokens, None, widest
+    from helpers import rows_of, run_batch as run
 
     need_library()
     model = adapted_model(torch.float32)
