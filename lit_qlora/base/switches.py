@@ -68,7 +68,8 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
     Switch("LIT_QLORA_NF4_GEMV", "flag", "1",
            "CPU decode (a few rows, no gradient) multiplies by the NF4 codes directly, no dense weight; a bf16 tied "
            "head reads its weight with the dense bf16 kernel; a Llama-style NF4 model's decode step runs in one C "
-           "call (model/decode_step.c). 0: all three off."),
+           "call (model/decode_step.c); on CUDA a decode step's NF4 product is the few-row Triton kernel "
+           "(nf4/triton_rows.py). 0: all four off."),
     Switch("LIT_QLORA_NF4_SAVE_DENSE", "flag", "0",
            "NF4 linears save the dense weight for backward instead of redoing the dequantize (memory for time)."),
     Switch("LIT_QLORA_NF4_SCRATCH", "flag", "1",

@@ -22,7 +22,9 @@ activation checkpointing, the recompute's dense weights are kept for the block's
 benchmarks/README "GPU").
 A decode step (a few rows of x on CPU and no gradient to compute: generate, chat, serve, GRPO's rollouts) takes the
 NF4 decode kernel instead (:mod:`lit_qlora.nf4.gemv`, where :func:`decode_applies`): the product straight from the
-codes, no dense weight; ``LIT_QLORA_NF4_GEMV=0`` turns it off (the A/B of benchmarks/speed/nf4_decode.py).
+codes, no dense weight; ``LIT_QLORA_NF4_GEMV=0`` turns it off (the A/B of benchmarks/speed/nf4_decode.py). On CUDA a
+decode step's product is the few-row Triton kernel (:mod:`lit_qlora.nf4.triton_rows`, where
+:func:`rows_kernel_applies`), which reads the codes once and never writes a dense weight; the same switch turns it off.
 ``LIT_QLORA_NF4_FUSED=1`` (a benchmark switch, default off) computes the product without a dense weight where
 :func:`fused_matmul_applies`: forward and backward's dX each in one Triton kernel that dequantizes the weight's tiles
 in registers (:mod:`lit_qlora.nf4.triton_matmul`, custom ops under torch.compile); only the NF4 weight is saved.
@@ -111,6 +113,28 @@ def _decode_dtype(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     if dtype not in gemv.X_FORMATS or not switches.enabled("LIT_QLORA_NF4_GEMV"):
         return None
     return dtype if gemv.gemv_available(weight.nf4.dtype) and not fused_matmul_applies(x, weight) else None
+
+
+def rows_kernel_applies(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> bool:
+    """Whether NF4Linear's forward is the few-row Triton kernel (nf4/triton_rows.py): x and a 2-D NF4 weight on CUDA
+    with Triton (or on CPU under Triton's interpreter with ``LIT_QLORA_NF4_FUSED=1``: the tests), at most
+    ``triton_rows.MAX_ROWS`` rows of x, W's rows of whole blocks, a supported compute dtype, nothing to differentiate,
+    not under torch.compile, ``LIT_QLORA_NF4_GEMV`` not 0."""
+    if torch.compiler.is_compiling() or is_fake(x) or type(weight) is not NF4Tensor or x.dim() == 0:
+        return False
+    if x.is_cuda:
+        if (x.device != weight.quantized_data.device or _compute_dtype(x) not in SUPPORTED_DTYPES
+                or weight.nf4.dtype not in SUPPORTED_DTYPES or not _triton_ok()):
+            return False
+    elif not fused_matmul_applies(x, weight):
+        return False
+    if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
+        return False
+    if weight.dim() != 2 or x.shape[-1] != weight.shape[1] or not switches.enabled("LIT_QLORA_NF4_GEMV"):
+        return False
+    from lit_qlora.nf4.triton_rows import rows_apply
+
+    return rows_apply(x.numel() // x.shape[-1], weight.shape[1], weight.block_size)
 
 
 def _save_dense() -> bool:
@@ -238,11 +262,17 @@ def nf4_linear(x: torch.Tensor, weight: NF4Tensor, bias: Optional[torch.Tensor] 
 
     Under autocast the weight is dequantized straight to the autocast dtype. Under ``torch.compile`` it is traced
     (the dense weight from the custom op ``lit_qlora::nf4_dequantize``), no graph break. A decode step
-    (:func:`decode_applies`) runs the decode kernel, which never dequantizes the weight.
+    (:func:`decode_applies`) runs the decode kernel, which never dequantizes the weight (on CUDA the few-row Triton
+    kernel, :func:`rows_kernel_applies`).
     """
     dtype = _decode_dtype(x, weight, bias)
     if dtype is not None:
         return gemv.nf4_matmul_rows(x if x.dtype == dtype else x.to(dtype), weight, bias)
+    if not x.is_cpu or switches.enabled("LIT_QLORA_NF4_FUSED"):  # the CPU's training steps: no further checks
+        if rows_kernel_applies(x, weight, bias):
+            from lit_qlora.nf4.triton_rows import nf4_linear_rows
+
+            return nf4_linear_rows(x.to(_compute_dtype(x)), weight, bias)
     return NF4Linear.apply(x, weight, bias)
 
 
