@@ -38,6 +38,8 @@ HEAD_CHUNK = 1024
 
 
 Pair = tuple[list[int], list[int]]
+Tree = tuple[list[int], list[int]]
+"""A context and the requests (indices) scored as branches on it, in one row."""
 
 
 def rolling_windows(tokens: Sequence[int], prefix_token: int, max_length: int) -> list[Pair]:
@@ -112,12 +114,11 @@ class LitQLoRALM(LM):
         """(sum of log p(continuation token), is every continuation token the argmax) per (context, continuation)
         pair, in the order given.
 
-        Requests run in batches of `batch_size`, longest first (a batch that does not fit in memory fails at
-        once), right-padded: under causal attention padding after a sequence cannot change its logits. Requests
-        that share their context (the choices of a multiple-choice question) run it once: the context goes
-        through the model once into the KV cache, then all continuations run as one batch on top of it, and the
-        next group reuses whatever prefix it shares with the previous one (a few-shot preamble). Same numbers
-        as running every sequence whole, up to float rounding; `share_context=False` turns it off.
+        Requests that share their context (the choices of a multiple-choice question) are scored as a tree: the
+        context once, every continuation a branch on it (`_score_trees`). The others run in batches of
+        `batch_size`, longest first (a batch that does not fit in memory fails at once), right-padded: under causal
+        attention padding after a sequence cannot change its logits. Same numbers as running every sequence whole,
+        up to float rounding; `share_context=False` runs every request whole.
         """
         results: list[Optional[tuple[float, bool]]] = [None] * len(pairs)
         plain: list[tuple[int, list[int], list[int]]] = []
@@ -132,21 +133,17 @@ class LitQLoRALM(LM):
                 raise InvalidInput(f"a continuation of {len(continuation)} tokens does not fit in max_length "
                                    f"{self.max_length} (the model's context): choose another task or model")
             tokens = (list(context) + list(continuation))[-(self.max_length + 1):]
-            if self.share_context and len(context) + len(continuation) <= self.max_length + 1:
+            if self.share_context and self._trees_apply() and len(context) + len(continuation) <= self.max_length + 1:
                 groups.setdefault(tuple(context), []).append(i)
             else:
                 plain.append((i, tokens[:-1], list(continuation)))
-        shared = []
-        for context, members in groups.items():
-            if len(members) == 1:
-                (i,) = members
-                plain.append((i, [*context, *pairs[i][1]][:-1], list(pairs[i][1])))
-            else:
-                for start in range(0, len(members), self.batch_size):
-                    shared.append((list(context), members[start:start + self.batch_size]))
+        for context, members in list(groups.items()):
+            if len(members) == 1:  # nothing shared: a plain sequence
+                del groups[context]
+                plain.append((members[0], [*context, *pairs[members[0]][1]][:-1], list(pairs[members[0]][1])))
         plain.sort(key=lambda item: -len(item[1]))  # stable: equal lengths keep request order
-        shared.sort(key=lambda group: -(len(group[0]) + max(len(pairs[i][1]) for i in group[1])))
-        steps = math.ceil(len(plain) / self.batch_size) + len(shared)
+        batches = self._tree_batches(groups, pairs)
+        steps = math.ceil(len(plain) / self.batch_size) + len(batches)
         with tqdm(total=steps, disable=disable_tqdm, desc="loglikelihood") as bar:
             for start in range(0, len(plain), self.batch_size):
                 batch = plain[start:start + self.batch_size]
@@ -157,8 +154,8 @@ class LitQLoRALM(LM):
                             for row, (_, inputs, cont) in enumerate(batch)]
                 self._score(selected, [(i, cont) for i, _, cont in batch], results)
                 bar.update()
-            if shared:
-                self._score_shared(shared, pairs, results, bar)
+            if batches:
+                self._score_trees(batches, pairs, results, bar)
         return results  # type: ignore[return-value]
 
     def _right_padded(self, rows: Sequence[Sequence[int]]) -> torch.Tensor:
@@ -184,38 +181,103 @@ class LitQLoRALM(LM):
             results[i] = (float(logprob[offset:offset + n].sum()), bool(is_greedy[offset:offset + n].all()))
             offset += n
 
-    def _score_shared(self, groups: list[tuple[list[int], list[int]]], pairs: Sequence[Pair], results: list,
-                      bar) -> None:
-        """Each group: context[:-1] into row 0 of the KV cache (reusing the prefix it shares with the previous
-        group's), copied to the other rows, then [context[-1], *continuation[:-1]] for every member at once."""
+    def _trees_apply(self) -> bool:
+        """Whether requests sharing a context can be scored as a tree: every model but Phi-3's long RoPE, whose
+        frequencies depend on the whole sequence's length (one row holding many branches has no single length)."""
+        scaling = self.model.config.rope_scaling or {}
+        return scaling.get("rope_type", scaling.get("type")) != "longrope"
+
+    def _tree_batches(self, groups: dict[tuple[int, ...], list[int]], pairs: Sequence[Pair]) -> list[list[Tree]]:
+        """The groups as rows of at most `max_length` tokens (a group with more continuations than fit is split),
+        `batch_size` rows a batch; sorted by context, so that a batch's rows share most of theirs."""
+        rows: list[Tree] = []
+        for context in sorted(groups):
+            row: list[int] = []
+            length = 1  # the context's last token
+            for i in groups[context]:
+                if row and length + len(pairs[i][1]) - 1 > self.max_length:
+                    rows.append((list(context), row))
+                    row, length = [], 1
+                row.append(i)
+                length += len(pairs[i][1]) - 1
+            rows.append((list(context), row))
+        return [rows[start:start + self.batch_size] for start in range(0, len(rows), self.batch_size)]
+
+    def _score_trees(self, batches: list[list[Tree]], pairs: Sequence[Pair], results: list, bar) -> None:
+        """Each batch: the prefix its rows' contexts share (less their last token) into row 0 of the KV cache (only
+        what row 0 does not hold already: a few-shot preamble runs once per call), copied to the other rows; then
+        one forward of every row: the rest of its context, then each continuation (less its last token) as a branch
+        that attends to the context and to itself only, at the positions it would have after the context alone.
+        No padding among a question's choices; the hidden states that predict each continuation are the context's
+        last one and its branch's."""
         model = self.model
-        batch = max(len(members) for _, members in groups)
-        tails = max(max(len(pairs[i][1]) for i in members) for _, members in groups)
-        model.set_kv_cache(batch, max(len(context) for context, _ in groups) + tails, device=self._device)
+        plans = [self._tree_plan(batch, pairs) for batch in batches]
+        model.set_kv_cache(max(len(batch) for batch in batches), max(len(shared) + ids.size(1)
+                                                                   for shared, ids, *_ in plans), device=self._device)
         caches = [block.self_attn.kv_cache for block in model.blocks]
-        cached: list[int] = []  # the tokens whose keys/values row 0 of the cache holds, from position 0
+        kinds = {block.sliding for block in model.blocks}
+        window = model.config.sliding_window
+        cached: list[int] = []  # the tokens whose keys/values row 0 of the cache holds, from slot 0
         try:
-            for context, members in groups:
-                prefix = context[:-1]
+            for batch, (shared, ids, positions, branch, picks) in zip(batches, plans):
                 keep = 0
-                while keep < min(len(cached), len(prefix)) and cached[keep] == prefix[keep]:
+                while keep < min(len(cached), len(shared)) and cached[keep] == shared[keep]:
                     keep += 1
-                if keep < len(prefix):
-                    model.forward_hidden(torch.tensor([prefix[keep:]], device=self._device),
-                                         input_pos=torch.arange(keep, len(prefix), device=self._device))
+                if keep < len(shared):
+                    model.forward_hidden(torch.tensor([shared[keep:]], device=self._device),
+                                         input_pos=torch.arange(keep, len(shared), device=self._device))
                 for cache in caches:
-                    cache.k[1:len(members), :, :len(prefix)] = cache.k[:1, :, :len(prefix)]
-                    cache.v[1:len(members), :, :len(prefix)] = cache.v[:1, :, :len(prefix)]
-                conts = [list(pairs[i][1]) for i in members]
-                x = self._right_padded([[context[-1], *cont[:-1]] for cont in conts])
-                hidden = model.forward_hidden(x, input_pos=torch.arange(len(prefix), len(prefix) + x.size(1),
-                                                                         device=self._device))
-                self._score([hidden[row, :len(cont)] for row, cont in enumerate(conts)],
-                            list(zip(members, conts)), results)
-                cached = prefix  # row 0 beyond the prefix now holds this group's first continuation
+                    cache.k[1:len(batch), :, :len(shared)] = cache.k[:1, :, :len(shared)]
+                    cache.v[1:len(batch), :, :len(shared)] = cache.v[:1, :, :len(shared)]
+                slots = len(shared) + ids.size(1)
+                kv_pos = torch.cat([torch.arange(len(shared)).expand(len(batch), -1), positions], 1)
+                kv_branch = torch.cat([torch.zeros(len(batch), len(shared), dtype=torch.long), branch], 1)
+                # a token sees the context (branch 0) and its own branch, up to its own position
+                seen = ((kv_branch[:, None, :] == 0) | (kv_branch[:, None, :] == branch[:, :, None])) \
+                    & (kv_pos[:, None, :] <= positions[:, :, None])
+                masks = {sliding: (seen & (positions[:, :, None] - kv_pos[:, None, :] < window) if sliding and window else seen)
+                         [:, None].to(self._device) for sliding in kinds}
+                masks = {k: torch.nn.functional.pad(m, (0, model.max_cache_len - slots)) for k, m in masks.items()}
+                hidden = model.forward_hidden(ids.to(self._device),
+                                              input_pos=torch.arange(len(shared), slots, device=self._device),
+                                              positions=positions.to(self._device), masks=masks)
+                self._score([hidden[row, index] for row, index in picks],
+                            [(i, list(pairs[i][1])) for _, members in batch for i in members], results)
+                cached = shared  # row 0 beyond the shared prefix now holds this batch's first row
                 bar.update()
         finally:
             model.clear_kv_cache()
+
+    def _tree_plan(self, batch: list[Tree], pairs: Sequence[Pair]):
+        """A batch's layout: the prefix its contexts share less their last tokens; each row's tokens (the rest of
+        its context, then its continuations less their last tokens), their positions and branch (0: the context;
+        j: continuation j; -1: padding), right-padded to one length; per member, (row, indices of the hidden states
+        that predict its continuation)."""
+        contexts = [context for context, _ in batch]
+        shared = 0
+        while shared < min(len(c) for c in contexts) - 1 and len({c[shared] for c in contexts}) == 1:
+            shared += 1
+        rows, picks = [], []
+        for r, (context, members) in enumerate(batch):
+            tokens = list(context[shared:])
+            positions = list(range(shared, len(context)))
+            branch = [0] * len(tokens)
+            for j, i in enumerate(members, 1):
+                cont = pairs[i][1][:-1]
+                picks.append((r, torch.tensor([len(context) - shared - 1, *range(len(tokens), len(tokens) + len(cont))])))
+                tokens += cont
+                positions += range(len(context), len(context) + len(cont))
+                branch += [j] * len(cont)
+            rows.append((tokens, positions, branch))
+        width = max(len(tokens) for tokens, _, _ in rows)
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        pos = torch.zeros(len(rows), width, dtype=torch.long)
+        branch = torch.full((len(rows), width), -1, dtype=torch.long)
+        for r, (tokens, positions, branches) in enumerate(rows):
+            ids[r, :len(tokens)] = torch.tensor(tokens)
+            pos[r, :len(tokens)] = torch.tensor(positions)
+            branch[r, :len(tokens)] = torch.tensor(branches)
+        return contexts[0][:shared], ids, pos, branch, picks
 
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         pairs = [self.encode_pair(*req.args) for req in requests]

@@ -302,15 +302,21 @@ class Transformer(nn.Module):
         return (emb.cos() * factor).to(dtype), (emb.sin() * factor).to(dtype)
 
     def forward_hidden(self, idx: torch.Tensor, input_pos: Optional[torch.Tensor] = None,
-                       positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+                       positions: Optional[torch.Tensor] = None,
+                       masks: Optional[dict[bool, torch.Tensor]] = None) -> torch.Tensor:
         """Final-norm hidden states (B, T, n_embd): what the head (or a chunked loss) consumes. `positions` (B, T):
         packed rows' per-token positions, restarting at 0 at each document, which then attends only within itself
-        (lit_qlora.model.attention_mask)."""
+        (lit_qlora.model.attention_mask). `masks` (decoding into the KV cache's slots `input_pos` (T,), with
+        `positions`): each block kind's dense attention mask ({sliding: (B, 1, T, cache length) bool}, keyed as
+        `block.sliding`), used instead of the causal one, and `positions` then the tokens' RoPE positions: branches
+        that share the cache's context, scored in one row (eval/lm.py)."""
         T = idx.size(1)
         if input_pos is None and self.max_cache_len:
             raise ValueError("input_pos is required after set_kv_cache().")
-        if positions is not None and input_pos is not None:
+        if positions is not None and input_pos is not None and masks is None:
             raise ValueError("Packed positions are for full-sequence forwards, not KV-cache decoding (input_pos).")
+        if masks is not None and (input_pos is None or positions is None):
+            raise ValueError("Explicit masks are for decoding into the KV cache (input_pos), with RoPE positions.")
         row_pos = input_pos if input_pos is not None else torch.arange(T, device=idx.device)
         x = self.model.embed_tokens(idx)
         if self.config.embed_scale:  # Gemma: sqrt(n_embd), rounded to the activations' dtype as transformers does
@@ -319,11 +325,13 @@ class Transformer(nn.Module):
         kinds = {block.sliding for block in self.model.layers}
         # BlockMasks for flex_attention (CUDA) where a mask or soft cap is needed; gpt-oss's sinks take dense masks
         flex = use_flex_attention(idx.device) and not self.config.attn_sinks
-        masks = {sliding: attention_mask(row_pos, kv_len, self.config.sliding_window if sliding else None,
-                                         self.max_cache_len > 0, positions, flex, self.config.attn_softcap is not None)
-                 for sliding in kinds}
-        if flex:
-            masks = {sliding: self.flex_or_dense(mask, idx.size(0), x.dtype) for sliding, mask in masks.items()}
+        if masks is None:
+            masks = {sliding: attention_mask(row_pos, kv_len, self.config.sliding_window if sliding else None,
+                                             self.max_cache_len > 0, positions, flex,
+                                             self.config.attn_softcap is not None)
+                     for sliding in kinds}
+            if flex:
+                masks = {sliding: self.flex_or_dense(mask, idx.size(0), x.dtype) for sliding, mask in masks.items()}
         ropes = {sliding: self.rope(row_pos if positions is None else positions, x.dtype, sliding) for sliding in kinds}
         for i, block in enumerate(self.model.layers):
             mask, (cos, sin) = masks[block.sliding], ropes[block.sliding]

@@ -30,8 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lit_qlora.nf4.triton import _ROUNDING, _rounded
-from lit_qlora.nf4.triton_matmul import _scales, _values
+from lit_qlora.nf4.triton import _ROUNDING
 
 #: The most rows of x this kernel takes (nf4/linear.py routes a product here only up to this many).
 MAX_ROWS = 16
@@ -47,49 +46,60 @@ def _configs() -> list[triton.Config]:
     return [triton.Config({}, num_warps=w, num_stages=s) for w, s in ((2, 2), (4, 2), (4, 3), (8, 3))]
 
 
+_BLOCK_N, _BLOCK_K = tl.constexpr(_TILE[0]), tl.constexpr(_TILE[1])
+
+
+@triton.jit
+def _as(v, dtype: tl.constexpr):
+    """fp32 ``v`` rounded to ``dtype`` (a no-op for fp32): how PyTorch's ops in that dtype round it."""
+    return v.to(dtype).to(tl.float32)
+
+
 @triton.autotune(configs=_configs(), key=["N", "K", "SPLIT", "ROWS"])
 @triton.jit
 def _nf4_rows_kernel(x_ptr, codes_ptr, qscalers_ptr, factor_ptr, mean_ptr, levels_ptr, part_ptr, M, N, K, SPLIT,
-                     BLOCK_SIZE: tl.constexpr, SCALER_BLOCK_SIZE: tl.constexpr, ROUND: tl.constexpr,
-                     X_ROUND: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """``part[s] (M, N) = x (M, K) @ dequant(W (N, K)).T`` over the K tiles ``s, s + SPLIT, ...`` of this program."""
+                     BLOCK_SIZE: tl.constexpr, SCALER_BLOCK_SIZE: tl.constexpr, ROWS: tl.constexpr):
+    """``part[s] (M, N) = x (M, K) @ dequant(W (N, K)).T`` over the K tiles ``s, s + SPLIT, ...`` of this program.
+    The storage dtype D is the levels' (every step of a value rounded to it), the rows' dtype x's."""
+    D: tl.constexpr = levels_ptr.dtype.element_ty
+    X: tl.constexpr = x_ptr.dtype.element_ty
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = pid_n * _BLOCK_N + tl.arange(0, _BLOCK_N)
     in_n = offs_n < N
     offs_m = tl.arange(0, ROWS)
     in_m = offs_m < M
     blocks = K // BLOCK_SIZE  # NF4 blocks per row of W
-    per_tile: tl.constexpr = BLOCK_K // BLOCK_SIZE
+    per_tile: tl.constexpr = _BLOCK_K // BLOCK_SIZE
     half: tl.constexpr = BLOCK_SIZE // 2
     tile_blocks = tl.arange(0, per_tile)
-    tile_bytes = tl.arange(0, BLOCK_K // 2)
-    tile_values = tl.arange(0, BLOCK_K)
+    tile_bytes = tl.arange(0, _BLOCK_K // 2)
+    tile_values = tl.arange(0, _BLOCK_K)
     mean = tl.load(mean_ptr).to(tl.float32)
-    acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
-    for t in range(pid_s, tl.cdiv(K, BLOCK_K), SPLIT):
-        block = t * per_tile + tile_blocks  # the tile's NF4 blocks along K
-        in_block = block < blocks
-        mask = in_n[:, None] & in_block[None, :]
-        scale = _scales(qscalers_ptr, factor_ptr, mean, offs_n[:, None] * blocks + block[None, :], mask,
-                        SCALER_BLOCK_SIZE, ROUND)  # (BLOCK_N, per_tile)
+    acc = tl.zeros((ROWS, _BLOCK_N), dtype=tl.float32)
+    for t in range(pid_s, tl.cdiv(K, _BLOCK_K), SPLIT):
+        block = tile_blocks + t * per_tile  # the tile's NF4 blocks along K
+        mask = in_n[:, None] & (block < blocks)[None, :]
+        index = offs_n[:, None] * blocks + block[None, :]
+        q = tl.load(qscalers_ptr + index, mask=mask, other=0).to(tl.float32)
+        factor = tl.load(factor_ptr + index // SCALER_BLOCK_SIZE, mask=mask, other=1.0).to(tl.float32)
+        scale = _as(_as(tl.math.div_rn(q, factor), D) + mean, D)  # torchao's dequantize_scalers, (BLOCK_N, per_tile)
         # each code byte's scale: a block's half bytes share it
-        scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_N, per_tile, half)), (BLOCK_N, BLOCK_K // 2))
-        in_k = (t * BLOCK_K + 2 * tile_bytes) < K
-        w_mask = in_n[:, None] & in_k[None, :]
-        byte = tl.load(codes_ptr + (offs_n.to(tl.int64)[:, None] * (K // 2) + t * (BLOCK_K // 2) + tile_bytes[None, :]),
-                       mask=w_mask, other=0).to(tl.int32)
-        w = tl.interleave(_values(levels_ptr, byte >> 4, scale, w_mask, ROUND),
-                          _values(levels_ptr, byte & 15, scale, w_mask, ROUND))  # (BLOCK_N, BLOCK_K), a byte's high first
-        w = _rounded(w, X_ROUND)  # as the dense weight in x's dtype holds it
-        cols = t * BLOCK_K + tile_values
+        scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (_BLOCK_N, per_tile, half)), (_BLOCK_N, _BLOCK_K // 2))
+        w_mask = in_n[:, None] & ((2 * tile_bytes + t * _BLOCK_K) < K)[None, :]
+        byte = tl.load(codes_ptr + (offs_n.to(tl.int64)[:, None] * (K // 2) + tile_bytes[None, :]
+                                    + t * (_BLOCK_K // 2)), mask=w_mask, other=0).to(tl.int32)
+        high = tl.load(levels_ptr + (byte >> 4), mask=w_mask, other=0.0).to(tl.float32)
+        low = tl.load(levels_ptr + (byte & 15), mask=w_mask, other=0.0).to(tl.float32)
+        # (BLOCK_N, BLOCK_K), a byte's high nibble first; each value D(level * scale), then as x's dtype holds it
+        w = _as(tl.interleave(_as(high * scale, D), _as(low * scale, D)), X)
+        cols = tile_values + t * _BLOCK_K
         x = tl.load(x_ptr + offs_m[:, None] * K + cols[None, :], mask=in_m[:, None] & (cols < K)[None, :],
                     other=0.0).to(tl.float32)  # (ROWS, BLOCK_K)
-        if ROWS >= 16 and X_ROUND == 0:
+        if ROWS >= 16 and X == tl.float32:
             acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")  # no TF32, as torch's fp32 matmul
         elif ROWS >= 16:  # both hold values of x's dtype: the tensor cores' products are exact in fp32
-            dtype = x_ptr.dtype.element_ty
-            acc = tl.dot(x.to(dtype), tl.trans(w.to(dtype)), acc)
+            acc = tl.dot(x.to(X), tl.trans(w.to(X)), acc)
         else:
             acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
     out = part_ptr + pid_s * M * N + offs_m[:, None] * N + offs_n[None, :]
@@ -125,9 +135,7 @@ def _rows(x: torch.Tensor, codes: torch.Tensor, qscalers: torch.Tensor, factor: 
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
     rows = 16 if m > 4 else triton.next_power_of_2(m)
     _nf4_rows_kernel[(n_tiles, split)](x2, codes, qscalers, factor, mean, levels, part, m, n, k, split,
-                                       BLOCK_SIZE=block_size, SCALER_BLOCK_SIZE=scaler_block_size,
-                                       ROUND=_ROUNDING[levels.dtype], X_ROUND=_ROUNDING[x.dtype], ROWS=rows,
-                                       BLOCK_N=block_n, BLOCK_K=block_k)
+                                       BLOCK_SIZE=block_size, SCALER_BLOCK_SIZE=scaler_block_size, ROWS=rows)
     out = part[0] if split == 1 else part.sum(0)
     return out.to(x.dtype).view(*x.shape[:-1], n)
 
