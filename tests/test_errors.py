@@ -336,7 +336,7 @@ BUILTIN_RAISES = {
     "lit_qlora/methods/grpo/rewards.py": 2,  # score's own arguments of uneven lengths (a caller's bug, not a user's)
     "lit_qlora/methods/grpo/rollout.py": 1,  # a prompt past the compiled decode's cache (the data module leaves such out)
     "lit_qlora/model/attention_mask.py": 1,
-    "lit_qlora/model/transformer.py": 3,  # forward's arguments
+    "lit_qlora/model/transformer.py": 4,  # forward's arguments (input_pos, packed positions, explicit masks)
     "lit_qlora/model/decode_step.py": 2,  # DecodeStep's tokens and positions against its cache (a caller's bug)
     "lit_qlora/nf4/codec.py": 2,  # the out= tensor
     "lit_qlora/nf4/layout.py": 9,  # arguments of the layout helpers (a user's shapes and shards raise InvalidInput)

@@ -274,3 +274,50 @@ def test_evaluate_with_adapter_and_parquet(tiny_llama_dir, tmp_path):
     assert base["lit_qlora"]["adapter_dir"] is None
     assert adapted["results"]["truthfulqa_mc2"]["acc,none"] != base["results"]["truthfulqa_mc2"]["acc,none"]
     assert json.loads((tmp_path / "a" / "results.json").read_text())["lit_qlora"]["quantize"] == "nf4"
+
+
+@pytest.mark.parametrize("family", ["mistral-sliding-window", "gemma3-local-rope-scaled", "phi3-partial-longrope"])
+def test_choices_scored_as_branches_of_one_row_equal_each_sequence_alone(family):
+    """Requests that share a context run as a tree (the context once, each continuation a branch on it): with
+    sliding windows shorter than the context (Mistral; Gemma 3's sliding and full blocks, each kind its own mask),
+    contexts sharing a prefix and contexts that share nothing in one batch, and a group too long for one row
+    (max_length 24: split into rows). Phi-3's long RoPE has no single length for a tree: its requests run whole.
+    Every answer equals one uncached forward of its own sequence."""
+    import types
+
+    from helpers import FAMILY_CASES, reference_and_ours
+
+    _, model, _ = reference_and_ours(*FAMILY_CASES[family])
+    model = model.float().eval()
+    gen = random.Random(7)
+    preamble = [gen.randrange(3, 97) for _ in range(9)]
+    contexts = [preamble + [5, 6], preamble + [7], [8, 9, 10, 11, 12, 13, 14], preamble + [5, 6, 20, 21]]
+    pairs = []
+    for c, context in enumerate(contexts):
+        for _ in range(3 if c != 3 else 7):
+            pairs.append((context, [gen.randrange(3, 97) for _ in range(gen.randint(1, 6) if c != 3 else 5)]))
+    gen.shuffle(pairs)
+    tokenizer = types.SimpleNamespace(bos_id=1, eos_id=2, checkpoint_dir="tiny")
+    # (Phi-3 one sequence a batch: its RoPE factors follow a batch's padded length, as transformers' do)
+    lm = LitQLoRALM(model, tokenizer, batch_size=1 if family.startswith("phi3") else 2, max_length=24)
+    trees = []
+    real = model.forward_hidden
+
+    def counted(*args, **kwargs):
+        trees.append(kwargs.get("masks") is not None)
+        return real(*args, **kwargs)
+
+    model.forward_hidden = counted
+    got = lm.loglikelihood_tokens(pairs)
+    model.forward_hidden = real
+    for (context, continuation), (logprob, greedy) in zip(pairs, got):
+        want_logprob, want_greedy = direct(model, context, continuation)
+        assert logprob == pytest.approx(want_logprob, abs=1e-4)
+        assert greedy == want_greedy
+    if family.startswith("phi3"):
+        assert not any(trees) and len(trees) == len(pairs)
+    else:
+        rows = [len(members) for batch in lm._tree_batches({tuple(c): [i for i, p in enumerate(pairs) if p[0] == c]
+                                                             for c in contexts}, pairs) for _, members in batch]
+        assert sum(rows) == len(pairs) and len(rows) == 5  # the 7 continuations of the last context in two rows
+        assert sum(trees) == 3  # 5 rows, 2 a batch

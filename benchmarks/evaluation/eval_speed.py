@@ -223,9 +223,10 @@ def markdown(record: dict) -> str:
                             for r in record["results"]})) + ".",
         "",
         "Why the gap: HFLM runs every (context, choice) sequence whole and computes the full-vocabulary "
-        "log-softmax at every position; LitQLoRALM runs a question's shared context once into the KV cache, "
-        "then all its choices as one batch, and sends only the positions that predict continuation tokens "
-        "through the output head.",
+        "log-softmax at every position; LitQLoRALM runs the few-shot preamble the questions share once into the "
+        "KV cache, then each question as one row (its own context, then every choice as a branch that sees the "
+        "context and itself only: no padding among choices), several questions a forward, and sends only the "
+        "positions that predict continuation tokens through the output head.",
     ]
     return "\n".join(lines) + "\n"
 
