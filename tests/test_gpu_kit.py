@@ -138,6 +138,24 @@ def test_the_peers_calls_dry_run_records_each_peer_row(carry, tmp_path):
             assert status == "ok" or status.startswith(("error", "not run: ")), status
 
 
+def test_the_decode_calls_dry_run_decodes_the_tiny_checkpoint_through_each_of_our_paths(carry, tmp_path):
+    """Call 7 (issue 56's GPU decode): dry, each of our sides decodes the tiny checkpoint's 8 tokens on the CPU, in a
+    process of its own; bitsandbytes' side needs CUDA and is left out; the ratios are of the sides that ran."""
+    out = tmp_path / "out"
+    done = subprocess.run([sys.executable, str(KIT / "check.py"), "decode", "--dry-run", "--steps", "decode", "--carry",
+                           str(carry), "--out", str(out), "--work", str(tmp_path / "work")], capture_output=True,
+                          text=True, cwd=ROOT, timeout=400)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    by_step = rows(out)
+    assert by_step["decode"]["status"] == "ok", by_step["decode"]
+    record = json.loads((out / "decode.json").read_text())
+    assert list(record["summary"]) == ["ours nf4", "ours nf4 dequant", "ours bf16"]
+    for name, side in record["summary"].items():
+        assert len(side["first_tokens"]) == 8 and side["rounds"] == 1 and side["tokens_per_sec"] > 0, name
+        assert by_step[f"decode:{name}"]["status"] == "ok"
+    assert set(record["ratios"]) == {"ours nf4 / ours nf4 dequant", "ours nf4 / ours bf16"}
+
+
 def make_kit(tmp_path: Path, budget: float) -> check.Kit:
     out = tmp_path / "out"
     out.mkdir()

@@ -18,7 +18,7 @@ Run on a CPU machine with access to the package index, in the project's environm
   OUT/peers/      the peers' wheels for check.py's second call (benchmarks/gpu/gpu_peer_envs.sh's pinned list:
                   torchtune, torchao 0.15, bitsandbytes, ...), unless --no-peers.
 
-Calls 1, 4 and 5 (main, ab, grpo) carry OUT/kit, calls 2, 3 and 6 (peers, profile, grpo_peers: the peers'
+Calls 1, 4 and 5 (main, ab, grpo) carry OUT/kit, calls 2, 3, 6 and 7 (peers, profile, grpo_peers, decode: the peers'
 venvs) OUT/kit and OUT/peers; the device tool moves at most 64 MiB a call, the working tree included. The sizes are
 printed, and a carry that would not fit is an error.
 """
@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     (kit / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     sizes["kit"] = size(kit)
     calls = {"call 1 (main, ab, grpo)": [kit],
-             "call 2 (peers, profile, grpo_peers)": [kit, peers] if args.peers else None}
+             "call 2 (peers, profile, grpo_peers, decode)": [kit, peers] if args.peers else None}
     too_big = []
     print(f"{args.out}: kit {mib(sizes['kit'])} ({len(manifest['wheels'])} wheels: "
           f"{', '.join(w.split('-')[0] for w in manifest['wheels'])}), peers {mib(sizes['peers'])}")

@@ -937,8 +937,48 @@ def grpo_steps(args: argparse.Namespace) -> list[Step]:
             grpo_estimate_step(variants), ab_step(variants, args.rounds, GRPO_SHAPE)]
 
 
+def decode_step(kit: Kit, cap: float) -> dict:
+    """gpu_decode.py: one stream, greedy, 128 new tokens on the 8B: ours NF4 (the few-row Triton kernel), ours NF4
+    dequantized whole, ours bf16, bitsandbytes 4-bit (the bnb venv); `decode.json`. Dry: the tiny checkpoint on the
+    CPU, ours only, 8 tokens."""
+    out = kit.work / "decode.json"
+    out.unlink(missing_ok=True)
+    if kit.dry:
+        tiny = tiny_checkpoint(kit)
+        if isinstance(tiny, dict):
+            return tiny
+        args = ["--checkpoint_dir", str(tiny), "--device", "cpu", "--tokens", "8", "--rounds", "1"]
+    else:
+        args = ["--checkpoint_dir", str(kit.ckpt), "--rounds", "2",
+                "--bnb_python", str(BENCH / "_work" / "gpu-venv-bnb" / "bin" / "python")]
+    cmd = kit.python(str(HERE / "gpu_decode.py"), *args, "--time_budget", str(round(max(cap - 30, 30))), "--out",
+                     str(out))
+    with quiet_cpus(kit):
+        rc, text = kit.run("decode", cmd, cap)
+    if not out.is_file():
+        return {"status": "error: stopped at its cap" if rc is None else f"error: {tail_lines(text)}"}
+    record = json.loads(out.read_text())
+    kit.result("decode.json").write_text(json.dumps(record, indent=2) + "\n")
+    subrows = [{"step": f"decode:{name}", "what": "one stream, greedy, bf16",
+                "status": "error: " + s["error"][-100:] if "error" in s else "ok",
+                "tokens_per_sec": round(s["tokens_per_sec"], 1) if s.get("tokens_per_sec") else None,
+                "peak_allocated_bytes": s.get("peak_allocated_bytes")} for name, s in record["summary"].items()]
+    return {"result": json.dumps(record["ratios"]) if record["ratios"] else "no ratio", "subrows": subrows}
+
+
+def decode_steps(args: argparse.Namespace) -> list[Step]:
+    """Issue 56 item 5 on a GPU: the 8B's NF4 one-stream decode against bitsandbytes' 4-bit and our bf16."""
+    return [Step("checkpoint", "random 8B bf16 checkpoint (disk checked)", cap=150, need=60, fn=step_checkpoint,
+                 gpu=False, requires=("install",)),
+            Step("peer_envs", "the peers' venvs from the carry (bitsandbytes in the bnb one)", cap=150, need=30,
+                 fn=step_peer_envs, requires=("install",)),
+            Step("decode", "gpu_decode.py: 8B one stream, ours NF4 / NF4 dequantized / bf16, bitsandbytes 4-bit",
+                 cap=400, need=150, fn=decode_step, gpu=False, requires=("install", "checkpoint"))]
+
+
 CALLS = {"main": lambda args: main_steps(), "peers": lambda args: peers_steps(),
-         "profile": lambda args: profile_steps(), "ab": ab_steps, "grpo": grpo_steps, "grpo_peers": grpo_peers_steps}
+         "profile": lambda args: profile_steps(), "ab": ab_steps, "grpo": grpo_steps, "grpo_peers": grpo_peers_steps,
+         "decode": decode_steps}
 
 
 # ---- the table ------------------------------------------------------------------------------------------------------

@@ -35,7 +35,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT))
 
-from nf4_decode import checkpoint, isa_flags  # noqa: E402  (this folder is on sys.path: the script's own)
+from hf_timing import timed_generate  # noqa: E402  (this folder is on sys.path: the script's own)
+from nf4_decode import checkpoint, isa_flags  # noqa: E402
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle, in three paragraphs please."
 LLAMA_CPP_PYTHON = ROOT / ".venv-llama-cpp" / "bin" / "python"
@@ -83,21 +84,7 @@ def child_transformers(args: argparse.Namespace, ids: list[int]) -> dict:
     prompt = torch.tensor([ids])
 
     def run(n: int) -> dict:
-        stamps: list[float] = []
-
-        class Clock:  # transformers' streamer protocol: put() per step (the prompt first), end()
-            def put(self, value):
-                stamps.append(time.perf_counter())
-
-            def end(self):
-                pass
-
-        start = time.perf_counter()
-        with torch.inference_mode():
-            out = model.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False, streamer=Clock(),
-                                 pad_token_id=0)
-        end = time.perf_counter()
-        return {"tokens": out[0, len(ids):].tolist(), "seconds": end - start, "decode_seconds": end - stamps[1]}
+        return timed_generate(model, prompt, n)
 
     run(8)
     return {**run(args.tokens), "precision": args.precision}
