@@ -56,6 +56,14 @@ def rolling_windows(tokens: Sequence[int], prefix_token: int, max_length: int) -
     return windows
 
 
+def _shared_prefix(contexts: Sequence[Sequence[int]]) -> int:
+    """How many leading tokens every context shares, each context's last token left out (it runs in its row)."""
+    shared = 0
+    while shared < min(len(c) for c in contexts) - 1 and len({c[shared] for c in contexts}) == 1:
+        shared += 1
+    return shared
+
+
 def first_stop(text: str, stops: Iterable[str]) -> Optional[int]:
     """Index of the earliest stop string in `text`, or None."""
     found = [i for i in (text.find(s) for s in stops if s) if i >= 0]
@@ -188,8 +196,10 @@ class LitQLoRALM(LM):
         return scaling.get("rope_type", scaling.get("type")) != "longrope"
 
     def _tree_batches(self, groups: dict[tuple[int, ...], list[int]], pairs: Sequence[Pair]) -> list[list[Tree]]:
-        """The groups as rows of at most `max_length` tokens (a group with more continuations than fit is split),
-        `batch_size` rows a batch; sorted by context, so that a batch's rows share most of theirs."""
+        """The groups as rows (a group whose continuations do not fit `max_length` tokens is split), sorted by
+        context so that a batch's rows share most of theirs, batched as many as keep a forward's tokens (rows x the
+        widest row past the shared prefix) within what the whole-sequence path would run at once: `batch_size`
+        times the batch's longest sequence, so the activations stay within the same bound."""
         rows: list[Tree] = []
         for context in sorted(groups):
             row: list[int] = []
@@ -201,7 +211,21 @@ class LitQLoRALM(LM):
                 row.append(i)
                 length += len(pairs[i][1]) - 1
             rows.append((list(context), row))
-        return [rows[start:start + self.batch_size] for start in range(0, len(rows), self.batch_size)]
+        batches: list[list[Tree]] = []
+        for row in rows:
+            batch = (batches[-1] if batches else []) + [row]
+            if len(batches) and self._tree_tokens(batch, pairs) <= self.batch_size * max(
+                    len(c) + max(len(pairs[i][1]) for i in m) for c, m in batch):
+                batches[-1] = batch
+            else:
+                batches.append([row])
+        return batches
+
+    @staticmethod
+    def _tree_tokens(batch: list[Tree], pairs: Sequence[Pair]) -> int:
+        """A batch's forward tokens: its rows times the widest row past the prefix its contexts share."""
+        shared = _shared_prefix([context for context, _ in batch])
+        return len(batch) * max(len(c) - shared + sum(len(pairs[i][1]) - 1 for i in m) for c, m in batch)
 
     def _score_trees(self, batches: list[list[Tree]], pairs: Sequence[Pair], results: list, bar) -> None:
         """Each batch: the prefix its rows' contexts share (less their last token) into row 0 of the KV cache (only
@@ -254,9 +278,7 @@ class LitQLoRALM(LM):
         j: continuation j; -1: padding), right-padded to one length; per member, (row, indices of the hidden states
         that predict its continuation)."""
         contexts = [context for context, _ in batch]
-        shared = 0
-        while shared < min(len(c) for c in contexts) - 1 and len({c[shared] for c in contexts}) == 1:
-            shared += 1
+        shared = _shared_prefix(contexts)
         rows, picks = [], []
         for r, (context, members) in enumerate(batch):
             tokens = list(context[shared:])

@@ -317,7 +317,10 @@ def test_choices_scored_as_branches_of_one_row_equal_each_sequence_alone(family)
     if family.startswith("phi3"):
         assert not any(trees) and len(trees) == len(pairs)
     else:
-        rows = [len(members) for batch in lm._tree_batches({tuple(c): [i for i, p in enumerate(pairs) if p[0] == c]
-                                                             for c in contexts}, pairs) for _, members in batch]
+        batches = lm._tree_batches({tuple(c): [i for i, p in enumerate(pairs) if p[0] == c] for c in contexts}, pairs)
+        rows = [len(members) for batch in batches for _, members in batch]
         assert sum(rows) == len(pairs) and len(rows) == 5  # the 7 continuations of the last context in two rows
-        assert sum(trees) == 3  # 5 rows, 2 a batch
+        assert sum(trees) == len(batches) < len(rows)  # one forward a batch, rows of different contexts in one
+        for batch in batches:  # a forward's tokens within batch_size (2) of the batch's longest sequences
+            longest = max(len(c) + max(len(pairs[i][1]) for i in m) for c, m in batch)
+            assert len(batch) == 1 or lm._tree_tokens(batch, pairs) <= 2 * longest

@@ -38,6 +38,14 @@ def repo_relative(path: Path) -> str:
     return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
+def peft_export(adapter_dir: Path) -> Path:
+    """The PEFT folder a fine-tune writes (final/peft/), given its out_dir or its final/."""
+    for path in (adapter_dir / "final" / "peft", adapter_dir / "peft"):
+        if (path / "adapter_config.json").is_file():
+            return path
+    raise SystemExit(f"{adapter_dir}: no PEFT export (final/peft/adapter_config.json); fine-tune with --export.peft true")
+
+
 def load1() -> float:
     return round(os.getloadavg()[0], 2)
 
@@ -83,6 +91,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--limit", type=int, default=None, help="first N questions only (a quick check)")
     parser.add_argument("--results_dir", default=str(RESULTS))
+    parser.add_argument("--adapter_dir", default=None,
+                        help="a fine-tune's out_dir: ours evaluates its adapter unmerged, HFLM its PEFT export (peft=)")
+    parser.add_argument("--quantize", choices=("nf4", "none"), default=None,
+                        help="ours: the base as `litqlora evaluate --quantize` loads it (HFLM: the plain base)")
     args = parser.parse_args()
 
     import torch
@@ -113,14 +125,15 @@ def main() -> None:
         t0 = time.perf_counter()
         ours_seconds, hf_seconds = [0.0], [0.0]
         # the model as `litqlora evaluate` loads it (eval/evaluate.py: ModelChoice.load, the thread governor)
-        model = ModelChoice(checkpoint_dir=checkpoint_dir, precision={"float32": "32-true", "bfloat16": "bf16-true"}[
-            dtype], device="cpu").load()
+        model = ModelChoice(checkpoint_dir=checkpoint_dir, adapter_dir=args.adapter_dir, quantize=args.quantize,
+                            precision={"float32": "32-true", "bfloat16": "bf16-true"}[dtype], device="cpu").load()
         govern_threads(model)
         ours = timed_requests(LitQLoRALM(model, Tokenizer(checkpoint_dir), batch_size=args.batch_size), ours_seconds)
         ours_load = time.perf_counter() - t0
         t0 = time.perf_counter()
+        peft = {"peft": str(peft_export(Path(args.adapter_dir)))} if args.adapter_dir else {}
         hf = timed_requests(HFLM(pretrained=str(checkpoint_dir), dtype=dtype, device="cpu",
-                                 batch_size=args.batch_size), hf_seconds)
+                                 batch_size=args.batch_size, **peft), hf_seconds)
         hf_load = time.perf_counter() - t0
         models = {"ours": (ours, ours_seconds), "hflm": (hf, hf_seconds)}
         for task in tasks:
@@ -147,7 +160,7 @@ def main() -> None:
                 "ours_acc": runs["ours"][0]["acc"], "hflm_acc": runs["hflm"][0]["acc"],
                 "ours_acc_stderr": runs["ours"][0]["acc_stderr"], "hflm_acc_stderr": runs["hflm"][0]["acc_stderr"],
                 "acc_abs_diff": acc_diff,
-                "scores_agree": acc_diff <= SCORE_TOL if dtype == "float32" else None,
+                "scores_agree": acc_diff <= SCORE_TOL if dtype == "float32" and args.quantize != "nf4" else None,
                 "repeat_scores_identical": all(len(a) == 1 for a in accs.values()),
                 "ours_load_seconds": round(ours_load, 2), "hflm_load_seconds": round(hf_load, 2),
                 "median_load1": round(statistics.median(run["load1_before"] for rs in runs.values() for run in rs), 2),
@@ -171,6 +184,7 @@ def main() -> None:
         },
         "loadavg_start": load_start, "loadavg_end": [round(x, 2) for x in os.getloadavg()],
         "checkpoint_dir": str(checkpoint_dir), "data_file": repo_relative(data_file), "rows": rows,
+        "adapter_dir": args.adapter_dir, "quantize": args.quantize,
         "repeats": args.repeats,
         "command": "python " + " ".join([repo_relative(Path(sys.argv[0])), *sys.argv[1:]]),
         "results": table,
