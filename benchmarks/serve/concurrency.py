@@ -177,6 +177,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     parser.add_argument("--seconds", type=float, default=60)
+    parser.add_argument("--results_dir", type=Path, default=RESULTS)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as folder:
         results = []
@@ -184,12 +185,14 @@ def main() -> None:
             results.append(run_case(name, args.seconds, Path(folder) / name))
             print(json.dumps(results[-1]), flush=True)
     command = f"python benchmarks/serve/concurrency.py --cases {' '.join(args.cases)} --seconds {args.seconds:g}"
+    if args.results_dir != RESULTS:
+        command += f" --results_dir {args.results_dir}"
     flags = open("/proc/cpuinfo").read().split("flags")[1].split("\n")[0] if Path("/proc/cpuinfo").exists() else ""
     isa = " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f" {f}" in flags) or platform.machine()
     summary = {"command": command, "cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
                "isa": isa, "results": results}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "concurrency.json").write_text(json.dumps(summary, indent=2) + "\n")
+    args.results_dir.mkdir(parents=True, exist_ok=True)
+    (args.results_dir / "concurrency.json").write_text(json.dumps(summary, indent=2) + "\n")
     lines = ["# `litqlora serve` under concurrent streamed clients", "",
              f"`{command}` ({os.cpu_count()} CPUs, ISA: {isa}; SmolLM2-135M-Instruct, greedy, up to 32 tokens a "
              "reply, precision auto).", "",
@@ -197,11 +200,11 @@ def main() -> None:
              "p50 / p90 / p99 (s) | whole reply p50 / p90 / p99 (s) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         ttft, whole = r["time_to_first_token_s"], r["whole_reply_s"]
-        lines.append(f"| {r['case']} | {r['clients']} | {r['max_batch_size']} | {r['adapters'] or ('none (NF4 base)' if r['case'] in NF4_BASE else 'none (bf16 base)')} "
+        lines.append(f"| {r['case']} | {r['clients']} | {r['max_batch_size']} | {r['adapters'] or ('none (NF4 base)' if r['case'] in NF4_BASE else 'none (plain base)')} "
                      f"| {r['requests']} | {r['failed']} | {r['requests_per_sec']} | {r['tokens_per_sec']} | "
                      f"{ttft['p50']} / {ttft['p90']} / {ttft['p99']} | {whole['p50']} / {whole['p90']} / {whole['p99']} |")
     table = "\n".join(lines)
-    (RESULTS / "concurrency.md").write_text(table + "\n")
+    (args.results_dir / "concurrency.md").write_text(table + "\n")
     print(table)
     failed = sum(r["failed"] for r in results)
     if failed:
