@@ -13,6 +13,7 @@ from lit_qlora.lora import dropout as lora_dropout
 from lit_qlora.lora.layer import LoRALinear
 from lit_qlora.lora.dropout import _dropped_eager, dropped, dropped_lora, keep_mask_eager, keep_threshold
 from lit_qlora.lora import native
+from lit_qlora.model.recompute import reusing_first_run
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -276,7 +277,7 @@ def test_checkpointing_reuses_the_first_runs_down_products_and_changes_no_gradie
 def test_a_recompute_that_takes_another_path_computes_afresh():
     x = torch.randn(6, 32)
     a = [torch.randn(4, 32)]
-    run = lora_dropout.reusing_down_products(lambda seed: lora_dropout.down(x, a, [seed], 0.2)[0])
+    run = reusing_first_run(lambda seed: lora_dropout.down(x, a, [seed], 0.2)[0])
     first = run(7)
     assert torch.equal(run(8), lora_dropout._down(x, a, [8], 0.2)[0])  # another seed: not the stashed product
     assert not torch.equal(first, run(8))

@@ -318,6 +318,43 @@ def test_checkpointed_and_offloaded_blocks_give_the_same_loss_and_gradients(adap
     adapted.zero_grad(set_to_none=True)
 
 
+def test_a_checkpointed_blocks_recompute_multiplies_no_expert_again_on_the_cpu(adapted, monkeypatch):
+    """On the CPU a checkpointed block's recompute takes every expert projection's product (base and adapter) from
+    its first run: the step runs as many grouped matmuls as without checkpointing (the gradients equal: the test
+    above). Where the products are not kept (a GPU's choice: their memory), the recompute runs the forward's again."""
+    from lit_qlora.nf4 import grouped
+
+    batch = Collate(pad_id=0)(pack(documents(), max_seq_length=30))
+    calls = [0]
+    real = grouped.grouped_mm
+
+    def counted(*args):
+        calls[0] += 1
+        return real(*args)
+
+    monkeypatch.setattr(grouped, "grouped_mm", counted)
+    adapted.train()
+
+    def products(checkpoint_blocks, backward=True):
+        calls[0], adapted.checkpoint_blocks = 0, checkpoint_blocks
+        try:
+            with torch.set_grad_enabled(backward):
+                loss = lm_loss_sum(adapted, batch["input_ids"], batch["labels"], batch["positions"])
+            if backward:
+                loss.backward()
+        finally:
+            adapted.checkpoint_blocks = 0
+            adapted.zero_grad(set_to_none=True)
+        return calls[0]
+
+    forward = products(0, backward=False)
+    plain = products(0)
+    assert forward == LAYERS * 3 * 3 and plain > forward  # 3 projections: the base and the adapter's 2 products
+    assert products(LAYERS) == plain
+    monkeypatch.setattr(grouped, "keeps_expert_products", lambda x: False)
+    assert products(LAYERS) == plain + forward
+
+
 def test_a_packed_checkpointed_finetune_steps_loss_is_the_token_weighted_mean_of_its_documents_alone(
         moe_dir, data, tmp_path):
     """`--data.packing true` with `--train.activation_checkpointing` on the NF4 MoE: the first step (B at zero,

@@ -1,7 +1,8 @@
 """One `litqlora finetune` optimizer step without the Trainer around it, for the profiling scripts.
 
-Loads the base (NF4 for "nf4", bf16 for "none"; a preset name instead of a directory: random weights), adds LoRA (r=8, alpha=16, every linear), and returns the model,
-its optimizer and `step()`: FinetuneModule.micro_loss_sum on fixed random tokens (seed 0), backward, clipping at
+Loads the base (NF4 for "nf4", `dtype` for "none", bf16 unless told; a preset name instead of a directory: random
+weights), adds LoRA (r=8, alpha=16, in `dtype`, on `targets`: every linear unless told), and returns the model, its
+optimizer and `step()`: FinetuneModule.micro_loss_sum on fixed random tokens (seed 0), backward, clipping at
 1.0, fused AdamW, with the HeapRelease callback's heap-release checks on CPU (before backward, around each block, after
 the update).
 """
@@ -23,14 +24,15 @@ from lit_qlora.train.heap import HeapTrimmer
 from lit_qlora.train.module import FinetuneModule  # imported here so callers' RSS baselines include Lightning
 
 
-def build_step(checkpoint_dir: str, quantize: str, batch: int, seq: int, checkpointing: bool, dropout: float = 0.0):
+def build_step(checkpoint_dir: str, quantize: str, batch: int, seq: int, checkpointing: bool, dropout: float = 0.0,
+               dtype: torch.dtype = torch.bfloat16, targets: str = "all"):
     torch.manual_seed(0)
     if checkpoint_dir in PRESETS:  # a preset name: its shape with random weights, built as the loader builds it
-        model = random_base(PRESETS[checkpoint_dir], quantize, torch.bfloat16)
+        model = random_base(PRESETS[checkpoint_dir], quantize, dtype)
     else:
-        model = load_model(checkpoint_dir, quantize, "bf16-true")
+        model = load_model(checkpoint_dir, quantize, "bf16-true" if dtype == torch.bfloat16 else "32-true")
         govern_threads(model)  # as `litqlora finetune` runs it
-    apply_lora(model, r=8, alpha=16, dropout=dropout, targets="all", dtype=torch.bfloat16)
+    apply_lora(model, r=8, alpha=16, dropout=dropout, targets=targets.split(","), dtype=dtype)
     model.checkpoint_blocks = model.config.n_layer if checkpointing else 0
     train = TrainArgs(max_steps=2, micro_batch_size=batch, global_batch_size=batch, max_seq_length=seq,
                       activation_checkpointing=checkpointing)

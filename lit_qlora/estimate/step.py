@@ -43,6 +43,7 @@ PATCH_POINTS: dict[str, tuple[str, ...]] = {
     "lit_qlora.model.offload": ("ActivationOffload.to_host",),  # the host copies, counted apart
     "lit_qlora.model.tiled_mlp": ("tile_starts",),  # the first tiles traced
     "lit_qlora.model.transformer": ("use_flex_attention",),  # CUDA's attention
+    "lit_qlora.nf4.grouped": ("keeps_expert_products",),  # the CPU keeps the experts' products for the recompute
     "lit_qlora.nf4.linear": ("_cuda_scratch", "_scratch", "dense_rows", "dense_stack", "whole_weight"),
     "lit_qlora.nf4.reference": ("_TABLE_CACHE",),  # (caches set aside, read: `_nf4_caches_set_aside`)
     "lit_qlora.train.loss": ("head_ce_sum", "logits_chunk_elems", "nf4_head_ce_sum", "tiled_ce_sum"),
@@ -222,10 +223,12 @@ def cuda_code_paths() -> Iterator[None]:
     import torch
 
     from lit_qlora.lora import dropout as lora_dropout
+    from lit_qlora.nf4 import grouped
     from lit_qlora.train import loss
 
     with ExitStack() as stack:
         stack.enter_context(_patched(loss, "logits_chunk_elems", lambda device: loss.CUDA_LOGITS_CHUNK_ELEMS))
+        stack.enter_context(_patched(grouped, "keeps_expert_products", lambda x: False))
         stack.enter_context(_gpu_nf4_paths())
         stack.enter_context(_cuda_attention())
         stack.enter_context(_patched(torch.nn.functional, "dropout", _cuda_dropout))

@@ -19,14 +19,13 @@ dropout 0.05 cost 13.5% of a SmolLM2 4x512 step; 6% now (`benchmarks/ab/dropout_
 
 from __future__ import annotations
 
-import threading
-from collections import deque
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
 from lit_qlora.base import switches
 from lit_qlora.lora import native
+from lit_qlora.model.recompute import first_run_value
 from lit_qlora.nf4.native import is_fake
 
 GOLDEN, MIX1, MIX2, LOW32 = 0x9E3779B1, 0x7FEB352D, 0x846CA68B, 0xFFFFFFFF
@@ -131,42 +130,13 @@ def _fused_kernel(x2: torch.Tensor, a: list[torch.Tensor]) -> bool:
     return _fused_checked[x2.dtype]
 
 
-_block_run = threading.local()  # .state: (the checkpointed block's stash, whether this run is its recompute)
-
-
-def reusing_down_products(block: Callable) -> Callable:
-    """`block` for ``torch.utils.checkpoint``: its recompute takes each `down` product from its first run (tokens x
-    r values per adapter, kept until backward) instead of hashing and multiplying x again; both runs draw the same
-    seeds (checkpointing restores the RNG state), which each reuse checks. Saves a third of dropout's kernel work."""
-    stash: deque = deque()
-    runs = [0]
-
-    def run(*args, **kwargs):
-        previous = getattr(_block_run, "state", None)
-        _block_run.state = (stash, runs[0] > 0)
-        runs[0] += 1
-        try:
-            return block(*args, **kwargs)
-        finally:
-            _block_run.state = previous
-
-    return run
-
-
 def down(x2: torch.Tensor, a: list[torch.Tensor], seeds: list[int], p: float) -> list[torch.Tensor]:
     """Each adapter's ``dropout_q(x2) @ a[q]^T`` (tokens, r) in x2's dtype, mask q drawn from seeds[q]: on CPU one
-    pass over x2 for all of them, the dropped copies never written (x2: (tokens, in))."""
-    state = getattr(_block_run, "state", None)
-    key = (tuple(seeds), p, x2.shape[0], tuple(t.shape for t in a))
-    if state is not None and state[1]:
-        stash = state[0]
-        if stash and stash[0][0] == key:
-            return stash.popleft()[1]
-        stash.clear()  # the recompute took another path: nothing further is reused
-    h = _down(x2, a, seeds, p)
-    if state is not None and not state[1]:
-        state[0].append((key, h))
-    return h
+    pass over x2 for all of them, the dropped copies never written (x2: (tokens, in)). A checkpointed block's
+    recompute takes them from its first run (lit_qlora.model.recompute: tokens x r values per adapter, kept until
+    backward), which both runs' seeds, part of the key, check: a third of dropout's kernel work saved."""
+    key = ("lora_down", tuple(seeds), p, x2.shape[0], tuple(t.shape for t in a))
+    return first_run_value(key, lambda: _down(x2, a, seeds, p))
 
 
 def _down(x2: torch.Tensor, a: list[torch.Tensor], seeds: list[int], p: float) -> list[torch.Tensor]:

@@ -1,5 +1,6 @@
 """LoRA on a mixture of experts' projections: every expert has its own A and B, stacked as the base is, and the
-adapter term runs as two grouped matmuls over the tokens routed to each expert (no call per expert)."""
+adapter term runs as two grouped matmuls over the tokens routed to each expert (no call per expert), inside the base
+projection's autograd function (lit_qlora.nf4.grouped._ExpertMatmul)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from lit_qlora.lora.rank import set_rank
-from lit_qlora.nf4.grouped import ExpertLinear, GroupedMM, group_offsets
+from lit_qlora.nf4.grouped import ExpertLinear
 
 
 class LoRAExpertLinear(ExpertLinear):
@@ -38,15 +39,9 @@ class LoRAExpertLinear(ExpertLinear):
         nn.init.zeros_(self.lora_B)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        out = super().forward(x, counts)
         if self.scale == 0:  # adapters_disabled
-            return out
-        offsets = group_offsets(counts)
-        # The scale goes on B (out x r per expert), not on the rows x out product, and the sum is in place: at
-        # 8 experts a token these are the largest tensors of the block.
-        a, b = self.lora_A.to(x.dtype), self.lora_B.to(x.dtype) * self.scale
-        down = GroupedMM.apply(self.lora_dropout(x), a.transpose(1, 2), offsets)
-        return out.add_(GroupedMM.apply(down, b.transpose(1, 2), offsets))
+            return super().forward(x, counts)
+        return super().forward(x, counts, lora=(self.lora_dropout(x), self.lora_A, self.lora_B, self.scale))
 
     def delta_weight(self, expert: int) -> torch.Tensor:
         """scale * B_e @ A_e in fp32: what merging adds to expert `expert`'s weight."""

@@ -17,7 +17,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from lit_qlora.lora.dropout import reusing_down_products
 from lit_qlora.model.attention import attend, softcap, use_flex_attention
 from lit_qlora.model.attention_mask import as_dense, attention_mask, document_lengths
 from lit_qlora.model.flex import FlexShape, flex_runs
@@ -27,6 +26,7 @@ from lit_qlora.model.moe import SparseMoE
 from lit_qlora.nf4 import gemv
 from lit_qlora.nf4.grouped import ExpertLinear
 from lit_qlora.model.offload import block_input_saved
+from lit_qlora.model.recompute import reusing_first_run
 from lit_qlora.model.rope import rope_attention_factor, rope_inv_freq
 from lit_qlora.model.tiled_mlp import mlp_tile_tokens, tiled_mlp
 
@@ -337,7 +337,7 @@ class Transformer(nn.Module):
             mask, (cos, sin) = masks[block.sliding], ropes[block.sliding]
             if i < self.checkpoint_blocks and torch.is_grad_enabled():
                 with block_input_saved(self.activation_offload, x):
-                    x = checkpoint(reusing_down_products(block), x, cos, sin, mask, input_pos, use_reentrant=False)
+                    x = checkpoint(reusing_first_run(block), x, cos, sin, mask, input_pos, use_reentrant=False)
             else:
                 x = block(x, cos, sin, mask, input_pos)
         return self.model.norm(x)

@@ -20,6 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torchao.quantization import NF4Tensor
 
+from lit_qlora.model.recompute import first_run_value
 from lit_qlora.nf4.codec import block_scales, dequantize_nf4, is_nf4
 from lit_qlora.nf4.native import dequantize_blocks, is_fake, use_native
 from lit_qlora.nf4.reference import dequantize_eager
@@ -137,23 +138,6 @@ def grouped_weight_grad(a: torch.Tensor, g: torch.Tensor, offsets: torch.Tensor)
     return out[:, :k, :n]
 
 
-class GroupedMM(torch.autograd.Function):
-    """`grouped_mm` with gradients for both operands (a LoRA factor's are trained)."""
-
-    @staticmethod
-    def forward(ctx, a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(a if ctx.needs_input_grad[1] else None, b, offsets)
-        return grouped_mm(a, b, offsets)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        a, b, offsets = ctx.saved_tensors
-        grad = grad.contiguous()
-        grad_a = grouped_mm(grad, b.transpose(1, 2), offsets) if ctx.needs_input_grad[0] else None
-        grad_b = grouped_weight_grad(a, grad, offsets).to(b.dtype) if ctx.needs_input_grad[1] else None
-        return grad_a, grad_b, None
-
-
 def group_offsets(counts: torch.Tensor) -> torch.Tensor:
     """Each group's end row, int32, as ``torch._grouped_mm`` takes them."""
     return counts.cumsum(0).to(torch.int32)
@@ -240,32 +224,72 @@ def expert_products(rows: torch.Tensor, weight: torch.Tensor, n_experts: int, ex
     return out
 
 
+def keeps_expert_products(x: torch.Tensor) -> bool:
+    """Whether a checkpointed block's recompute takes its expert projections' products from the first run (kept from
+    forward to backward) rather than multiplying again: on the CPU, where the matmuls are the time (a third of a
+    checkpointed MoE step's expert work) and the products' memory is plentiful; not on a GPU, where that memory
+    (24 KB a token a layer for Qwen3-30B-A3B in bf16) is what is short."""
+    return x.device.type == "cpu"
+
+
 class _ExpertMatmul(torch.autograd.Function):
-    """x @ W_e^T per expert's rows for a frozen stacked W (dense or NF4); backward dequantizes again rather than
-    keeping the dense experts (their bf16 size would sit beside every block's activations)."""
+    """x @ W_e^T per expert's rows for a frozen stacked W (dense or NF4), plus LoRA's scale * x_lora A_e^T B_e^T where
+    factors are given (x_lora: x, or its dropout). Backward dequantizes again rather than keeping the dense experts
+    (their bf16 size would sit beside every block's activations); it keeps x_lora and the r-wide x_lora A_e^T."""
 
     @staticmethod
-    def forward(ctx, x, weight, n_experts: int, counts: torch.Tensor):
-        ctx.n_experts = n_experts
-        if not is_nf4(weight):  # a dense stack is used whole: empty groups cost nothing, selecting would copy
-            ctx.save_for_backward(weight, group_offsets(counts))
-            return grouped_mm(x, weight.detach().to(x.dtype).transpose(1, 2), group_offsets(counts))
+    def forward(ctx, x, weight, n_experts: int, counts: torch.Tensor, x_lora, lora_a, lora_b, scale: float):
+        ctx.n_experts, ctx.scale, ctx.same_input = n_experts, scale, x_lora is x
+        offsets = group_offsets(counts)
+        nf4 = is_nf4(weight)
         # Only the experts that got rows are dequantized. A dry run on fake tensors cannot know which: it counts
-        # them all, the most this can take.
-        active = None if is_fake(counts) or bool((counts > 0).all()) else counts.nonzero().view(-1)
+        # them all, the most this can take. (A dense stack is used whole: empty groups cost nothing.)
+        active = None if not nf4 or is_fake(counts) or bool((counts > 0).all()) else counts.nonzero().view(-1)
         kept = counts if active is None else counts.index_select(0, active)
-        ctx.save_for_backward(weight, kept, active)
-        return expert_products(x, weight, n_experts, active, kept, forward=True)
+
+        def products() -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+            if nf4:
+                out = expert_products(x, weight, n_experts, active, kept, forward=True)
+            else:
+                out = grouped_mm(x, weight.detach().to(x.dtype).transpose(1, 2), offsets)
+            if lora_a is None:
+                return out, None
+            # The scale goes on B (out x r per expert), not on the rows x out product, and the sum is in place: at
+            # 8 experts a token these are the largest tensors of the block.
+            down = grouped_mm(x_lora, lora_a.to(x.dtype).transpose(1, 2), offsets)
+            out.add_(grouped_mm(down, (lora_b.to(x.dtype) * scale).transpose(1, 2), offsets))
+            return out, down
+
+        key = ("experts", id(weight), tuple(x.shape), lora_a is not None)
+        out, down = first_run_value(key, products) if keeps_expert_products(x) else products()
+        ctx.save_for_backward(weight, offsets, kept, active, x_lora if lora_a is not None else None, down,
+                              lora_a, lora_b)
+        return out
 
     @staticmethod
     def backward(ctx, grad):
         grad = grad.contiguous()
-        saved = ctx.saved_tensors  # (unpacked once: a checkpointed block's recompute allows no second unpack)
-        if not is_nf4(saved[0]):
-            weight, offsets = saved
-            return grouped_mm(grad, weight.detach().to(grad.dtype), offsets), None, None, None
-        weight, kept, active = saved
-        return expert_products(grad, weight, ctx.n_experts, active, kept, forward=False), None, None, None
+        weight, offsets, kept, active, x_lora, down, lora_a, lora_b = ctx.saved_tensors  # (unpacked once: a
+        # checkpointed block's recompute allows no second unpack)
+        needs = ctx.needs_input_grad
+        if is_nf4(weight):
+            grad_x = expert_products(grad, weight, ctx.n_experts, active, kept, forward=False)
+        else:
+            grad_x = grouped_mm(grad, weight.detach().to(grad.dtype), offsets)
+        grad_x_lora = grad_a = grad_b = None
+        if lora_a is not None:
+            grad_down = grouped_mm(grad, lora_b.to(grad.dtype), offsets).mul_(ctx.scale)  # scale * grad B_e
+            if needs[4] or (ctx.same_input and needs[0]):
+                through_a = grouped_mm(grad_down, lora_a.to(grad.dtype), offsets)
+                if ctx.same_input:
+                    grad_x.add_(through_a)
+                else:
+                    grad_x_lora = through_a
+            if needs[5]:
+                grad_a = grouped_weight_grad(grad_down, x_lora, offsets).to(lora_a.dtype)
+            if needs[6]:
+                grad_b = grouped_weight_grad(grad, down, offsets).mul_(ctx.scale).to(lora_b.dtype)
+        return grad_x if needs[0] else None, None, None, None, grad_x_lora, grad_a, grad_b, None
 
 
 class ExpertLinear(nn.Module):
@@ -283,8 +307,9 @@ class ExpertLinear(nn.Module):
         self.bias = (nn.Parameter(torch.zeros(n_experts, out_features, device=device, dtype=dtype),
                                   requires_grad=False) if bias else None)
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        out = _ExpertMatmul.apply(x, self.weight, self.n_experts, counts)
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, lora: Optional[tuple] = None) -> torch.Tensor:
+        """`lora`: (x_lora, A, B, scale), the adapter term added (LoRAExpertLinear)."""
+        out = _ExpertMatmul.apply(x, self.weight, self.n_experts, counts, *(lora or (None, None, None, 1.0)))
         if self.bias is not None:  # each row its expert's bias
             out = out + self.bias.to(out.dtype).repeat_interleave(counts, dim=0, output_size=x.size(0))
         return out
