@@ -251,6 +251,7 @@ def test_tracing_two_loss_chunks_per_loss_predicts_what_tracing_all_of_them_does
 
     for name in ("LOGITS_CHUNK_ELEMS", "CUDA_LOGITS_CHUNK_ELEMS"):
         monkeypatch.setattr(loss, name, 512 * 16)  # 16 tokens a chunk: 8 chunks per 2 x 64 batch
+    monkeypatch.setattr(loss, "CHUNK_TOKENS_FLOOR", 1)
     config = Config.from_hf_config(TINY)
     train = TrainArgs(micro_batch_size=2, global_batch_size=4, max_seq_length=64, activation_checkpointing=True)
     real, heads = loss.head_ce_sum, []

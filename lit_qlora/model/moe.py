@@ -30,13 +30,20 @@ class Experts(nn.Module):
         self.act = partial(F.gelu, approximate="tanh") if config.mlp_activation == "gelu_tanh" else F.silu
         self.limit, self.alpha = config.swiglu_limit, config.swiglu_alpha
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """x: rows sorted by expert, counts[e] rows for expert e."""
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, row_weights: torch.Tensor) -> torch.Tensor:
+        """x: rows sorted by expert, counts[e] rows for expert e; each output row times its row_weights value."""
         gate, up = self.gate_proj(x, counts), self.up_proj(x, counts)
         if self.limit is not None:  # gpt-oss's clamped SwiGLU
             gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
-            return self.down_proj((up + 1) * gate * torch.sigmoid(gate * self.alpha), counts)
-        return self.down_proj(self.act(gate) * up, counts)
+            hidden = (up + 1) * gate * torch.sigmoid(gate * self.alpha)
+        else:
+            hidden = self.act(gate) * up
+        # Scaling before the projection equals scaling after it without a bias, and touches fewer values where the
+        # experts are narrower than the model (OLMoE, Qwen3-MoE: 8 rows a token, forward and backward); a bias is
+        # weighted too, so it scales after.
+        if self.down_proj.bias is None and hidden.size(-1) < self.down_proj.out_features:
+            return self.down_proj(hidden * row_weights[:, None], counts)
+        return self.down_proj(hidden, counts) * row_weights[:, None]
 
 
 class SparseMoE(nn.Module):
@@ -75,8 +82,7 @@ class SparseMoE(nn.Module):
         counts = torch.zeros(self.n_experts, dtype=torch.long, device=x.device).scatter_add_(
             0, flat, torch.ones_like(flat))
         token = order // self.top_k
-        y = self.experts(x.index_select(0, token), counts)
-        y = y * weights.view(-1).index_select(0, order)[:, None]
+        y = self.experts(x.index_select(0, token), counts, weights.view(-1).index_select(0, order))
         out = torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
         self.load = counts.detach()
         trains = self.training and torch.is_grad_enabled() and any(p.requires_grad for p in self.gate.parameters())
