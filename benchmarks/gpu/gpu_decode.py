@@ -28,6 +28,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "speed"))  # no PYTHONPATH in the bnb venv
+from decode_timing import timed_generate, timed_tokens  # noqa: E402  (stdlib only at import)
+
 PROMPT_TOKENS = 40
 
 
@@ -37,30 +40,14 @@ def prompt_ids(checkpoint_dir: str) -> list[int]:
     return [(1 + 7919 * i) % vocab for i in range(PROMPT_TOKENS)]
 
 
-def drain(tokens, n: int, sync) -> dict:
-    """Seconds until the first of `n` tokens and until the last (the device synchronized at both)."""
-    start = time.perf_counter()
-    out, first = [], None
-    for token in tokens:
-        out.append(int(token))
-        if first is None:
-            sync()
-            first = time.perf_counter()
-        if len(out) == n:
-            break
-    sync()
-    end = time.perf_counter()
-    return {"tokens": out, "seconds": end - start, "decode_seconds": end - first}
-
-
 def child_ours(args: argparse.Namespace, ids: list[int], sync) -> dict:
     from lit_qlora.deploy.choice import ModelChoice
     from lit_qlora.model.sampling import generate
 
     model = ModelChoice(checkpoint_dir=args.checkpoint_dir, quantize=args.quantize, precision="bf16-true",
                         device=args.device).load()
-    drain(generate(model, ids, 8), 8, sync)  # warm-up: kernels compiled and autotuned, caches touched
-    return drain(generate(model, ids, args.tokens), args.tokens, sync)
+    timed_tokens(generate(model, ids, 8), 8, sync)  # warm-up: kernels compiled and autotuned, caches touched
+    return timed_tokens(generate(model, ids, args.tokens), args.tokens, sync)
 
 
 def child_bnb(args: argparse.Namespace, ids: list[int], sync) -> dict:
@@ -72,9 +59,6 @@ def child_bnb(args: argparse.Namespace, ids: list[int], sync) -> dict:
     model = AutoModelForCausalLM.from_pretrained(args.checkpoint_dir, dtype=torch.bfloat16, device_map=args.device,
                                                  quantization_config=quant).eval()
     prompt = torch.tensor([ids], device=args.device)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "speed"))  # no PYTHONPATH in the bnb venv
-    from hf_timing import timed_generate
-
     def run(n: int) -> dict:
         return timed_generate(model, prompt, n, sync)
 

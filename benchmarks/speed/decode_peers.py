@@ -35,7 +35,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT))
 
-from hf_timing import timed_generate  # noqa: E402  (this folder is on sys.path: the script's own)
+from decode_timing import timed_generate, timed_tokens  # noqa: E402  (this folder is on sys.path: the script's own)
 from nf4_decode import checkpoint, isa_flags  # noqa: E402
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle, in three paragraphs please."
@@ -48,20 +48,6 @@ LLAMA_1B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidde
 """Llama 3.2 1B's shape with SmolLM2's 49,152-word vocabulary (so the bundled tokenizer serves it)."""
 
 
-def timed(tokens_iter, n: int) -> dict:
-    """Drain `n` tokens from a generator: the whole call's and the decode's seconds."""
-    out, first = [], None
-    start = time.perf_counter()
-    for token in tokens_iter:
-        out.append(int(token))
-        if first is None:
-            first = time.perf_counter()
-        if len(out) == n:
-            break
-    end = time.perf_counter()
-    return {"tokens": out, "seconds": end - start, "decode_seconds": end - first}
-
-
 def child_ours(args: argparse.Namespace, ids: list[int]) -> dict:
     from lit_qlora.base.threads import govern_threads
     from lit_qlora.deploy.choice import ModelChoice
@@ -71,8 +57,8 @@ def child_ours(args: argparse.Namespace, ids: list[int]) -> dict:
                          device="cpu")
     model = choice.load()
     govern_threads(model)  # as `litqlora generate` runs
-    timed(generate(model, ids, 8), 8)  # warm-up: kernels built, caches touched
-    return {**timed(generate(model, ids, args.tokens), args.tokens), "precision": choice.run_precision}
+    timed_tokens(generate(model, ids, 8), 8)  # warm-up: kernels built, caches touched
+    return {**timed_tokens(generate(model, ids, args.tokens), args.tokens), "precision": choice.run_precision}
 
 
 def child_transformers(args: argparse.Namespace, ids: list[int]) -> dict:
@@ -98,7 +84,7 @@ def child_llama_cpp(args: argparse.Namespace, ids: list[int]) -> dict:
 
     def run(n: int) -> dict:
         llm.reset()
-        return timed(llm.generate(ids, top_k=1, temp=0.0, reset=True), n)
+        return timed_tokens(llm.generate(ids, top_k=1, temp=0.0, reset=True), n)
 
     run(8)
     return {**run(args.tokens), "precision": args.gguf.stem.rsplit("-", 1)[-1]}
