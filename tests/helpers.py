@@ -20,7 +20,8 @@ from lit_qlora.checkpoint.loading import random_base
 from lit_qlora.lora.layer import apply_lora
 from lit_qlora.model.batch_decode import Row
 from lit_qlora.model.config import Config
-from lit_qlora.nf4 import linear
+from lit_qlora.nf4 import linear, quantize_nf4
+from lit_qlora.nf4.native import triton_available
 from lit_qlora.train.args import LoRAArgs, TrainArgs
 from lit_qlora.train.datamodule import DataArgs
 from lit_qlora.train.finetune import finetune
@@ -905,3 +906,15 @@ def run_batch(batch, joins: dict[int, list[Row]]) -> tuple[dict, dict, int]:
                 finish[t.key] = t.finish
         step += 1
     return tokens, finish, widest
+
+
+needs_interpreter = pytest.mark.skipif(not triton_available() or os.environ.get("TRITON_INTERPRET") != "1",
+                                       reason="needs triton and TRITON_INTERPRET=1 (tests/conftest.py sets it)")
+"""The Triton kernels' tests on the CPU: Triton's interpreter runs them."""
+
+
+def nf4_test_weight(shape, dtype, seed=0, block_size=64):
+    """An NF4 weight of random rows each scaled by its own random factor (the blocks' scales differ)."""
+    gen = torch.Generator().manual_seed(seed)
+    w = (torch.randn(shape, generator=gen) * torch.rand(shape[0], 1, generator=gen)).to(dtype)
+    return quantize_nf4(w, block_size)

@@ -8,8 +8,6 @@ bf16 on a GPU (the last test)."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -17,18 +15,12 @@ from lit_qlora.nf4 import nf4_linear, quantize_nf4
 from lit_qlora.nf4 import linear as nf4_linear_module
 from lit_qlora.nf4.native import triton_available
 
-needs_interpreter = pytest.mark.skipif(not triton_available() or os.environ.get("TRITON_INTERPRET") != "1",
-                                       reason="needs triton and TRITON_INTERPRET=1 (tests/conftest.py sets it)")
+from helpers import needs_interpreter, nf4_test_weight
+
 # ((N, K), block size): block tiles (the interpreter's tiles span 64 along K) where N and K are odd multiples of the
 # 64-value block (3 and 5 blocks) and with fewer rows than a tile; values by flat index where K = 100 (blocks straddle
 # rows), K is odd (code bytes straddle rows), or the block is 50 values (rows of whole blocks, not a tile's extent)
 SHAPES = [((192, 320), 64), ((7, 128), 64), ((64, 100), 64), ((128, 33), 64), ((30, 150), 50)]
-
-
-def _weight(shape, dtype, seed=0, block_size=64):
-    gen = torch.Generator().manual_seed(seed)
-    w = (torch.randn(shape, generator=gen) * torch.rand(shape[0], 1, generator=gen)).to(dtype)
-    return quantize_nf4(w, block_size)
 
 
 def _probe(n_random: int, width: int, dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,7 +50,7 @@ def _check(got, x, dense, picked, n_random):
 def test_fused_forward_and_dx_equal_the_dense_products(shape, block_size, dtype):
     from lit_qlora.nf4.triton_matmul import _block_tiles, nf4_grad_input_fused, nf4_linear_fused
 
-    t = _weight(shape, dtype, seed=sum(shape), block_size=block_size)
+    t = nf4_test_weight(shape, dtype, seed=sum(shape), block_size=block_size)
     assert t.block_size == block_size
     tiles = {"BLOCK_SIZE": block_size, "BLOCK_P": 64, "BLOCK_R": 64}  # the interpreter's configuration
     assert _block_tiles({**tiles, "P": shape[1], "R": shape[0], "TRANS": True}) == (shape[1] % 64 == 0 and block_size == 64)
@@ -73,7 +65,7 @@ def test_fused_forward_and_dx_equal_the_dense_products(shape, block_size, dtype)
 def test_fused_forward_adds_the_bias_and_takes_a_single_row():
     from lit_qlora.nf4.triton_matmul import nf4_linear_fused
 
-    t = _weight((64, 128), torch.float32)
+    t = nf4_test_weight((64, 128), torch.float32)
     x, b = torch.randn(1, 128), torch.randn(64)
     torch.testing.assert_close(nf4_linear_fused(x, t, b), x @ t.get_original_weight().T + b, rtol=1e-5, atol=1e-5)
 
@@ -87,7 +79,7 @@ def test_nf4_linear_with_the_setting_on_matches_it_off(bias, monkeypatch):
     for name in ("nf4_linear_fused", "nf4_grad_input_fused"):
         original = getattr(triton_matmul, name)
         monkeypatch.setattr(triton_matmul, name, lambda *a, _f=original, _n=name: calls.append(_n) or _f(*a))
-    t = _weight((192, 320), torch.float32, seed=3)
+    t = nf4_test_weight((192, 320), torch.float32, seed=3)
     gen = torch.Generator().manual_seed(4)
     x0, grad = torch.randn(2, 9, 320, generator=gen), torch.randn(2, 9, 192, generator=gen)
     b0 = torch.randn(192, generator=gen) if bias else None
@@ -110,7 +102,7 @@ def test_nf4_linear_with_the_setting_on_matches_it_off(bias, monkeypatch):
 
 
 def test_the_setting_needs_a_device_the_kernel_runs_on(monkeypatch):
-    t = _weight((64, 128), torch.float32)
+    t = nf4_test_weight((64, 128), torch.float32)
     x = torch.randn(2, 128)
     monkeypatch.setenv("LIT_QLORA_NF4_FUSED", "1")
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # CPU tensors, compiled Triton: not applicable
@@ -131,7 +123,7 @@ def test_the_setting_needs_a_device_the_kernel_runs_on(monkeypatch):
 def test_fake_impls_give_shape_and_dtype_and_opcheck_passes():
     from lit_qlora.nf4.triton_matmul import _inner
 
-    t = _weight((64, 100), torch.float16)
+    t = nf4_test_weight((64, 100), torch.float16)
     x, g = torch.randn(3, 100, dtype=torch.float16), torch.randn(2, 3, 64, dtype=torch.float16)
     for op, a, shape in ((torch.ops.lit_qlora.nf4_matmul, x, (3, 64)), (torch.ops.lit_qlora.nf4_matmul_dx, g,
                                                                          (2, 3, 100))):
@@ -146,7 +138,7 @@ def test_compiled_nf4_linear_with_the_setting_on_is_one_graph_of_the_fused_ops_a
     from torch._dynamo.testing import CompileCounterWithBackend
 
     monkeypatch.setenv("LIT_QLORA_NF4_FUSED", "1")
-    t = _weight((64, 128), torch.float32, seed=5)
+    t = nf4_test_weight((64, 128), torch.float32, seed=5)
     b = torch.randn(64)
     x0 = torch.randn(2, 5, 128)
     counter = CompileCounterWithBackend("aot_eager")

@@ -9,26 +9,18 @@ test)."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-from lit_qlora.nf4 import nf4_linear, quantize_nf4
+from lit_qlora.nf4 import nf4_linear
 from lit_qlora.nf4.native import triton_available
 
-needs_interpreter = pytest.mark.skipif(not triton_available() or os.environ.get("TRITON_INTERPRET") != "1",
-                                       reason="needs triton and TRITON_INTERPRET=1 (tests/conftest.py sets it)")
+from helpers import needs_interpreter, nf4_test_weight
+
 # ((N, K), block size), with the interpreter's (16, 64) tiles: N and K tails ((7, 128), (40, 96)), two blocks a tile
 # and a half-empty last tile (blocks of 32, K 96), four blocks a tile (16), and one output tile over eight K tiles
 # (16, 512), which the kernel splits into four partial sums
 SHAPES = [((192, 320), 64), ((7, 128), 64), ((40, 96), 32), ((24, 128), 16), ((16, 512), 64)]
-
-
-def _weight(shape, dtype, seed=0, block_size=64):
-    gen = torch.Generator().manual_seed(seed)
-    w = (torch.randn(shape, generator=gen) * torch.rand(shape[0], 1, generator=gen)).to(dtype)
-    return quantize_nf4(w, block_size)
 
 
 def _rows(m: int, width: int, dtype, seed: int):
@@ -48,7 +40,7 @@ def _rows(m: int, width: int, dtype, seed: int):
 def test_few_rows_equal_the_dense_product(shape, block_size, m, dtype):
     from lit_qlora.nf4.triton_rows import nf4_linear_rows
 
-    weight = _weight(shape, dtype, seed=m, block_size=block_size)
+    weight = nf4_test_weight(shape, dtype, seed=m, block_size=block_size)
     dense = weight.get_original_weight()
     x, picked = _rows(m, shape[1], dtype, seed=m)
     got = nf4_linear_rows(x, weight)
@@ -67,7 +59,7 @@ def test_leading_dims_bias_and_an_fp32_weight_under_fp16_rows():
     rounded to the rows' fp16 first, as the dense weight in fp16 would hold them."""
     from lit_qlora.nf4.triton_rows import nf4_linear_rows
 
-    weight = _weight((48, 128), torch.float32, seed=3)
+    weight = nf4_test_weight((48, 128), torch.float32, seed=3)
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(2, 3, 128, generator=gen).half()
     bias = torch.randn(48, generator=gen)
@@ -96,7 +88,7 @@ def test_nf4_linear_routes_a_decode_step_to_the_kernel_and_nothing_else(monkeypa
 
     monkeypatch.setattr(triton_rows, "nf4_linear_rows", counted)
     monkeypatch.setenv("LIT_QLORA_NF4_FUSED", "1")
-    weight = _weight((32, 128), torch.float32, seed=5)
+    weight = nf4_test_weight((32, 128), torch.float32, seed=5)
     dense = weight.get_original_weight()
     gen = torch.Generator().manual_seed(6)
     with torch.no_grad():
@@ -113,7 +105,7 @@ def test_nf4_linear_routes_a_decode_step_to_the_kernel_and_nothing_else(monkeypa
         nf4_linear(torch.randn(2, 128, generator=gen), weight)
     assert len(calls) == 1
     monkeypatch.delenv("LIT_QLORA_NF4_GEMV")
-    odd = _weight((16, 100), torch.float32, seed=7)  # rows straddle blocks: the tile kernel's flat indexing instead
+    odd = nf4_test_weight((16, 100), torch.float32, seed=7)  # rows straddle blocks: the tile kernel's flat indexing instead
     with torch.no_grad():
         nf4_linear(torch.randn(2, 100, generator=gen), odd)
     assert len(calls) == 1
@@ -124,7 +116,7 @@ def test_nf4_linear_routes_a_decode_step_to_the_kernel_and_nothing_else(monkeypa
 def test_bf16_rows_on_cuda_equal_the_dense_product(m):
     from lit_qlora.nf4.triton_rows import nf4_linear_rows
 
-    weight = _weight((4096, 4096), torch.bfloat16, seed=m).to("cuda")
+    weight = nf4_test_weight((4096, 4096), torch.bfloat16, seed=m).to("cuda")
     x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
     dense = weight.get_original_weight()
     want = (x.float() @ dense.float().T)
