@@ -64,6 +64,21 @@ def _shared_prefix(contexts: Sequence[Sequence[int]]) -> int:
     return shared
 
 
+def _tree_mask(shared: int, positions: torch.Tensor, branch: torch.Tensor, window: Optional[int],
+               cache_len: int) -> torch.Tensor:
+    """(rows, 1, tokens, cache_len) boolean attention mask of a tree batch: a token sees the `shared` prefix and the
+    rest of its context (branch 0) and its own branch, up to its own position (within `window` positions of it,
+    where given); the cache's slots past the batch's tokens are masked."""
+    rows = positions.size(0)
+    kv_pos = torch.cat([torch.arange(shared).expand(rows, -1), positions], 1)
+    kv_branch = torch.cat([torch.zeros(rows, shared, dtype=torch.long), branch], 1)
+    seen = ((kv_branch[:, None, :] == 0) | (kv_branch[:, None, :] == branch[:, :, None])) \
+        & (kv_pos[:, None, :] <= positions[:, :, None])
+    if window is not None:
+        seen &= positions[:, :, None] - kv_pos[:, None, :] < window
+    return torch.nn.functional.pad(seen[:, None], (0, cache_len - kv_pos.size(1)))
+
+
 def first_stop(text: str, stops: Iterable[str]) -> Optional[int]:
     """Index of the earliest stop string in `text`, or None."""
     found = [i for i in (text.find(s) for s in stops if s) if i >= 0]
@@ -131,6 +146,7 @@ class LitQLoRALM(LM):
         results: list[Optional[tuple[float, bool]]] = [None] * len(pairs)
         plain: list[tuple[int, list[int], list[int]]] = []
         groups: dict[tuple[int, ...], list[int]] = {}
+        trees = self.share_context and self._trees_apply()
         for i, (context, continuation) in enumerate(pairs):
             if not continuation:
                 results[i] = (0.0, True)
@@ -141,7 +157,7 @@ class LitQLoRALM(LM):
                 raise InvalidInput(f"a continuation of {len(continuation)} tokens does not fit in max_length "
                                    f"{self.max_length} (the model's context): choose another task or model")
             tokens = (list(context) + list(continuation))[-(self.max_length + 1):]
-            if self.share_context and self._trees_apply() and len(context) + len(continuation) <= self.max_length + 1:
+            if trees and len(context) + len(continuation) <= self.max_length + 1:
                 groups.setdefault(tuple(context), []).append(i)
             else:
                 plain.append((i, tokens[:-1], list(continuation)))
@@ -211,12 +227,14 @@ class LitQLoRALM(LM):
                 row.append(i)
                 length += len(pairs[i][1]) - 1
             rows.append((list(context), row))
+        def fits(batch: list[Tree]) -> bool:
+            longest = max(len(c) + max(len(pairs[i][1]) for i in m) for c, m in batch)
+            return self._tree_tokens(batch, pairs) <= self.batch_size * longest
+
         batches: list[list[Tree]] = []
         for row in rows:
-            batch = (batches[-1] if batches else []) + [row]
-            if len(batches) and self._tree_tokens(batch, pairs) <= self.batch_size * max(
-                    len(c) + max(len(pairs[i][1]) for i in m) for c, m in batch):
-                batches[-1] = batch
+            if batches and fits(batches[-1] + [row]):
+                batches[-1].append(row)
             else:
                 batches.append([row])
         return batches
@@ -240,7 +258,7 @@ class LitQLoRALM(LM):
                                                                    for shared, ids, *_ in plans), device=self._device)
         caches = [block.self_attn.kv_cache for block in model.blocks]
         kinds = {block.sliding for block in model.blocks}
-        window = model.config.sliding_window
+        window = model.config.sliding_window or None
         cached: list[int] = []  # the tokens whose keys/values row 0 of the cache holds, from slot 0
         try:
             for batch, (shared, ids, positions, branch, picks) in zip(batches, plans):
@@ -254,14 +272,8 @@ class LitQLoRALM(LM):
                     cache.k[1:len(batch), :, :len(shared)] = cache.k[:1, :, :len(shared)]
                     cache.v[1:len(batch), :, :len(shared)] = cache.v[:1, :, :len(shared)]
                 slots = len(shared) + ids.size(1)
-                kv_pos = torch.cat([torch.arange(len(shared)).expand(len(batch), -1), positions], 1)
-                kv_branch = torch.cat([torch.zeros(len(batch), len(shared), dtype=torch.long), branch], 1)
-                # a token sees the context (branch 0) and its own branch, up to its own position
-                seen = ((kv_branch[:, None, :] == 0) | (kv_branch[:, None, :] == branch[:, :, None])) \
-                    & (kv_pos[:, None, :] <= positions[:, :, None])
-                masks = {sliding: (seen & (positions[:, :, None] - kv_pos[:, None, :] < window) if sliding and window else seen)
-                         [:, None].to(self._device) for sliding in kinds}
-                masks = {k: torch.nn.functional.pad(m, (0, model.max_cache_len - slots)) for k, m in masks.items()}
+                masks = {sliding: _tree_mask(len(shared), positions, branch, window if sliding else None,
+                                             model.max_cache_len).to(self._device) for sliding in kinds}
                 hidden = model.forward_hidden(ids.to(self._device),
                                               input_pos=torch.arange(len(shared), slots, device=self._device),
                                               positions=positions.to(self._device), masks=masks)
