@@ -375,6 +375,25 @@ def test_estimate_counts_the_nf4_experts_and_their_adapters(family, tmp_path, mo
     assert with_experts["LoRA weights"] - attention_only["LoRA weights"] == expert_lora
 
 
+def test_estimate_traces_an_fp32_lora_mixture_with_its_experts_in_the_frozen_base(tmp_path, monkeypatch):
+    """fp32 (what `--precision auto` picks on an AVX2 CPU) on a plain base: torch's fake grouped matmul takes only
+    bf16, so the estimate allocates what the CPU's call returns; the dense expert stacks count as the frozen base."""
+    from lit_qlora.cli import main
+
+    path = tmp_path / "olmoe"
+    write_tiny_moe("olmoe", path)
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "estimate"
+    main(["estimate", "--checkpoint_dir", str(path), "--quantize", "none", "--precision", "32-true", "--device", "cpu",
+          "--train.max_seq_length", "32", "--lora.r", "4", "--lora.targets", "[all]", "--out_dir", str(out)])
+    result = json.loads((out / "estimate.json").read_text())
+    model = load_model(path, "none", "32-true")
+    experts = sum(m.weight.numel() * 4 for m in model.modules() if isinstance(m, ExpertLinear))
+    assert result["by_category"]["frozen base"] >= experts
+    assert result["by_category"]["embeddings and norms"] < experts
+    assert result["by_category"]["activations"] > 0
+
+
 def test_an_nf4_mixture_loads_tensor_by_tensor_near_its_nf4_size(tmp_path):
     """A sharded bf16 mixture of experts (transformers' per-expert keys, 216 MB in 100 MB shards) loads as NF4 with a
     host peak within the estimate's prediction (the NF4 model plus one block's expert stacks) and under a third of the

@@ -319,7 +319,7 @@ def trace_step(config: Config, quantize: Quantize, precision: Precision, lora: L
         for name, p in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers()):
             if p.requires_grad:
                 trace.hold(p, "LoRA weights")
-            elif is_nf4(p) or (p.dim() == 2 and "embed_tokens" not in name):
+            elif is_nf4(p) or (p.dim() in (2, 3) and "embed_tokens" not in name):  # (3: a block's stacked experts)
                 trace.hold(p, "frozen base")
             else:
                 trace.hold(p, "embeddings and norms")

@@ -115,8 +115,18 @@ def _grouped(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.T
     b = _pad_to(_pad_to(b, 1, align), 2, align)
     if b.stride(1) != 1 and b.stride(2) != 1:
         b = b.contiguous()
-    out = torch._grouped_mm(a, b, offs=offsets)
+    out = _grouped_mm_op(a, b, offsets)
     return out if out.size(1) == n else out[:, :n].contiguous()  # not a view: callers add into it in place
+
+
+def _grouped_mm_op(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``torch._grouped_mm``; on fake tensors (`litqlora estimate`) of a dtype its meta function refuses (it takes
+    only bf16, where the CPU kernel takes fp32 too) the empty output the call would allocate: (M, N) for a 2D a, (G,
+    K, N) for a 2D a and b (a weight gradient)."""
+    if a.dtype != torch.bfloat16 and is_fake(a):
+        shape = (a.size(0), b.size(-1)) if b.dim() == 3 else (offsets.numel(), a.size(0), b.size(1))
+        return a.new_empty(shape)
+    return torch._grouped_mm(a, b, offs=offsets)
 
 
 def grouped_weight_grad(a: torch.Tensor, g: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -134,7 +144,7 @@ def grouped_weight_grad(a: torch.Tensor, g: torch.Tensor, offsets: torch.Tensor)
     k, n = a.size(1), g.size(1)
     a_t = _pad_to(_pad_to(a, 0, align), 1, align).t().contiguous()  # (K', M'): rows past the last offset are zeros
     g = _pad_to(_pad_to(g, 0, align), 1, align).contiguous()
-    out = torch._grouped_mm(a_t, g, offs=offsets)
+    out = _grouped_mm_op(a_t, g, offsets)
     return out[:, :k, :n]
 
 
