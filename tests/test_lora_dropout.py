@@ -13,7 +13,7 @@ from lit_qlora.lora import dropout as lora_dropout
 from lit_qlora.lora.layer import LoRALinear
 from lit_qlora.lora.dropout import _dropped_eager, dropped, dropped_lora, keep_mask_eager, keep_threshold
 from lit_qlora.lora import native
-from lit_qlora.model.recompute import reusing_first_run
+from lit_qlora.base.recompute import reusing_first_run
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

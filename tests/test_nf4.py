@@ -533,15 +533,16 @@ def test_star_import_gives_every_public_name():
 def test_storage_layer_never_imports_the_adapter_layer():
     """lit_qlora.nf4 is below LoRA: importing it (in a fresh interpreter) loads no lit_qlora module outside it but
     the base layer's (lit_qlora.base: the errors its layout checks raise, the ISA its C kernels are built for,
-    torchao's import warnings silenced, the switches it reads, the OpenMP spin the package root sets)."""
+    torchao's import warnings silenced, the switches it reads, the OpenMP spin the package root sets, the stash a
+    checkpointed block's recompute reads its experts' products from)."""
     import subprocess
     import sys
 
     code = ("import sys, lit_qlora.nf4; print(sorted(m for m in sys.modules if m.startswith('lit_qlora.') "
             "and not m.startswith('lit_qlora.nf4')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == str([f"lit_qlora.base{m}" for m in ("", ".errors", ".hardware", ".quiet", ".switches",
-                                                               ".threads")])
+    assert out.strip() == str([f"lit_qlora.base{m}" for m in ("", ".errors", ".hardware", ".quiet", ".recompute",
+                                                               ".switches", ".threads")])
 
 
 def test_kernel_source_is_package_data_and_keys_the_build_cache(tmp_path, monkeypatch):

@@ -25,7 +25,7 @@ import torch
 
 from lit_qlora.base import switches
 from lit_qlora.lora import native
-from lit_qlora.model.recompute import first_run_value
+from lit_qlora.base.recompute import first_run_value
 from lit_qlora.nf4.native import is_fake
 
 GOLDEN, MIX1, MIX2, LOW32 = 0x9E3779B1, 0x7FEB352D, 0x846CA68B, 0xFFFFFFFF
@@ -133,7 +133,7 @@ def _fused_kernel(x2: torch.Tensor, a: list[torch.Tensor]) -> bool:
 def down(x2: torch.Tensor, a: list[torch.Tensor], seeds: list[int], p: float) -> list[torch.Tensor]:
     """Each adapter's ``dropout_q(x2) @ a[q]^T`` (tokens, r) in x2's dtype, mask q drawn from seeds[q]: on CPU one
     pass over x2 for all of them, the dropped copies never written (x2: (tokens, in)). A checkpointed block's
-    recompute takes them from its first run (lit_qlora.model.recompute: tokens x r values per adapter, kept until
+    recompute takes them from its first run (lit_qlora.base.recompute: tokens x r values per adapter, kept until
     backward), which both runs' seeds, part of the key, check: a third of dropout's kernel work saved."""
     key = ("lora_down", tuple(seeds), p, x2.shape[0], tuple(t.shape for t in a))
     return first_run_value(key, lambda: _down(x2, a, seeds, p))

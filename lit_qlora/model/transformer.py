@@ -26,7 +26,7 @@ from lit_qlora.model.moe import SparseMoE
 from lit_qlora.nf4 import gemv
 from lit_qlora.nf4.grouped import ExpertLinear
 from lit_qlora.model.offload import block_input_saved
-from lit_qlora.model.recompute import reusing_first_run
+from lit_qlora.base.recompute import reusing_first_run
 from lit_qlora.model.rope import rope_attention_factor, rope_inv_freq
 from lit_qlora.model.tiled_mlp import mlp_tile_tokens, tiled_mlp
 

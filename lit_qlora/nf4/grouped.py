@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torchao.quantization import NF4Tensor
 
-from lit_qlora.model.recompute import first_run_value
+from lit_qlora.base.recompute import first_run_value
 from lit_qlora.nf4.codec import block_scales, dequantize_nf4, is_nf4
 from lit_qlora.nf4.native import dequantize_blocks, is_fake, use_native
 from lit_qlora.nf4.reference import dequantize_eager
