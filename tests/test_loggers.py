@@ -114,6 +114,17 @@ def test_mlflow_local_store_holds_the_scalars_and_the_settings(logged):
     assert run_info.info.status == "FINISHED"
 
 
+def test_a_later_run_in_the_process_logs_to_its_own_mlflow_store(logged, tiny_llama_dir, tmp_path):
+    """MLflow exports the tracking URI a run sets to the environment (MLFLOW_TRACKING_URI, for subprocesses): a later
+    run in the same process (`logged` ran one) still writes its own OUT/mlruns, not the earlier run's store."""
+    from mlflow.tracking import MlflowClient
+
+    run(tiny_llama_dir, tmp_path / "later", small_data(tmp_path), logger="mlflow", max_steps=2, eval_interval=2)
+    client = MlflowClient(tracking_uri=(tmp_path / "later" / "mlruns").resolve().as_uri())
+    (run_info,) = client.search_runs([client.get_experiment_by_name("lit-qlora").experiment_id])
+    assert [m.step for m in client.get_metric_history(run_info.info.run_id, "train/loss")] == [1, 2]
+
+
 def test_a_reply_is_logged_at_each_validation_and_is_the_adapters(logged, tiny_llama_dir):
     from lit_qlora.checkpoint.loading import load_model
     from lit_qlora.model.sampling import generate

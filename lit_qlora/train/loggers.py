@@ -63,6 +63,10 @@ def wandb_offline() -> bool:
         return True
 
 
+_OWN_MLFLOW_STORES: set[str] = set()
+"""The local MLflow stores (OUT/mlruns URIs) runs in this process chose."""
+
+
 def build_loggers(names: Sequence[str], out_dir: Path, start_step: int) -> list[Any]:
     """Lightning loggers for `names`; a resumed run (start_step > 0) drops what the interrupted run logged after
     its checkpoint, so each step shows once."""
@@ -103,9 +107,12 @@ def build_loggers(names: Sequence[str], out_dir: Path, start_step: int) -> list[
                                           project=os.environ.get("WANDB_PROJECT", "lit-qlora")))
         elif name == "mlflow":
             uri = os.environ.get("MLFLOW_TRACKING_URI")
-            if not uri:  # a local store needs no server; MLflow 3 keeps its file store behind this opt-in
+            # mlflow.set_tracking_uri exports the URI to the environment (for subprocesses): one of our own local
+            # stores found there is an earlier run's in this process, not the user's choice
+            if not uri or uri in _OWN_MLFLOW_STORES:  # a local store needs no server
                 uri = (out_dir.resolve() / "mlruns").as_uri()
-                os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+                _OWN_MLFLOW_STORES.add(uri)
+                os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 keeps its file store behind it
             loggers.append(RunMLFlowLogger(experiment_name=os.environ.get("MLFLOW_EXPERIMENT_NAME", "lit-qlora"),
                                            run_name=out_dir.name, tracking_uri=uri))
     return loggers
