@@ -39,6 +39,11 @@ token (a 1024-token loss and its gradient, fp32, AVX2 EPYC, hidden 512 x 49,152 
 1.08 s of 128, 1.00 s of 205). At SmolLM2's 49k words that is 6.3M logits a chunk (25 MB); at Llama 3's 128k, 16M."""
 
 
+def tokens_per_chunk(chunk_elems: int, vocab_size: int) -> int:
+    """Tokens a loss chunk of `chunk_elems` logits holds: at least CHUNK_TOKENS_FLOOR."""
+    return max(CHUNK_TOKENS_FLOOR, chunk_elems // vocab_size)
+
+
 def logits_chunk_elems(device: torch.device) -> int:
     """Logits a loss chunk (or NF4 head slice) holds on `device`: LOGITS_CHUNK_ELEMS, CUDA_LOGITS_CHUNK_ELEMS on CUDA.
     (`litqlora estimate --device cuda` patches it: its fake tensors are CPU tensors.)"""
@@ -98,10 +103,10 @@ def chunked_cross_entropy_sum(
     `labels` are aligned with the inputs (not shifted); position t predicts token t + 1. With gradients, each
     chunk's gradients are computed as its logits are (`_HeadLossWithEagerGradients`): `params` are the head's
     trainable tensors (its LoRA factors; default: a module head's own), whose gradients it returns. `chunk_tokens` defaults to
-    LOGITS_CHUNK_ELEMS / vocabulary size (the head's `out_features`).
+    LOGITS_CHUNK_ELEMS / vocabulary size (the head's `out_features`), at least CHUNK_TOKENS_FLOOR.
     """
     if chunk_tokens is None:
-        chunk_tokens = max(1, LOGITS_CHUNK_ELEMS // getattr(head, "out_features", 8192))
+        chunk_tokens = tokens_per_chunk(LOGITS_CHUNK_ELEMS, getattr(head, "out_features", 8192))
     hidden, targets = next_token_pairs(hidden, labels)
     if params is None:
         params = [p for p in head.parameters() if p.requires_grad] if isinstance(head, torch.nn.Module) else []
@@ -128,7 +133,7 @@ def lm_loss_sum(model, input_ids: torch.Tensor, labels: torch.Tensor,
     chunk_elems = logits_chunk_elems(hidden.device)
     if sliced:
         return nf4_head_ce_sum(model.lm_head, *next_token_pairs(hidden, labels), chunk_elems)
-    chunk_tokens = max(CHUNK_TOKENS_FLOOR, chunk_elems // model.config.vocab_size)
+    chunk_tokens = tokens_per_chunk(chunk_elems, model.config.vocab_size)
     params = [p for p in model.lm_head.parameters() if p.requires_grad]
     return chunked_cross_entropy_sum(model.logits, hidden, labels, chunk_tokens, params)
 
